@@ -1,0 +1,157 @@
+"""Message types, their fields, and (de)serialisation with validation.
+
+One websocket binary message is one msgpack map with a `type`. A decoded message is a
+plain dict whose tensor fields are float32 numpy arrays; to encode, tensor fields may be
+numpy arrays (sent as f32) or maps from `encode_tensor` (any encoding).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import msgpack
+import numpy as np
+
+from .errors import ErrorCode, ProtocolError
+from .tensor import decode_tensor, encode_tensor
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+
+HELLO = "hello"
+WELCOME = "welcome"
+ERROR = "error"
+FORWARD = "forward"
+BACKWARD = "backward"
+EMBEDDINGS = "embeddings"
+EMBEDDING_GRAD = "embedding_grad"
+EVAL_RESULT = "eval_result"
+
+HEADS = ("server", "device")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_label_list(v: Any) -> bool:
+    return isinstance(v, list) and all(_is_int(x) for x in v)
+
+
+TENSOR = "tensor"
+# field -> (check, required); TENSOR marks a tensor field.
+Check = Callable[[Any], bool] | str
+SCHEMA: dict[str, dict[str, tuple[Check, bool]]] = {
+    HELLO: {
+        "protocol_version": (_is_int, True),
+        "device_id": (lambda v: isinstance(v, str) and 0 < len(v) <= 128, True),
+        "token": (lambda v: isinstance(v, str) and len(v) <= 256, True),
+        "model": (lambda v: isinstance(v, dict), True),
+        "split": (lambda v: isinstance(v, str), True),
+        "head": (lambda v: isinstance(v, str), True),
+        "encodings": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()), True),
+        "batch_size": (lambda v: _is_int(v) and v > 0, True),
+        "num_classes": (lambda v: _is_int(v) and v > 0, False),
+    },
+    WELCOME: {
+        "session_id": (lambda v: isinstance(v, str), True),
+        "resume_from": (lambda v: _is_int(v) and v >= 1, True),
+        "durable_through": (lambda v: _is_int(v) and v >= 0, True),
+        "activation_shape": (lambda v: isinstance(v, list) and all(_is_int(x) for x in v), True),
+        "embedding_dim": (_is_int, True),
+        "limits": (lambda v: isinstance(v, dict), True),
+    },
+    ERROR: {
+        "code": (lambda v: isinstance(v, str), True),
+        "message": (lambda v: isinstance(v, str), True),
+        "batch_id": (_is_int, False),
+    },
+    FORWARD: {
+        "batch_id": (lambda v: _is_int(v) and v >= 0, True),
+        "activations": (TENSOR, True),
+        "labels": (_is_label_list, False),
+        "eval": (lambda v: isinstance(v, bool), False),
+    },
+    BACKWARD: {
+        "batch_id": (_is_int, True),
+        "grad": (TENSOR, True),
+        "loss": (_is_number, False),
+        "n_correct": (_is_int, False),
+        "durable_through": (lambda v: _is_int(v) and v >= 0, True),
+    },
+    EMBEDDINGS: {
+        "batch_id": (_is_int, True),
+        "embeddings": (TENSOR, True),
+        "eval": (lambda v: isinstance(v, bool), False),
+    },
+    EMBEDDING_GRAD: {
+        "batch_id": (lambda v: _is_int(v) and v >= 1, True),
+        "grad": (TENSOR, True),
+    },
+    EVAL_RESULT: {
+        "batch_id": (_is_int, True),
+        "loss": (_is_number, True),
+        "n_correct": (_is_int, True),
+        "n": (_is_int, True),
+    },
+}
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """msgpack bytes of a message; numpy tensor fields go out as f32."""
+    mtype = message.get("type")
+    if mtype not in SCHEMA:
+        raise ValueError(f"cannot encode unknown message type {mtype!r}")
+    wire = {}
+    for key, value in message.items():
+        if isinstance(value, np.ndarray):
+            value = encode_tensor(value, "f32")
+        elif isinstance(value, (np.integer, np.floating)):
+            value = value.item()
+        wire[key] = value
+    return msgpack.packb(wire, use_bin_type=True)
+
+
+def decode(data: bytes, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES) -> dict[str, Any]:
+    """Validated message from bytes, tensors as float32 arrays; raises ProtocolError."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "expected a binary websocket message, got text")
+    if len(data) > max_size:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"message of {len(data)} bytes exceeds the limit of {max_size}")
+    try:
+        message = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"not a msgpack message: {exc}") from None
+    if not isinstance(message, dict) or not isinstance(message.get("type"), str):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "a message must be a map with a string `type`")
+    mtype = message["type"]
+    schema = SCHEMA.get(mtype)
+    if schema is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {mtype!r}")
+    batch_id = message.get("batch_id") if _is_int(message.get("batch_id")) else None
+    unexpected = set(message) - set(schema) - {"type"}
+    if unexpected:
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{mtype}: unexpected fields {sorted(unexpected)}", batch_id)
+    for field, (check, required) in schema.items():
+        if field not in message:
+            if required:
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{mtype}: missing field {field!r}", batch_id)
+            continue
+        if check == TENSOR:
+            try:
+                message[field] = decode_tensor(message[field], field=field)
+            except ProtocolError as exc:
+                raise ProtocolError(exc.code, f"{mtype}: {exc.message}", batch_id) from None
+        elif not check(message[field]):
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{mtype}: field {field!r} has a wrong type or value", batch_id)
+    return message
+
+
+def error(code: ErrorCode, message: str, batch_id: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": ERROR, "code": code.value, "message": message}
+    if batch_id is not None:
+        out["batch_id"] = batch_id
+    return out

@@ -1,0 +1,333 @@
+"""Sans-I/O session state machines: they turn bytes into decisions and know no sockets.
+
+The server shell feeds every received message to `ServerSession.receive` and carries out
+the returned action; the client shell uses `ClientSession` to build and check messages.
+Batch sequencing (apply once, replay the last reply on a retry) lives here so that every
+shell, Python or JVM, behaves the same.
+"""
+from __future__ import annotations
+
+import hmac
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from . import messages as m
+from .errors import ErrorCode, ProtocolError, RemoteError
+from .tensor import ENCODINGS, encode_tensor
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What a server trains, announced and enforced at the handshake."""
+    model: dict[str, Any]
+    split: str
+    activation_shape: tuple[int, ...]
+    embedding_dim: int
+    num_classes: int
+    max_batch: int
+    max_message_bytes: int = m.DEFAULT_MAX_MESSAGE_BYTES
+    heads: tuple[str, ...] = m.HEADS
+    encodings: tuple[str, ...] = ENCODINGS
+
+
+@dataclass
+class DeviceRecord:
+    """Per-device progress the server keeps across connections (and checkpoints)."""
+    last_applied: int = 0
+    last_reply: bytes | None = None
+
+
+# Actions returned by ServerSession.receive.
+@dataclass
+class Reply:
+    data: bytes
+    close: bool = False
+
+
+@dataclass
+class Train:
+    """Server head: forward, loss, backward, step; answer with `applied`."""
+    batch_id: int
+    activations: np.ndarray
+    labels: np.ndarray
+
+
+@dataclass
+class Evaluate:
+    """Server head, eval flag: forward and loss without a step; answer with `eval_result`."""
+    batch_id: int
+    activations: np.ndarray
+    labels: np.ndarray
+
+
+@dataclass
+class Embed:
+    """Device head: forward to embeddings; answer with `embedded` (train) or `eval_embeddings`."""
+    batch_id: int
+    activations: np.ndarray
+    eval: bool
+
+
+@dataclass
+class TrainTail:
+    """Device head: backward from the device's embedding gradient, step; answer with `applied`."""
+    batch_id: int
+    grad: np.ndarray
+
+
+Action = Reply | Train | Evaluate | Embed | TrainTail
+
+Authenticator = Callable[[str, str], bool]
+
+
+def token_matches(expected: str, given: str) -> bool:
+    return hmac.compare_digest(expected.encode(), given.encode())
+
+
+class ServerSession:
+    """One device connection on the server."""
+
+    def __init__(self, info: ServerInfo, authenticate: Authenticator,
+                 records: dict[str, DeviceRecord], durable_through: Callable[[str], int]):
+        self.info = info
+        self._authenticate = authenticate
+        self._records = records
+        self._durable_through = durable_through
+        self.session_id = uuid.uuid4().hex
+        self.device_id: str | None = None
+        self.head: str | None = None
+        self.grad_encoding = "f32"
+        self.closed = False
+        self._pending: tuple[int, int] | None = None  # device head: (batch_id, batch size) awaiting its gradient
+
+    @property
+    def record(self) -> DeviceRecord:
+        assert self.device_id is not None
+        return self._records.setdefault(self.device_id, DeviceRecord())
+
+    def receive(self, data: bytes) -> Action:
+        """Decide what a received message means; errors come back as a Reply."""
+        if self.closed:
+            return self._refuse(ProtocolError(ErrorCode.BAD_STATE, "session is closed"), close=True)
+        try:
+            message = m.decode(data, max_size=self.info.max_message_bytes)
+            if self.device_id is None:
+                return self._handshake(message)
+            return self._dispatch(message)
+        except ProtocolError as exc:
+            return self._refuse(exc, close=exc.fatal or self.device_id is None)
+
+    def _refuse(self, exc: ProtocolError, close: bool) -> Reply:
+        if close:
+            self.closed = True
+        return Reply(m.encode(m.error(exc.code, exc.message, exc.batch_id)), close=close)
+
+    def _handshake(self, hello: dict[str, Any]) -> Reply:
+        if hello["type"] != m.HELLO:
+            raise ProtocolError(ErrorCode.BAD_STATE, f"expected hello first, got {hello['type']}")
+        info = self.info
+        if hello["protocol_version"] != m.PROTOCOL_VERSION:
+            raise ProtocolError(ErrorCode.VERSION_MISMATCH,
+                                f"server speaks protocol {m.PROTOCOL_VERSION}, device sent {hello['protocol_version']}")
+        if not self._authenticate(hello["device_id"], hello["token"]):
+            raise ProtocolError(ErrorCode.UNAUTHORIZED, f"unknown device or wrong token for {hello['device_id']!r}")
+        if hello["model"] != info.model:
+            raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"server trains model {info.model}, device asked for {hello['model']}")
+        if hello["split"] != info.split:
+            raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"server splits at {info.split!r}, device at {hello['split']!r}")
+        if hello["head"] not in info.heads:
+            raise ProtocolError(ErrorCode.UNSUPPORTED, f"head {hello['head']!r} not offered; choose one of {list(info.heads)}")
+        if hello["batch_size"] > info.max_batch:
+            raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"batch size {hello['batch_size']} exceeds the server's {info.max_batch}")
+        if hello["head"] == "server" and hello.get("num_classes") != info.num_classes:
+            raise ProtocolError(ErrorCode.MODEL_MISMATCH,
+                                f"server head has {info.num_classes} classes, device sent {hello.get('num_classes')}")
+        encodings = hello["encodings"]
+        for role in ("activations", "gradients"):
+            if encodings.get(role, "f32") not in info.encodings:
+                raise ProtocolError(ErrorCode.UNSUPPORTED,
+                                    f"{role} encoding {encodings.get(role)!r} not offered; choose one of {list(info.encodings)}")
+        self.device_id = hello["device_id"]
+        self.head = hello["head"]
+        self.grad_encoding = encodings.get("gradients", "f32")
+        welcome = {
+            "type": m.WELCOME,
+            "session_id": self.session_id,
+            "resume_from": self.record.last_applied + 1,
+            "durable_through": self._durable_through(self.device_id),
+            "activation_shape": list(info.activation_shape),
+            "embedding_dim": info.embedding_dim,
+            "limits": {"max_message_bytes": info.max_message_bytes, "max_batch": info.max_batch},
+        }
+        return Reply(m.encode(welcome))
+
+    def _dispatch(self, message: dict[str, Any]) -> Action:
+        mtype = message["type"]
+        if mtype == m.FORWARD:
+            return self._forward(message)
+        if mtype == m.EMBEDDING_GRAD:
+            return self._embedding_grad(message)
+        raise ProtocolError(ErrorCode.BAD_STATE, f"a device may not send {mtype} here", message.get("batch_id"))
+
+    def _forward(self, message: dict[str, Any]) -> Action:
+        batch_id = message["batch_id"]
+        activations = message["activations"]
+        shape = tuple(activations.shape)
+        if len(shape) != 1 + len(self.info.activation_shape) or shape[1:] != tuple(self.info.activation_shape):
+            raise ProtocolError(ErrorCode.BAD_TENSOR,
+                                f"activations shape {list(shape)} is not [N, {', '.join(map(str, self.info.activation_shape))}]",
+                                batch_id)
+        if not 1 <= shape[0] <= self.info.max_batch:
+            raise ProtocolError(ErrorCode.BAD_TENSOR, f"batch of {shape[0]} outside 1..{self.info.max_batch}", batch_id)
+        is_eval = message.get("eval", False)
+        labels = self._labels(message, shape[0])
+        if not is_eval:
+            replay = self._sequence(batch_id)
+            if replay is not None:
+                return replay
+        if self.head == "server":
+            return (Evaluate if is_eval else Train)(batch_id, activations, labels)
+        if not is_eval:
+            self._pending = (batch_id, shape[0])
+        return Embed(batch_id, activations, is_eval)
+
+    def _labels(self, message: dict[str, Any], n: int) -> np.ndarray | None:
+        labels = message.get("labels")
+        batch_id = message["batch_id"]
+        if self.head == "device":
+            if labels is not None:
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, "device head: labels must not leave the device", batch_id)
+            return None
+        if labels is None:
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, "server head: forward needs labels", batch_id)
+        if len(labels) != n:
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{len(labels)} labels for a batch of {n}", batch_id)
+        if not all(0 <= y < self.info.num_classes for y in labels):
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"labels must lie in 0..{self.info.num_classes - 1}", batch_id)
+        return np.asarray(labels, dtype=np.int64)
+
+    def _sequence(self, batch_id: int) -> Reply | None:
+        """None when batch_id is the next to apply; the cached reply for a retry; else an error."""
+        record = self.record
+        if batch_id == record.last_applied + 1:
+            return None
+        if batch_id == record.last_applied and record.last_reply is not None:
+            return Reply(record.last_reply)
+        raise ProtocolError(ErrorCode.OUT_OF_ORDER,
+                            f"expected batch {record.last_applied + 1} (or a retry of {record.last_applied}), got {batch_id}",
+                            batch_id)
+
+    def _embedding_grad(self, message: dict[str, Any]) -> Action:
+        batch_id = message["batch_id"]
+        if self.head != "device":
+            raise ProtocolError(ErrorCode.BAD_STATE, "embedding_grad is only for the device head", batch_id)
+        replay = self._sequence(batch_id)
+        if replay is not None:
+            return replay
+        if self._pending is None or self._pending[0] != batch_id:
+            raise ProtocolError(ErrorCode.BAD_STATE, f"no embeddings outstanding for batch {batch_id}; send its forward first",
+                                batch_id)
+        expected = (self._pending[1], self.info.embedding_dim)
+        if tuple(message["grad"].shape) != expected:
+            raise ProtocolError(ErrorCode.BAD_TENSOR, f"embedding grad shape {list(message['grad'].shape)} is not {list(expected)}",
+                                batch_id)
+        self._pending = None
+        return TrainTail(batch_id, message["grad"])
+
+    # Replies the shell asks for once it has done the work.
+    def applied(self, batch_id: int, grad: np.ndarray, loss: float | None = None, n_correct: int | None = None) -> bytes:
+        """BACKWARD for a batch that has just been applied; remembered for retries."""
+        reply: dict[str, Any] = {"type": m.BACKWARD, "batch_id": batch_id, "grad": encode_tensor(grad, self.grad_encoding)}
+        if loss is not None:
+            reply["loss"] = float(loss)
+        if n_correct is not None:
+            reply["n_correct"] = int(n_correct)
+        record = self.record
+        record.last_applied = batch_id
+        reply["durable_through"] = self._durable_through(self.device_id)
+        record.last_reply = m.encode(reply)
+        return record.last_reply
+
+    def embedded(self, batch_id: int, embeddings: np.ndarray, eval: bool = False) -> bytes:
+        return m.encode({"type": m.EMBEDDINGS, "batch_id": batch_id,
+                         "embeddings": encode_tensor(embeddings, self.grad_encoding), "eval": eval})
+
+    def eval_result(self, batch_id: int, loss: float, n_correct: int, n: int) -> bytes:
+        return m.encode({"type": m.EVAL_RESULT, "batch_id": batch_id, "loss": float(loss), "n_correct": int(n_correct), "n": n})
+
+    def failed(self, batch_id: int, reason: str) -> bytes:
+        """ERROR for a batch the server could not apply; nothing changed, the device may retry."""
+        self._pending = None
+        return m.encode(m.error(ErrorCode.SERVER_ERROR, reason, batch_id))
+
+    def close(self) -> None:
+        """Connection gone: outstanding embeddings are forgotten (the device re-sends the forward)."""
+        self.closed = True
+        self._pending = None
+
+
+@dataclass
+class ClientSession:
+    """The device's side: builds messages and checks replies."""
+    device_id: str
+    token: str
+    model: dict[str, Any]
+    split: str
+    head: str
+    batch_size: int
+    num_classes: int | None = None
+    encodings: dict[str, str] = field(default_factory=lambda: {"activations": "f32", "gradients": "f32"})
+    welcome: dict[str, Any] | None = None
+
+    def hello(self) -> bytes:
+        message: dict[str, Any] = {
+            "type": m.HELLO, "protocol_version": m.PROTOCOL_VERSION, "device_id": self.device_id,
+            "token": self.token, "model": self.model, "split": self.split, "head": self.head,
+            "encodings": dict(self.encodings), "batch_size": self.batch_size,
+        }
+        if self.num_classes is not None:
+            message["num_classes"] = self.num_classes
+        return m.encode(message)
+
+    def accept_welcome(self, data: bytes) -> dict[str, Any]:
+        self.welcome = self.receive(data, {m.WELCOME})
+        return self.welcome
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.welcome["limits"]["max_message_bytes"] if self.welcome else m.DEFAULT_MAX_MESSAGE_BYTES
+
+    def forward(self, batch_id: int, activations: np.ndarray, labels: np.ndarray | None = None, eval: bool = False) -> bytes:
+        message: dict[str, Any] = {"type": m.FORWARD, "batch_id": batch_id,
+                                   "activations": encode_tensor(activations, self.encodings.get("activations", "f32"))}
+        if labels is not None:
+            if self.head == "device":
+                raise ValueError("device head: labels stay on the device")
+            message["labels"] = [int(y) for y in labels]
+        if eval:
+            message["eval"] = True
+        return self._checked(m.encode(message))
+
+    def embedding_grad(self, batch_id: int, grad: np.ndarray) -> bytes:
+        return self._checked(m.encode({"type": m.EMBEDDING_GRAD, "batch_id": batch_id,
+                                       "grad": encode_tensor(grad, self.encodings.get("gradients", "f32"))}))
+
+    def _checked(self, data: bytes) -> bytes:
+        if len(data) > self.max_message_bytes:
+            raise ProtocolError(ErrorCode.TOO_LARGE,
+                                f"message of {len(data)} bytes exceeds the server's limit of {self.max_message_bytes}")
+        return data
+
+    def receive(self, data: bytes, expect: set[str], batch_id: int | None = None) -> dict[str, Any]:
+        """A validated reply of one of the expected types; ERROR becomes RemoteError."""
+        message = m.decode(data, max_size=max(self.max_message_bytes, m.DEFAULT_MAX_MESSAGE_BYTES))
+        if message["type"] == m.ERROR:
+            raise RemoteError(message["code"], message["message"], message.get("batch_id"))
+        if message["type"] not in expect:
+            raise ProtocolError(ErrorCode.BAD_STATE, f"expected {sorted(expect)}, got {message['type']}")
+        if batch_id is not None and message.get("batch_id") != batch_id:
+            raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"reply for batch {message.get('batch_id')}, expected {batch_id}")
+        return message

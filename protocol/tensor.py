@@ -1,0 +1,85 @@
+"""Tensor codec: {dtype, shape, data[, scale]} with little-endian bytes.
+
+Encoding hands msgpack a memoryview of the array (no copy before packing); decoding
+wraps the received bytes with np.frombuffer (no copy for f32). f16 and i8 trade
+precision for bytes on the wire without changing the message layout.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .errors import ErrorCode, ProtocolError
+
+WIRE_DTYPES: dict[str, np.dtype] = {
+    "f32": np.dtype("<f4"),
+    "f16": np.dtype("<f2"),
+    "i8": np.dtype("i1"),
+}
+ENCODINGS = tuple(WIRE_DTYPES)
+MAX_RANK = 8
+
+
+def encode_tensor(array: np.ndarray, encoding: str = "f32") -> dict[str, Any]:
+    """Wire form of a float array in the given encoding."""
+    if encoding not in WIRE_DTYPES:
+        raise ValueError(f"unknown encoding {encoding!r}; choose one of {ENCODINGS}")
+    a = np.asarray(array)
+    shape = [int(d) for d in a.shape]
+    out: dict[str, Any] = {"dtype": encoding, "shape": shape}
+    if encoding == "i8":
+        a = a.astype(np.float32, copy=False)
+        peak = float(np.max(np.abs(a))) if a.size else 0.0
+        scale = peak / 127.0 if peak > 0 and math.isfinite(peak) else 1.0
+        q = np.clip(np.rint(a / scale), -127, 127).astype(np.int8)
+        out["data"] = _bytes_view(q)
+        out["scale"] = scale
+    else:
+        wire = np.ascontiguousarray(a, dtype=WIRE_DTYPES[encoding])
+        out["data"] = _bytes_view(wire)
+    return out
+
+
+def _bytes_view(a: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(a).reshape(-1)).cast("B")
+
+
+def decode_tensor(obj: Any, *, field: str = "tensor", finite: bool = True) -> np.ndarray:
+    """Float32 array from a wire tensor; raises ProtocolError(BAD_TENSOR) on any mismatch.
+
+    The returned f32 array is a read-only view of the message bytes.
+    """
+    if not isinstance(obj, dict):
+        raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: expected a map, got {type(obj).__name__}")
+    dtype_name, shape, data = obj.get("dtype"), obj.get("shape"), obj.get("data")
+    if dtype_name not in WIRE_DTYPES:
+        raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: dtype {dtype_name!r} is not one of {list(ENCODINGS)}")
+    if (not isinstance(shape, list) or len(shape) > MAX_RANK
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: shape must be a list of at most {MAX_RANK} non-negative ints")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: data must be bin")
+    extra = set(obj) - {"dtype", "shape", "data", "scale"}
+    if extra:
+        raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: unexpected keys {sorted(extra)}")
+    dtype = WIRE_DTYPES[dtype_name]
+    expected = math.prod(shape) * dtype.itemsize
+    if len(data) != expected:
+        raise ProtocolError(
+            ErrorCode.BAD_TENSOR,
+            f"{field}: {len(data)} bytes do not match dtype {dtype_name} x shape {shape} ({expected} bytes)")
+    array = np.frombuffer(data, dtype=dtype).reshape(shape)
+    if dtype_name == "i8":
+        scale = obj.get("scale")
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not (math.isfinite(scale) and scale > 0):
+            raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: i8 needs a finite positive scale")
+        return array.astype(np.float32) * np.float32(scale)
+    if "scale" in obj:
+        raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: scale is only allowed with i8")
+    if dtype_name == "f16":
+        array = array.astype(np.float32)
+    if finite and array.size and not np.isfinite(array).all():
+        raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: contains NaN or infinity")
+    return array
