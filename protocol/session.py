@@ -48,6 +48,12 @@ class Reply:
 
 
 @dataclass
+class Admit:
+    """A valid, authenticated HELLO: the shell makes this the device's only connection, then sends `welcome()`."""
+    device_id: str
+
+
+@dataclass
 class Train:
     """Server head: forward, loss, backward, step; answer with `applied`."""
     batch_id: int
@@ -78,7 +84,7 @@ class TrainTail:
     grad: np.ndarray
 
 
-Action = Reply | Train | Evaluate | Embed | TrainTail
+Action = Reply | Admit | Train | Evaluate | Embed | TrainTail
 
 Authenticator = Callable[[str, str], bool]
 
@@ -125,7 +131,7 @@ class ServerSession:
             self.closed = True
         return Reply(m.encode(m.error(exc.code, exc.message, exc.batch_id)), close=close)
 
-    def _handshake(self, hello: dict[str, Any]) -> Reply:
+    def _handshake(self, hello: dict[str, Any]) -> Admit:
         if hello["type"] != m.HELLO:
             raise ProtocolError(ErrorCode.BAD_STATE, f"expected hello first, got {hello['type']}")
         info = self.info
@@ -153,6 +159,11 @@ class ServerSession:
         self.device_id = hello["device_id"]
         self.head = hello["head"]
         self.grad_encoding = encodings.get("gradients", "f32")
+        return Admit(self.device_id)
+
+    def welcome(self) -> bytes:
+        """WELCOME, built only once the device's earlier connection (if any) has finished."""
+        info = self.info
         welcome = {
             "type": m.WELCOME,
             "session_id": self.session_id,
@@ -162,7 +173,7 @@ class ServerSession:
             "embedding_dim": info.embedding_dim,
             "limits": {"max_message_bytes": info.max_message_bytes, "max_batch": info.max_batch},
         }
-        return Reply(m.encode(welcome))
+        return m.encode(welcome)
 
     def _dispatch(self, message: dict[str, Any]) -> Action:
         mtype = message["type"]
