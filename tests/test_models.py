@@ -1,0 +1,206 @@
+"""Backbones: the paper's LRN, VGG-16 / arcface parameter counts, and exact splitting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from device_sdk.models import (
+    DEFAULT_SPLIT,
+    PRESETS,
+    ModelSpec,
+    PaperLRN,
+    activation_shape,
+    build_backbone,
+    build_classifier,
+    resolve_spec,
+    split_backbone,
+    stage_names,
+)
+
+SMALL = ["vgg_face_small", "iresnet_small"]
+
+
+def n_params(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
+def meta_backbone(spec: ModelSpec) -> nn.Module:
+    with torch.device("meta"):
+        return build_backbone(spec)
+
+
+def lrn_loop(a: torch.Tensor, u: int = 5, alpha: float = 1.0, beta: float = 0.5, gamma: float = 2.0) -> torch.Tensor:
+    """The paper's formula, written out channel by channel."""
+    c = a.shape[1]
+    out = torch.empty_like(a)
+    for i in range(c):
+        lo, hi = max(0, i - u // 2), min(c - 1, i + u // 2)
+        s = sum(a[:, j] ** 2 for j in range(lo, hi + 1))
+        out[:, i] = a[:, i] / (gamma + alpha * s) ** beta
+    return out
+
+
+# --- PaperLRN -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("channels", [7, 64])
+def test_lrn_matches_paper_formula(channels: int) -> None:
+    torch.manual_seed(0)
+    a = torch.rand(2, channels, 5, 6, dtype=torch.float64) * 3
+    got = PaperLRN(channels).double()(a)
+    assert torch.allclose(got, lrn_loop(a), rtol=0, atol=1e-6)
+    # Edge channels (clamped window) specifically.
+    for i in (0, 1, channels - 2, channels - 1):
+        assert torch.allclose(got[:, i], lrn_loop(a)[:, i], rtol=0, atol=1e-6)
+
+
+def test_lrn_non_default_params() -> None:
+    a = torch.rand(1, 9, 3, 3, dtype=torch.float64)
+    got = PaperLRN(9, size=3, alpha=0.5, beta=0.75, gamma=1.0).double()(a)
+    assert got.dtype == torch.float64
+    assert torch.allclose(got, lrn_loop(a, u=3, alpha=0.5, beta=0.75, gamma=1.0), atol=1e-9)
+
+
+def test_lrn_output_in_unit_interval_for_relu_inputs() -> None:
+    torch.manual_seed(0)
+    lrn = PaperLRN(16).double()
+    for scale in (1e-6, 1.0, 1e2, 1e4, 1e6):
+        out = lrn(torch.relu(torch.randn(2, 16, 4, 4, dtype=torch.float64) * scale))
+        assert out.min() >= 0 and out.max() < 1, scale
+    # float32: mathematically < 1, but a/sqrt(2+a^2) rounds to exactly 1.0 once a >~ 4e3.
+    out32 = PaperLRN(16)(torch.relu(torch.randn(2, 16, 4, 4) * 1e6))
+    assert out32.min() >= 0 and out32.max() <= 1
+
+
+def test_lrn_differs_from_torch_lrn_which_divides_alpha_by_size() -> None:
+    torch.manual_seed(0)
+    a = torch.rand(2, 12, 4, 4, dtype=torch.float64) * 2
+    ours = PaperLRN(12).double()(a)
+    assert not torch.allclose(ours, nn.LocalResponseNorm(5, alpha=1.0, beta=0.5, k=2.0)(a), atol=1e-3)
+    assert torch.allclose(ours, nn.LocalResponseNorm(5, alpha=5.0, beta=0.5, k=2.0)(a), atol=1e-12)
+
+
+# --- specs ----------------------------------------------------------------------
+
+
+def test_spec_round_trip_and_resolve() -> None:
+    for name, spec in PRESETS.items():
+        d = spec.to_dict()
+        assert json.loads(json.dumps(d)) == d
+        assert ModelSpec.from_dict(json.loads(json.dumps(d))) == spec
+        assert resolve_spec(name) is spec
+        assert resolve_spec(d) == spec
+    assert PRESETS["vgg_face"].embedding_dim == 4096
+    assert PRESETS["iresnet50"].embedding_dim == 512
+    with pytest.raises(ValueError, match="iresnet_small"):
+        resolve_spec("no_such_model")
+    with pytest.raises(ValueError, match="unknown ModelSpec keys"):
+        ModelSpec.from_dict({"family": "vgg_face", "input_size": 64, "widht": 8})
+    with pytest.raises(ValueError):
+        ModelSpec("resnet", 112)
+    with pytest.raises(ValueError):
+        ModelSpec("vgg_face", 100)
+
+
+# --- VGG-Face -------------------------------------------------------------------
+
+
+def test_vgg_face_full_matches_vgg16_parameter_count() -> None:
+    spec = PRESETS["vgg_face"]
+    bb = meta_backbone(spec)
+    assert n_params(bb) == 134_260_544  # VGG-16 without fc8
+    assert n_params(bb) + n_params(build_classifier(spec, 1000)) == 138_357_544  # VGG-16 with 1000-way fc8
+    names = stage_names(spec)
+    assert names[:3] == ["conv1", "conv1_2", "pool1"]
+    assert names[-4:] == ["conv5_3", "pool5", "fc6", "fc7"]
+    assert sum(n.startswith("conv") for n in names) == 13
+    assert activation_shape(spec, "conv1") == (64, 224, 224)
+    assert activation_shape(spec, "pool5") == (512, 7, 7)
+    assert isinstance(bb.stages["conv1"][2], PaperLRN)
+
+
+# --- IResNet --------------------------------------------------------------------
+
+
+def test_iresnet_shapes_and_counts() -> None:
+    # arcface_torch: R18 24,025,600 and R50 43,590,848 parameters. Our stem drops
+    # BN (128) + PReLU (64) and gains a conv bias (64): -128.
+    r18, r50 = PRESETS["iresnet18"], PRESETS["iresnet50"]
+    assert n_params(meta_backbone(r18)) == 24_025_600 - 128
+    bb50 = meta_backbone(r50)
+    assert n_params(bb50) == 43_590_848 - 128
+    assert bb50.stages["features"].fc.weight.shape == (512, 512 * 7 * 7)
+    assert [len(bb50.stages[f"layer{i}"]) for i in range(1, 5)] == [3, 4, 14, 3]
+    assert stage_names(r50) == ["conv1", "layer1", "layer2", "layer3", "layer4", "features"]
+    assert activation_shape(r50, "conv1") == (64, 112, 112)
+    assert activation_shape(r50, "layer4") == (512, 7, 7)
+
+    torch.manual_seed(0)
+    bb18 = build_backbone(r18).eval()
+    with torch.no_grad():
+        out = bb18(torch.rand(1, 3, 112, 112))
+    assert out.shape == (1, 512) and torch.isfinite(out).all()
+
+
+# --- small presets: forward, split, sharing --------------------------------------
+
+
+@pytest.mark.parametrize("name", SMALL)
+def test_small_forward_and_exact_split(name: str) -> None:
+    spec = PRESETS[name]
+    torch.manual_seed(0)
+    bb = build_backbone(spec).eval()
+    x = torch.rand(2, 3, spec.input_size, spec.input_size)
+    with torch.no_grad():
+        full = bb(x)
+    assert full.shape == (2, spec.embedding_dim)
+
+    names = stage_names(spec)
+    assert DEFAULT_SPLIT == names[0]
+    bb_params = {id(p) for p in bb.parameters()}
+    for split in names[:-1]:
+        device, server = split_backbone(bb, split)
+        with torch.no_grad():
+            act = device(x)
+            assert torch.equal(server(act), full), split
+        if act.dim() == 4:
+            assert tuple(act.shape[1:]) == activation_shape(spec, split)
+        else:  # after fc6 the activation is flat, not (C, H, W)
+            with pytest.raises(ValueError, match="does not produce"):
+                activation_shape(spec, split)
+        part_params = [p for m in (device, server) for p in m.parameters()]
+        assert {id(p) for p in part_params} == bb_params and len(part_params) == len(bb_params)
+        assert set(device.state_dict()) | set(server.state_dict()) == set(bb.state_dict())
+
+    with pytest.raises(ValueError, match="valid splits"):
+        split_backbone(bb, "nope")
+    with pytest.raises(ValueError, match="last stage"):
+        split_backbone(bb, names[-1])
+
+
+def test_device_layer_output_bounded_and_per_image() -> None:
+    spec = PRESETS["iresnet_small"]
+    torch.manual_seed(0)
+    device, _ = split_backbone(build_backbone(spec), DEFAULT_SPLIT)
+    device.train()  # no batch statistics in the device layer, so train/eval and batching agree
+    x = torch.rand(3, 3, spec.input_size, spec.input_size) * 255
+    with torch.no_grad():
+        act = device(x)
+        assert act.min() >= 0 and act.max() < 1
+        # Same up to float32 rounding (CPU conv kernels differ with batch size).
+        assert torch.allclose(device(x[1:2]), act[1:2], atol=1e-4)
+
+
+def test_build_is_deterministic_given_seed() -> None:
+    spec = PRESETS["vgg_face_small"]
+    torch.manual_seed(123)
+    a = build_backbone(spec).state_dict()
+    torch.manual_seed(123)
+    b = build_backbone(spec).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    head = build_classifier(spec, 10)
+    assert head.in_features == 256 and head.out_features == 10
