@@ -1,0 +1,85 @@
+"""`splitface-sim`: run N simulated devices against a running edge server."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from .data import find_lfw_root, load_image_folder, load_lfw
+from .engine import DeviceTrainConfig
+from .models import DEFAULT_SPLIT, PRESETS, resolve_spec
+from .simulator import SimConfig, simulate
+
+
+def add_data_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", default=None,
+                   help="LFW root (holding images/<person>/...) or an ImageFolder with --image-folder; "
+                        "default: $SPLITFACE_DATA, ~/.cache/splitface/lfw, ./data/lfw")
+    p.add_argument("--image-folder", action="store_true", help="--data is a plain <class>/<image> folder")
+    p.add_argument("--min-images", type=int, default=10, help="LFW: people with at least this many images")
+    p.add_argument("--max-identities", type=int, default=None, help="LFW: keep only the first K identities")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def load_data(args: argparse.Namespace):
+    if args.image_folder:
+        if not args.data:
+            raise SystemExit("--image-folder needs --data PATH")
+        return load_image_folder(args.data, seed=args.seed)
+    return load_lfw(find_lfw_root(args.data), min_images=args.min_images, seed=args.seed,
+                    max_identities=args.max_identities)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="splitface-sim", description=__doc__)
+    p.add_argument("--server", default="ws://127.0.0.1:8765")
+    p.add_argument("--tokens", type=Path, required=True, help="JSON of device id -> token (from `splitface-server tokens`)")
+    add_data_args(p)
+    p.add_argument("--model", default="vgg_face_small", help=f"preset ({', '.join(PRESETS)}) or a JSON model spec")
+    p.add_argument("--split", default=DEFAULT_SPLIT)
+    p.add_argument("--head", choices=("server", "device"), default="server")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--partition", choices=("iid", "identity"), default="iid")
+    p.add_argument("--crop", type=int, default=160, help="centre crop in pixels before resizing (LFW faces are central)")
+    p.add_argument("--activation-encoding", choices=("f32", "f16", "i8"), default="f32")
+    p.add_argument("--gradient-encoding", choices=("f32", "f16", "i8"), default="f32")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--lr-decay", type=float, default=0.1)
+    p.add_argument("--decay-steps", type=int, default=0, help="0: the device's whole run")
+    p.add_argument("--results", type=Path, default=Path("runs/sim/results.json"))
+    p.add_argument("--reconnect-timeout", type=float, default=120.0)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    data = load_data(args)
+    spec = resolve_spec(json.loads(args.model) if args.model.lstrip().startswith("{") else args.model)
+    config = SimConfig(
+        url=args.server, spec=spec, split=args.split, head=args.head, num_devices=args.devices, epochs=args.epochs,
+        batch_size=args.batch_size, partition=args.partition, crop=args.crop,
+        encodings={"activations": args.activation_encoding, "gradients": args.gradient_encoding},
+        train=DeviceTrainConfig(args.lr, args.momentum, args.weight_decay, args.lr_decay, args.decay_steps, args.seed),
+        seed=args.seed, results=args.results, progress=not args.no_progress, reconnect_timeout_s=args.reconnect_timeout)
+    tokens = json.loads(args.tokens.read_text())
+    print(f"{len(data.class_names)} identities, {len(data.train)} train / {len(data.test)} test images; "
+          f"{args.devices} devices, {args.head} head, {spec.family} {spec.input_size}px", flush=True)
+    results = asyncio.run(simulate(config, data, tokens))
+    for e in results["epochs"]:
+        print(f"epoch {e['epoch']}: train acc {e['train_acc']:.3f} loss {e['train_loss']:.3f} | "
+              f"test acc {e['test_acc']:.3f} loss {e['test_loss']:.3f}", flush=True)
+    print(f"results: {args.results}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

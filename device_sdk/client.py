@@ -1,0 +1,195 @@
+"""A device's connection to the edge server (a small client surface, in the spirit of Flower).
+
+It survives dropped connections: it reconnects, learns from WELCOME what the server has
+applied, re-sends the exact bytes of the batch in flight (the server answers a retry from
+its cache instead of applying it twice), and rolls its own state back when the server
+restarted from an older checkpoint.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
+
+from protocol import messages as m
+from protocol.errors import ErrorCode, ProtocolError, RemoteError
+from protocol.session import ClientSession
+
+from .engine import DeviceEngine
+
+log = logging.getLogger("splitface.device")
+
+
+class ConnectionLost(Exception):
+    pass
+
+
+class Rollback(Exception):
+    """The server restarted from a checkpoint; the device went back to `batch_id`."""
+
+    def __init__(self, batch_id: int):
+        super().__init__(f"server resumed from its checkpoint; device rolled back to batch {batch_id}")
+        self.batch_id = batch_id
+
+
+@dataclass
+class Traffic:
+    sent: int = 0
+    received: int = 0
+    reconnects: int = 0
+    round_trip_s: float = 0.0
+
+
+@dataclass
+class BatchResult:
+    batch_id: int
+    n: int
+    loss: float
+    n_correct: int
+    device_s: float        # forward + head + backward + step on the device
+    round_trip_s: float    # send to reply, server compute included
+    bytes_sent: int
+    bytes_received: int
+
+
+class DeviceClient:
+    def __init__(self, url: str, device_id: str, token: str, engine: DeviceEngine, batch_size: int,
+                 encodings: dict[str, str] | None = None, reconnect_timeout_s: float = 120.0, server_retries: int = 3):
+        self.url = url
+        self.engine = engine
+        self.session = ClientSession(device_id, token, engine.spec.to_dict(), engine.split, engine.head, batch_size,
+                                     engine.num_classes if engine.head == "server" else None,
+                                     dict(encodings or {"activations": "f32", "gradients": "f32"}))
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self.server_retries = server_retries
+        self.traffic = Traffic()
+        self._ws: ClientConnection | None = None
+        self._eval_id = 0
+
+    @property
+    def device_id(self) -> str:
+        return self.session.device_id
+
+    # ---- connection --------------------------------------------------------------------
+    async def connect(self) -> None:
+        """Connect and handshake, retrying until the server answers; then reconcile progress."""
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        delay = 0.2
+        while True:
+            try:
+                self._ws = await connect(self.url, max_size=None, compression=None, open_timeout=10,
+                                         ping_interval=30, ping_timeout=120, close_timeout=2, max_queue=4)
+                await self._ws.send(self.session.hello())
+                welcome = self.session.accept_welcome(await self._ws.recv())
+                break
+            except RemoteError:
+                await self.close()
+                raise  # unauthorised, wrong model...: retrying cannot help
+            except (OSError, ConnectionClosed, InvalidHandshake, asyncio.TimeoutError) as exc:
+                await self.close()
+                if time.monotonic() > deadline:
+                    raise ConnectionError(f"{self.device_id}: cannot reach {self.url}: {exc}") from exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        self._reconcile(welcome["resume_from"] - 1, welcome["durable_through"])
+
+    def _reconcile(self, server_applied: int, durable_through: int) -> None:
+        engine = self.engine
+        if server_applied > engine.committed + 1:
+            raise RuntimeError(f"{self.device_id}: server has applied batch {server_applied}, device only "
+                               f"{engine.committed}: the device lost its state")
+        engine.forget_before(min(durable_through, server_applied))
+        if server_applied < engine.committed:
+            log.warning("%s: server resumed at batch %d, device was at %d: rolling back", self.device_id,
+                        server_applied, engine.committed)
+            engine.rollback(server_applied)
+            raise Rollback(server_applied)
+
+    async def reconnect(self) -> None:
+        self.traffic.reconnects += 1
+        await self.close()
+        await self.connect()
+
+    async def close(self) -> None:
+        if self._ws is not None:
+            ws, self._ws = self._ws, None
+            await ws.close()
+
+    async def request(self, data: bytes, expect: set[str], batch_id: int) -> dict[str, Any]:
+        if self._ws is None:
+            raise ConnectionLost("not connected")
+        start = time.perf_counter()
+        try:
+            await self._ws.send(data)
+            reply = await self._ws.recv()
+        except (ConnectionClosed, OSError) as exc:
+            raise ConnectionLost(str(exc)) from exc
+        self.traffic.round_trip_s += time.perf_counter() - start
+        self.traffic.sent += len(data)
+        self.traffic.received += len(reply)
+        return self.session.receive(reply, expect, batch_id)
+
+    async def _with_retries(self, attempt) -> Any:
+        """Run `attempt()` until it gets through: reconnect on a lost connection, retry a server failure."""
+        failures = 0
+        while True:
+            try:
+                return await attempt()
+            except ConnectionLost as exc:
+                log.info("%s: connection lost (%s); reconnecting", self.device_id, exc)
+                await self.reconnect()  # may raise Rollback
+            except RemoteError as exc:
+                failures += 1
+                if exc.code != ErrorCode.SERVER_ERROR.value or failures > self.server_retries:
+                    raise
+
+    # ---- training and evaluation --------------------------------------------------------
+    async def train_batch(self, batch_id: int, images: np.ndarray, labels: np.ndarray) -> BatchResult:
+        engine = self.engine
+        start = time.perf_counter()
+        activations = await asyncio.to_thread(engine.forward, images)
+        device_s = time.perf_counter() - start
+        forward = self.session.forward(batch_id, activations, labels if engine.head == "server" else None)
+        traffic0 = (self.traffic.sent, self.traffic.received, self.traffic.round_trip_s)
+        head: dict[str, Any] = {}
+
+        async def attempt() -> dict[str, Any]:
+            nonlocal device_s
+            reply = await self.request(forward, {m.BACKWARD, m.EMBEDDINGS}, batch_id)
+            if reply["type"] == m.EMBEDDINGS:
+                t = time.perf_counter()
+                grad, head["loss"], head["n_correct"] = await asyncio.to_thread(
+                    engine.head_step, reply["embeddings"], labels)
+                device_s += time.perf_counter() - t
+                reply = await self.request(self.session.embedding_grad(batch_id, grad), {m.BACKWARD}, batch_id)
+            return reply
+
+        backward = await self._with_retries(attempt)
+        t = time.perf_counter()
+        await asyncio.to_thread(engine.commit, batch_id, backward["grad"])
+        device_s += time.perf_counter() - t
+        engine.forget_before(backward["durable_through"])
+        loss = backward.get("loss", head.get("loss"))
+        n_correct = backward.get("n_correct", head.get("n_correct"))
+        return BatchResult(batch_id, len(labels), float(loss), int(n_correct), device_s,
+                           self.traffic.round_trip_s - traffic0[2], self.traffic.sent - traffic0[0],
+                           self.traffic.received - traffic0[1])
+
+    async def evaluate_batch(self, images: np.ndarray, labels: np.ndarray) -> tuple[float, int]:
+        """(summed loss, correct) on a batch; changes no state on either side."""
+        engine = self.engine
+        activations = await asyncio.to_thread(engine.activations, images)
+        self._eval_id += 1
+        eval_id = self._eval_id
+        message = self.session.forward(eval_id, activations, labels if engine.head == "server" else None, eval=True)
+        reply = await self._with_retries(lambda: self.request(message, {m.EVAL_RESULT, m.EMBEDDINGS}, eval_id))
+        if reply["type"] == m.EVAL_RESULT:
+            return reply["loss"] * reply["n"], reply["n_correct"]
+        loss, n_correct = await asyncio.to_thread(engine.classify, reply["embeddings"], labels)
+        return loss * len(labels), n_correct

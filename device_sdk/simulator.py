@@ -1,0 +1,200 @@
+"""N simulated devices, each with its own share of the data, training against one edge server.
+
+Each device draws its batches from a seeded per-epoch permutation of its share, so batch id
+k always means the same images: a batch replayed after a server restart is the same batch.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from .client import DeviceClient, Rollback
+from .data import DataSplit, FaceSet, partition
+from .engine import DeviceEngine, DeviceTrainConfig
+from .models import ModelSpec
+
+log = logging.getLogger("splitface.simulator")
+
+
+@dataclass
+class SimConfig:
+    url: str
+    spec: ModelSpec
+    split: str = "conv1"
+    head: str = "server"
+    num_devices: int = 2
+    epochs: int = 3
+    batch_size: int = 64
+    partition: str = "iid"
+    crop: int = 160
+    encodings: dict[str, str] = field(default_factory=lambda: {"activations": "f32", "gradients": "f32"})
+    train: DeviceTrainConfig = field(default_factory=DeviceTrainConfig)
+    seed: int = 0
+    results: Path | None = None
+    progress: bool = True
+    reconnect_timeout_s: float = 120.0
+
+
+class DeviceData:
+    """A device's share, decoded once into memory."""
+
+    def __init__(self, train: FaceSet, test: FaceSet, size: int, crop: int):
+        self.train_images, self.train_labels = train.load(size, crop), train.labels
+        self.test_images, self.test_labels = test.load(size, crop), test.labels
+
+
+def batches_per_epoch(n: int, batch_size: int) -> int:
+    return math.ceil(n / batch_size)
+
+
+def batch_indices(n: int, batch_size: int, batch_id: int, seed: int, device: int) -> tuple[int, np.ndarray]:
+    """(epoch, indices) of training batch `batch_id` (1-based, counted across epochs)."""
+    per_epoch = batches_per_epoch(n, batch_size)
+    epoch, j = divmod(batch_id - 1, per_epoch)
+    order = np.random.default_rng([seed, device, epoch]).permutation(n)
+    return epoch, order[j * batch_size:(j + 1) * batch_size]
+
+
+class SimulatedDevice:
+    def __init__(self, index: int, device_id: str, token: str, data: DeviceData, num_classes: int, config: SimConfig):
+        self.index, self.data, self.config = index, data, config
+        total = batches_per_epoch(len(data.train_labels), config.batch_size) * config.epochs
+        decay_steps = config.train.decay_steps if config.train.decay_steps > 0 else total
+        train_cfg = DeviceTrainConfig(**{**asdict(config.train), "seed": config.train.seed + index,
+                                         "decay_steps": decay_steps})
+        engine = DeviceEngine(config.spec, config.split, config.head, num_classes, train_cfg)
+        self.client = DeviceClient(config.url, device_id, token, engine, config.batch_size, config.encodings,
+                                   config.reconnect_timeout_s)
+        self.batches: dict[int, Any] = {}      # batch id -> BatchResult (replays overwrite)
+        self.epochs: dict[int, dict[str, Any]] = {}
+
+    async def run(self) -> dict[str, Any]:
+        cfg, data = self.config, self.data
+        n = len(data.train_labels)
+        per_epoch = batches_per_epoch(n, cfg.batch_size)
+        total = per_epoch * cfg.epochs
+        engine = self.client.engine
+        bar = tqdm(total=total, desc=self.client.device_id, position=self.index, leave=True,
+                   disable=not cfg.progress, dynamic_ncols=True)
+        started = time.time()
+        while True:
+            try:
+                await self.client.connect()
+                break
+            except Rollback:
+                continue
+        try:
+            while engine.committed < total:
+                batch_id = engine.committed + 1
+                epoch, idx = batch_indices(n, cfg.batch_size, batch_id, cfg.seed, self.index)
+                try:
+                    result = await self.client.train_batch(batch_id, data.train_images[idx], data.train_labels[idx])
+                    self.batches[batch_id] = result
+                    bar.n = engine.committed
+                    bar.set_postfix(epoch=epoch + 1, loss=f"{result.loss:.3f}")
+                    if batch_id % per_epoch == 0:
+                        self.epochs[epoch] = await self._epoch_summary(epoch, per_epoch, started)
+                        bar.write(f"{self.client.device_id} epoch {epoch + 1}: " + _fmt(self.epochs[epoch]))
+                except Rollback as rb:
+                    bar.write(f"{self.client.device_id}: {rb}")
+                    self.batches = {k: v for k, v in self.batches.items() if k <= rb.batch_id}
+                    bar.n = engine.committed
+        finally:
+            bar.close()
+            await self.client.close()
+        return {"device_id": self.client.device_id, "train_samples": n, "test_samples": len(data.test_labels),
+                "reconnects": self.client.traffic.reconnects, "epochs": [self.epochs[e] for e in sorted(self.epochs)]}
+
+    async def _epoch_summary(self, epoch: int, per_epoch: int, started: float) -> dict[str, Any]:
+        ids = range(epoch * per_epoch + 1, (epoch + 1) * per_epoch + 1)
+        rs = [self.batches[k] for k in ids]
+        n = sum(r.n for r in rs)
+        test_loss, test_acc = await self.evaluate()
+        return {
+            "epoch": epoch + 1,
+            "train_loss": sum(r.loss * r.n for r in rs) / n,
+            "train_acc": sum(r.n_correct for r in rs) / n,
+            "test_loss": test_loss,
+            "test_acc": test_acc,
+            "batches": len(rs),
+            "samples": n,
+            "bytes_sent": sum(r.bytes_sent for r in rs),
+            "bytes_received": sum(r.bytes_received for r in rs),
+            "device_s_per_batch": sum(r.device_s for r in rs) / len(rs),
+            "round_trip_s_per_batch": sum(r.round_trip_s for r in rs) / len(rs),
+            "wall_s": time.time() - started,
+        }
+
+    async def evaluate(self) -> tuple[float, float]:
+        data, bs = self.data, self.config.batch_size
+        loss_sum, correct = 0.0, 0
+        for i in range(0, len(data.test_labels), bs):
+            loss, n_correct = await self.client.evaluate_batch(data.test_images[i:i + bs], data.test_labels[i:i + bs])
+            loss_sum, correct = loss_sum + loss, correct + n_correct
+        n = max(len(data.test_labels), 1)
+        return loss_sum / n, correct / n
+
+def _fmt(e: dict[str, Any]) -> str:
+    return (f"train loss {e['train_loss']:.3f} acc {e['train_acc']:.3f} | test loss {e['test_loss']:.3f} "
+            f"acc {e['test_acc']:.3f} | up {e['bytes_sent'] / 1e6:.1f} MB down {e['bytes_received'] / 1e6:.1f} MB | "
+            f"device {e['device_s_per_batch'] * 1e3:.0f} ms/batch")
+
+
+def summarize(devices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per-epoch totals over devices, accuracies weighted by samples."""
+    out = []
+    for epoch in range(min(len(d["epochs"]) for d in devices)):
+        rows = [d["epochs"][epoch] for d in devices]
+        tests = [d["test_samples"] for d in devices]
+        n = sum(r["samples"] for r in rows)
+        out.append({
+            "epoch": epoch + 1,
+            "train_loss": sum(r["train_loss"] * r["samples"] for r in rows) / n,
+            "train_acc": sum(r["train_acc"] * r["samples"] for r in rows) / n,
+            "test_loss": sum(r["test_loss"] * t for r, t in zip(rows, tests)) / sum(tests),
+            "test_acc": sum(r["test_acc"] * t for r, t in zip(rows, tests)) / sum(tests),
+            "bytes_sent": sum(r["bytes_sent"] for r in rows),
+            "bytes_received": sum(r["bytes_received"] for r in rows),
+            "device_s_per_batch": sum(r["device_s_per_batch"] for r in rows) / len(rows),
+            "wall_s": max(r["wall_s"] for r in rows),
+        })
+    return out
+
+
+async def simulate(config: SimConfig, data: DataSplit, tokens: dict[str, str]) -> dict[str, Any]:
+    """Run every device to the end; write and return the results."""
+    device_ids = sorted(tokens)[:config.num_devices]
+    if len(device_ids) < config.num_devices:
+        raise ValueError(f"{config.num_devices} devices but tokens for only {len(device_ids)}")
+    shares = []
+    for i in range(config.num_devices):
+        train = partition(data.train, config.num_devices, i, config.partition, config.seed)
+        test = partition(data.test, config.num_devices, i, config.partition, config.seed)
+        shares.append(await asyncio.to_thread(DeviceData, train, test, config.spec.input_size, config.crop))
+    devices = [SimulatedDevice(i, d, tokens[d], shares[i], len(data.class_names), config)
+               for i, d in enumerate(device_ids)]
+    started = time.time()
+    per_device = await asyncio.gather(*(d.run() for d in devices))
+    results = {
+        "config": {"url": config.url, "model": config.spec.to_dict(), "split": config.split, "head": config.head,
+                   "num_devices": config.num_devices, "epochs": config.epochs, "batch_size": config.batch_size,
+                   "partition": config.partition, "encodings": config.encodings, "train": asdict(config.train),
+                   "num_classes": len(data.class_names), "train_images": len(data.train),
+                   "test_images": len(data.test), "seed": config.seed},
+        "wall_s": time.time() - started,
+        "epochs": summarize(list(per_device)),
+        "devices": list(per_device),
+    }
+    if config.results:
+        config.results.parent.mkdir(parents=True, exist_ok=True)
+        config.results.write_text(json.dumps(results, indent=2))
+    return results

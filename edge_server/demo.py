@@ -1,0 +1,120 @@
+"""`splitface-demo`: the main job. Starts an edge server and N simulated devices as separate
+processes on loopback, trains on LFW (or the data given), and prints the results.
+
+The server and the devices share nothing but the websocket: the launcher only issues
+tokens, starts the two programs, and stops the server (which checkpoints on the way out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from device_sdk.cli import add_data_args, load_data
+
+from .auth import issue_tokens
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="splitface-demo", description=__doc__)
+    add_data_args(p)
+    p.add_argument("--model", default="vgg_face_small")
+    p.add_argument("--split", default="conv1")
+    p.add_argument("--head", choices=("server", "device"), default="server")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--run-dir", type=Path, default=None, help="default: runs/demo-<time>")
+    p.add_argument("--port", type=int, default=0)
+    args, extra = p.parse_known_args(argv)
+    run_dir = args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    data = load_data(args)  # fails early, with instructions, if there is no data
+    device_ids = [f"device-{i}" for i in range(args.devices)]
+    tokens = issue_tokens(run_dir / "server" / "tokens.json", device_ids)
+    token_file = run_dir / "device_tokens.json"
+    token_file.write_text(json.dumps(tokens))
+    token_file.chmod(0o600)
+    per_device = math.ceil(len(data.train) / args.devices / args.batch_size) + 1
+    decay_steps = per_device * args.devices * args.epochs
+
+    common = ["--model", args.model, "--split", args.split]
+    data_args = ["--min-images", str(args.min_images), "--seed", str(args.seed)]
+    if args.data:
+        data_args += ["--data", str(args.data)]
+    if args.image_folder:
+        data_args.append("--image-folder")
+    if args.max_identities:
+        data_args += ["--max-identities", str(args.max_identities)]
+    server_cmd = [sys.executable, "-m", "edge_server", "serve", *common, "--num-classes", str(len(data.class_names)),
+                  "--tokens", str(run_dir / "server" / "tokens.json"), "--port", str(args.port),
+                  "--run-dir", str(run_dir / "server"), "--lr", str(args.lr), "--decay-steps", str(decay_steps),
+                  "--max-batch", str(args.batch_size)]
+    server_log = open(run_dir / "server.log", "w")
+    server = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, stderr=server_log, text=True)
+    try:
+        port = _wait_ready(server)
+        print(f"edge server on ws://127.0.0.1:{port} (log: {run_dir / 'server.log'})", flush=True)
+        sim_cmd = [sys.executable, "-m", "device_sdk", "--server", f"ws://127.0.0.1:{port}", "--tokens", str(token_file),
+                   *common, *data_args, "--head", args.head, "--devices", str(args.devices), "--epochs", str(args.epochs),
+                   "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--results", str(run_dir / "results.json"),
+                   *extra]
+        sim = subprocess.run(sim_cmd)
+        if sim.returncode != 0:
+            raise SystemExit(f"the device simulator failed (exit {sim.returncode}); server log: {run_dir / 'server.log'}")
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        _drain(server, server_log)
+    _report(run_dir, data)
+
+
+def _wait_ready(server: subprocess.Popen, timeout: float = 120.0) -> int:
+    deadline = time.monotonic() + timeout
+    assert server.stdout is not None
+    while time.monotonic() < deadline:
+        line = server.stdout.readline()
+        if not line:
+            raise SystemExit(f"the edge server exited before it was ready (exit {server.wait()})")
+        if line.startswith("READY "):
+            return int(line.split()[1])
+    raise SystemExit("the edge server did not start in time")
+
+
+def _drain(server: subprocess.Popen, log) -> None:
+    if server.stdout is not None:
+        log.write(server.stdout.read())
+    log.close()
+
+
+def _report(run_dir: Path, data) -> None:
+    results = json.loads((run_dir / "results.json").read_text())
+    metrics = json.loads((run_dir / "server" / "metrics.json").read_text())
+    labels = data.test.labels
+    majority = max((labels == c).mean() for c in set(labels.tolist()))
+    print(f"\n{len(data.class_names)} identities; chance = 1/{len(data.class_names)} = {1 / len(data.class_names):.3f}, "
+          f"majority class = {majority:.3f}")
+    print(f"{'epoch':>5} {'train acc':>9} {'train loss':>10} {'test acc':>8} {'test loss':>9} {'MB up':>8} {'MB down':>8} "
+          f"{'dev ms/batch':>12}")
+    for e in results["epochs"]:
+        print(f"{e['epoch']:>5} {e['train_acc']:>9.3f} {e['train_loss']:>10.3f} {e['test_acc']:>8.3f} {e['test_loss']:>9.3f} "
+              f"{e['bytes_sent'] / 1e6:>8.1f} {e['bytes_received'] / 1e6:>8.1f} {e['device_s_per_batch'] * 1e3:>12.0f}")
+    g = metrics["global"]
+    print(f"server: {g['samples']} samples, {g['samples_per_s']:.1f} samples/s, "
+          f"{g['bytes_in'] / 1e6:.1f} MB in, {g['bytes_out'] / 1e6:.1f} MB out")
+    print(f"results: {run_dir / 'results.json'}  server metrics: {run_dir / 'server' / 'metrics.json'}")
+
+
+if __name__ == "__main__":
+    main()
