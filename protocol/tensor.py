@@ -75,10 +75,12 @@ def decode_tensor(obj: Any, *, field: str = "tensor", finite: bool = True) -> np
         scale = obj.get("scale")
         if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not (math.isfinite(scale) and scale > 0):
             raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: i8 needs a finite positive scale")
-        return array.astype(np.float32) * np.float32(scale)
-    if "scale" in obj:
+        # Applied as a float32: a scale near or beyond float32's range dequantizes to inf, refused below.
+        with np.errstate(over="ignore", invalid="ignore"):
+            array = array.astype(np.float32) * np.float32(scale)
+    elif "scale" in obj:
         raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: scale is only allowed with i8")
-    if dtype_name == "f16":
+    elif dtype_name == "f16":
         array = array.astype(np.float32)
     if finite and array.size and not np.isfinite(array).all():
         raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: contains NaN or infinity")

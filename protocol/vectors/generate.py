@@ -1,0 +1,218 @@
+"""Write the wire-protocol test vectors: `python -m protocol.vectors.generate [--out DIR]`.
+
+Every case is one `NN_name.msgpack` (the exact bytes of the reference encoder) and one
+`NN_name.json` (what those bytes mean). Valid cases are produced by the real builders
+(ClientSession / ServerSession / messages.encode / encode_tensor) driven through a real
+handshake against a toy server, so they are what the Python implementation sends. Invalid
+cases are hand-made bytes with {"invalid": true, "error_code": ...}: `messages.decode` must
+refuse them with that code. Nothing here is random; running it twice gives the same files.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from .. import messages as m
+from ..errors import ErrorCode, ProtocolError
+from ..session import Admit, ClientSession, DeviceRecord, ServerInfo, ServerSession
+from ..tensor import decode_tensor
+
+HERE = Path(__file__).resolve().parent
+
+# The toy server every valid vector talks to (not a real ModelSpec: kept tiny on purpose).
+MODEL = {"family": "toy", "input_size": 4, "width": 2, "dropout": 0.5}
+SPLIT = "conv1"
+ACTIVATION_SHAPE = (2, 3)
+EMBEDDING_DIM = 4
+NUM_CLASSES = 10
+MAX_BATCH = 2
+MAX_MESSAGE_BYTES = 1 << 20
+SESSION_ID = "00112233445566778899aabbccddeeff"
+DEVICE_ID = "phone-01"
+TOKEN = "s3cret-token"
+
+INFO = ServerInfo(model=MODEL, split=SPLIT, activation_shape=ACTIVATION_SHAPE, embedding_dim=EMBEDDING_DIM,
+                  num_classes=NUM_CLASSES, max_batch=MAX_BATCH, max_message_bytes=MAX_MESSAGE_BYTES)
+
+ACTIVATIONS = np.array([[[0.5, -1.25, 3.0], [0.1, 0.0, -2.0]],
+                        [[1.0, 2.5, -0.75], [100.0, -0.001, 7.0]]], dtype=np.float32)
+ACT_GRAD = np.array([[[0.25, -0.5, 0.125], [1e-3, 0.0, -4.0]],
+                     [[2.0, -0.0625, 0.3], [-1.5, 8.0, 0.01]]], dtype=np.float32)
+EMBEDDINGS = np.array([[0.5, -0.5, 0.25, 1.0], [-1.0, 0.75, 0.0, 0.2]], dtype=np.float32)
+EMBEDDING_GRAD = np.array([[0.01, -0.02, 0.03, -0.04], [0.5, 0.0, -0.25, 0.125]], dtype=np.float32)
+LABELS = [3, 7]
+
+
+# ---- meaning <-> wire ----------------------------------------------------------------------
+def tensor_fields(mtype: str) -> set[str]:
+    return {f for f, (check, _) in m.SCHEMA.get(mtype, {}).items() if check == m.TENSOR}
+
+
+def meaning_of(data: bytes) -> dict[str, Any]:
+    """JSON meaning of a valid message: every field in wire order, tensors spelled out."""
+    m.decode(data)  # must be valid
+    raw = msgpack.unpackb(data, raw=False)
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in tensor_fields(raw["type"]):
+            t = {"dtype": value["dtype"], "shape": value["shape"], "data_hex": value["data"].hex(),
+                 "values": [float(x) for x in decode_tensor(value, field=key).reshape(-1)]}
+            if "scale" in value:
+                t["scale"] = value["scale"]
+            value = t
+        out[key] = value
+    return out
+
+
+def wire_of(meaning: dict[str, Any]) -> dict[str, Any]:
+    """The message map a meaning stands for (inverse of meaning_of), ready for messages.encode."""
+    out: dict[str, Any] = {}
+    for key, value in meaning.items():
+        if key in tensor_fields(meaning["type"]):
+            t: dict[str, Any] = {"dtype": value["dtype"], "shape": value["shape"], "data": bytes.fromhex(value["data_hex"])}
+            if "scale" in value:
+                t["scale"] = value["scale"]
+            value = t
+        out[key] = value
+    return out
+
+
+# ---- sessions ------------------------------------------------------------------------------
+def client(head: str, encodings: dict[str, str] | None = None, token: str = TOKEN) -> ClientSession:
+    return ClientSession(DEVICE_ID, token, dict(MODEL), SPLIT, head, MAX_BATCH,
+                         NUM_CLASSES if head == "server" else None,
+                         dict(encodings or {"activations": "f32", "gradients": "f32"}))
+
+
+def server(c: ClientSession, last_applied: int = 0, durable: int = 0) -> ServerSession:
+    """A server session that has admitted `c` (records say `last_applied`, checkpoint says `durable`)."""
+    records = {DEVICE_ID: DeviceRecord(last_applied)}
+    s = ServerSession(INFO, lambda d, t: d == DEVICE_ID and t == TOKEN, records, lambda d: durable)
+    s.session_id = SESSION_ID
+    action = s.receive(c.hello())
+    assert isinstance(action, Admit), action
+    return s
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _f32(values: list[float]) -> bytes:
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+# ---- cases -----------------------------------------------------------------------------------
+def valid_cases() -> list[tuple[str, bytes]]:
+    cases: list[tuple[str, bytes]] = []
+    add = lambda name, data: cases.append((name, data))  # noqa: E731
+
+    server_head = client("server")
+    device_head = client("device", {"activations": "f16", "gradients": "f16"})
+    add("hello_server_head", server_head.hello())
+    add("hello_device_head", device_head.hello())
+
+    add("welcome", server(server_head, last_applied=5, durable=3).welcome())
+
+    refused = ServerSession(INFO, lambda d, t: False, {}, lambda d: 0)
+    add("error_unauthorized", refused.receive(client("server", token="wrong").hello()).data)
+    s = server(server_head)
+    add("error_out_of_order", s.receive(server_head.forward(3, ACTIVATIONS, LABELS)).data)
+
+    add("forward_f32_labels", server_head.forward(1, ACTIVATIONS, LABELS))
+    add("forward_f16", device_head.forward(1, ACTIVATIONS))
+    add("forward_i8_labels", client("server", {"activations": "i8", "gradients": "f32"}).forward(2, ACTIVATIONS, LABELS))
+    add("forward_eval", server_head.forward(1, ACTIVATIONS, LABELS, eval=True))
+
+    add("backward_server_head", server(server_head).applied(1, ACT_GRAD, loss=2.3025850929940455, n_correct=1))
+    add("backward_device_head", server(device_head, last_applied=6, durable=4).applied(7, ACT_GRAD))
+
+    add("embeddings", server(device_head).embedded(1, EMBEDDINGS))
+    add("embeddings_eval", server(client("device")).embedded(4, EMBEDDINGS, eval=True))
+    add("embedding_grad", client("device").embedding_grad(1, EMBEDDING_GRAD))
+    add("embedding_grad_i8_zero",
+        client("device", {"activations": "f32", "gradients": "i8"}).embedding_grad(2, np.zeros((2, 4), np.float32)))
+    add("eval_result", server(server_head).eval_result(1, loss=0.6931471805599453, n_correct=2, n=2))
+    return cases
+
+
+def invalid_cases() -> list[tuple[str, bytes, ErrorCode, str]]:
+    f32 = {"dtype": "f32", "shape": [1, 2], "data": _f32([1.0, 2.0])}
+    return [
+        ("invalid_not_msgpack", _pack({"type": "forward", "batch_id": 1})[:-3], ErrorCode.BAD_MESSAGE,
+         "truncated msgpack"),
+        ("invalid_not_a_map", _pack(["forward", 1]), ErrorCode.BAD_MESSAGE, "an array, not a map"),
+        ("invalid_unknown_type", _pack({"type": "ping", "batch_id": 1}), ErrorCode.UNKNOWN_TYPE,
+         "type 'ping' is not defined"),
+        ("invalid_missing_field", _pack({"type": "forward", "batch_id": 1, "labels": [0]}), ErrorCode.BAD_MESSAGE,
+         "forward without activations"),
+        ("invalid_wrong_field_type", _pack({"type": "forward", "batch_id": "1", "activations": f32}),
+         ErrorCode.BAD_MESSAGE, "batch_id is a string"),
+        ("invalid_unexpected_field", _pack({"type": "forward", "batch_id": 1, "activations": f32, "extra": 0}),
+         ErrorCode.BAD_MESSAGE, "a field the schema does not define"),
+        ("invalid_byte_count", _pack({"type": "forward", "batch_id": 1,
+                                      "activations": {"dtype": "f32", "shape": [1, 2], "data": _f32([1.0, 2.0, 3.0])}}),
+         ErrorCode.BAD_TENSOR, "12 bytes for shape [1, 2] f32 (8 expected)"),
+        ("invalid_bad_dtype", _pack({"type": "forward", "batch_id": 1,
+                                     "activations": {"dtype": "f64", "shape": [1], "data": bytes(8)}}),
+         ErrorCode.BAD_TENSOR, "dtype f64 is not defined"),
+        ("invalid_i8_without_scale", _pack({"type": "forward", "batch_id": 1,
+                                            "activations": {"dtype": "i8", "shape": [1, 2], "data": b"\x01\xff"}}),
+         ErrorCode.BAD_TENSOR, "i8 tensor without scale"),
+        ("invalid_scale_on_f32", _pack({"type": "forward", "batch_id": 1, "activations": dict(f32, scale=1.0)}),
+         ErrorCode.BAD_TENSOR, "scale on an f32 tensor"),
+        ("invalid_f32_nan", _pack({"type": "forward", "batch_id": 1,
+                                   "activations": {"dtype": "f32", "shape": [1, 2], "data": _f32([1.0, math.nan])}}),
+         ErrorCode.BAD_TENSOR, "NaN in an f32 tensor"),
+        ("invalid_f16_infinity", _pack({"type": "backward", "batch_id": 1, "durable_through": 0,
+                                        "grad": {"dtype": "f16", "shape": [2], "data": bytes.fromhex("003c007c")}}),
+         ErrorCode.BAD_TENSOR, "+inf in an f16 tensor"),
+    ]
+
+
+def build() -> list[tuple[str, bytes, dict[str, Any]]]:
+    """(NN_name, message bytes, JSON meaning) for every case, numbered in order."""
+    out: list[tuple[str, bytes, dict[str, Any]]] = []
+    for name, data in valid_cases():
+        out.append((name, data, meaning_of(data)))
+    for name, data, code, why in invalid_cases():
+        try:
+            m.decode(data)
+        except ProtocolError as exc:
+            assert exc.code == code, (name, exc)
+        else:
+            raise AssertionError(f"{name} decoded")
+        out.append((name, data, {"invalid": True, "error_code": code.value, "description": why}))
+    return [(f"{i:02d}_{name}", data, meaning) for i, (name, data, meaning) in enumerate(out, start=1)]
+
+
+def render_json(meaning: dict[str, Any]) -> str:
+    return json.dumps(meaning, indent=2, allow_nan=False) + "\n"
+
+
+def generate(out_dir: Path = HERE) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for stem, data, meaning in build():
+        (out_dir / f"{stem}.msgpack").write_bytes(data)
+        (out_dir / f"{stem}.json").write_text(render_json(meaning))
+        written += [out_dir / f"{stem}.msgpack", out_dir / f"{stem}.json"]
+    return written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=HERE, help="directory to write into (default: this package)")
+    args = parser.parse_args()
+    written = generate(args.out)
+    print(f"wrote {len(written) // 2} vectors to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,499 @@
+"""Wire protocol: vectors, tensor codec, message validation and the sans-I/O sessions (no sockets)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from protocol import messages as m
+from protocol.errors import FATAL_CODES, ErrorCode, ProtocolError, RemoteError
+from protocol.session import (Admit, ClientSession, DeviceRecord, Embed, Evaluate, Reply, ServerInfo, ServerSession,
+                              Train, TrainTail)
+from protocol.tensor import decode_tensor, encode_tensor
+from protocol.vectors import generate as gen
+
+VECTORS = Path(gen.__file__).resolve().parent
+STEMS = sorted(p.stem for p in VECTORS.glob("*.msgpack"))
+VALID = [s for s in STEMS if "_invalid_" not in s]
+INVALID = [s for s in STEMS if "_invalid_" in s]
+
+
+# ---- vectors ---------------------------------------------------------------------------------
+def test_vectors_on_disk_match_the_generator(tmp_path):
+    gen.generate(tmp_path)
+    fresh = sorted(p.name for p in tmp_path.iterdir())
+    on_disk = sorted(p.name for p in VECTORS.iterdir() if p.suffix in (".msgpack", ".json"))
+    assert fresh == on_disk, "run `python -m protocol.vectors.generate`"
+    for name in fresh:
+        assert (tmp_path / name).read_bytes() == (VECTORS / name).read_bytes(), name
+
+
+def test_vectors_cover_every_message_type():
+    assert len(VALID) >= 14 and len(INVALID) >= 6
+    types = {json.loads((VECTORS / f"{s}.json").read_text())["type"] for s in VALID}
+    assert types == set(m.SCHEMA)
+
+
+@pytest.mark.parametrize("stem", VALID)
+def test_valid_vector_decodes_to_its_meaning_and_reencodes_exactly(stem):
+    data = (VECTORS / f"{stem}.msgpack").read_bytes()
+    meaning = json.loads((VECTORS / f"{stem}.json").read_text())
+    message = m.decode(data)
+    assert list(message) == list(meaning)
+    tensors = gen.tensor_fields(meaning["type"])
+    for key, want in meaning.items():
+        if key in tensors:
+            raw = msgpack.unpackb(data, raw=False)[key]
+            assert raw["dtype"] == want["dtype"] and raw["shape"] == want["shape"]
+            assert raw["data"].hex() == want["data_hex"]
+            assert raw.get("scale") == want.get("scale")
+            assert message[key].dtype == np.float32 and list(message[key].shape) == want["shape"]
+            assert message[key].reshape(-1).tolist() == want["values"]
+        else:
+            assert message[key] == want, key
+    assert m.encode(gen.wire_of(meaning)) == data
+    assert gen.meaning_of(data) == meaning
+
+
+@pytest.mark.parametrize("stem", INVALID)
+def test_invalid_vector_is_refused_with_its_code(stem):
+    data = (VECTORS / f"{stem}.msgpack").read_bytes()
+    meaning = json.loads((VECTORS / f"{stem}.json").read_text())
+    assert meaning["invalid"] is True
+    with pytest.raises(ProtocolError) as exc:
+        m.decode(data)
+    assert exc.value.code.value == meaning["error_code"]
+
+
+# ---- tensor codec ----------------------------------------------------------------------------
+RNG_FREE = np.linspace(-3.0, 2.0, 24, dtype=np.float32).reshape(2, 3, 4)
+
+
+def _roundtrip(a: np.ndarray, enc: str) -> np.ndarray:
+    return m.decode(m.encode({"type": "embedding_grad", "batch_id": 1, "grad": encode_tensor(a, enc)}))["grad"]
+
+
+def test_f32_round_trip_is_exact_and_zero_copy():
+    out = _roundtrip(RNG_FREE, "f32")
+    assert out.dtype == np.float32 and np.array_equal(out, RNG_FREE)
+    assert not out.flags.owndata and not out.flags.writeable
+    wire = encode_tensor(RNG_FREE, "f32")
+    wire["data"] = bytes(wire["data"])
+    decoded = decode_tensor(wire)
+    assert np.shares_memory(decoded, np.frombuffer(wire["data"], np.uint8))
+
+
+def test_f32_encode_hands_msgpack_a_view():
+    wire = encode_tensor(RNG_FREE, "f32")
+    assert isinstance(wire["data"], memoryview)
+    assert np.shares_memory(np.frombuffer(wire["data"], np.uint8), RNG_FREE)
+
+
+def test_f16_round_trip_within_1e_3_relative():
+    out = _roundtrip(RNG_FREE, "f16")
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, RNG_FREE, rtol=1e-3, atol=0)
+
+
+def test_i8_round_trip_within_half_a_step():
+    wire = encode_tensor(RNG_FREE, "i8")
+    assert wire["scale"] == pytest.approx(3.0 / 127)
+    out = _roundtrip(RNG_FREE, "i8")
+    assert np.abs(out - RNG_FREE).max() <= wire["scale"] / 2 + 1e-6
+
+
+def test_i8_all_zero_has_scale_one():
+    wire = encode_tensor(np.zeros((2, 2), np.float32), "i8")
+    assert wire["scale"] == 1.0 and bytes(wire["data"]) == bytes(4)
+    assert np.array_equal(decode_tensor(wire), np.zeros((2, 2)))
+
+
+def test_empty_and_scalar_tensors():
+    assert decode_tensor(encode_tensor(np.zeros((0, 3), np.float32))).shape == (0, 3)
+    assert decode_tensor(encode_tensor(np.float32(2.5))).tolist() == 2.5
+
+
+def test_encode_rejects_unknown_encoding():
+    with pytest.raises(ValueError):
+        encode_tensor(RNG_FREE, "f64")
+
+
+def _bad(obj):
+    with pytest.raises(ProtocolError) as exc:
+        decode_tensor(obj)
+    assert exc.value.code == ErrorCode.BAD_TENSOR
+    return exc.value
+
+
+def test_tensor_refusals():
+    good = {"dtype": "f32", "shape": [2], "data": np.array([1, 2], "<f4").tobytes()}
+    _bad(dict(good, data=good["data"] + b"\0"))               # byte count mismatch
+    _bad(dict(good, data=good["data"][:-1]))
+    _bad(dict(good, dtype="f64"))                              # bad dtype
+    _bad(dict(good, dtype=None))
+    _bad(dict(good, shape=[-2]))                               # bad shapes
+    _bad(dict(good, shape=[2.0]))
+    _bad(dict(good, shape=[True, 2]))
+    _bad(dict(good, shape=(2,)))
+    _bad(dict(good, shape=[1] * 9))
+    _bad(dict(good, data="text"))                              # data must be bin
+    _bad(dict(good, extra=1))
+    _bad(dict(good, scale=1.0))                                # scale only for i8
+    _bad([1, 2])
+    i8 = {"dtype": "i8", "shape": [2], "data": b"\x01\x7f"}
+    for scale in (None, 0.0, -1.0, math.inf, math.nan, True, "1"):
+        _bad(i8 if scale is None else dict(i8, scale=scale))
+    _bad(dict(i8, scale=1e39))                                 # dequantizes to inf in float32
+    _bad(dict(good, data=np.array([1, math.nan], "<f4").tobytes()))
+    _bad(dict(good, data=np.array([math.inf, 1], "<f4").tobytes()))
+    _bad({"dtype": "f16", "shape": [1], "data": np.array([math.nan], "<f2").tobytes()})
+    assert decode_tensor(dict(i8, scale=2)).tolist() == [2.0, 254.0]  # an int scale is a number too
+
+
+# ---- message decoding ------------------------------------------------------------------------
+def test_oversize_message_is_too_large_and_fatal():
+    data = m.encode({"type": "error", "code": "x", "message": "y" * 100})
+    with pytest.raises(ProtocolError) as exc:
+        m.decode(data, max_size=len(data) - 1)
+    assert exc.value.code == ErrorCode.TOO_LARGE and exc.value.fatal
+    assert m.decode(data, max_size=len(data))["message"] == "y" * 100
+
+
+def test_text_input_is_bad_message():
+    with pytest.raises(ProtocolError) as exc:
+        m.decode('{"type": "hello"}')
+    assert exc.value.code == ErrorCode.BAD_MESSAGE
+
+
+def test_decode_errors_carry_the_batch_id():
+    data = msgpack.packb({"type": "forward", "batch_id": 9, "activations": {"dtype": "f32", "shape": [1], "data": b""}})
+    with pytest.raises(ProtocolError) as exc:
+        m.decode(data)
+    assert exc.value.code == ErrorCode.BAD_TENSOR and exc.value.batch_id == 9
+
+
+def test_trailing_bytes_and_optional_nil_are_refused():
+    data = m.encode({"type": "error", "code": "x", "message": "y"})
+    for bad in (data + b"\xc0", msgpack.packb({"type": "error", "code": "x", "message": "y", "batch_id": None})):
+        with pytest.raises(ProtocolError) as exc:
+            m.decode(bad)
+        assert exc.value.code == ErrorCode.BAD_MESSAGE
+
+
+def test_numpy_scalars_encode_as_plain_numbers():
+    data = m.encode({"type": "eval_result", "batch_id": np.int64(1), "loss": np.float32(0.5),
+                     "n_correct": np.int32(2), "n": 2})
+    assert data == m.encode({"type": "eval_result", "batch_id": 1, "loss": 0.5, "n_correct": 2, "n": 2})
+    assert b"\xcb" in data  # float64
+
+
+def test_fatal_codes():
+    assert FATAL_CODES == {ErrorCode.UNAUTHORIZED, ErrorCode.VERSION_MISMATCH, ErrorCode.MODEL_MISMATCH,
+                           ErrorCode.UNSUPPORTED, ErrorCode.TOO_LARGE}
+
+
+# ---- ServerSession -----------------------------------------------------------------------------
+MODEL = {"family": "toy", "width": 2}
+INFO = ServerInfo(model=MODEL, split="conv1", activation_shape=(2, 3), embedding_dim=4, num_classes=5, max_batch=4,
+                  max_message_bytes=1 << 16)
+ACTS = np.arange(12, dtype=np.float32).reshape(2, 2, 3) / 10
+GRAD = np.full((2, 2, 3), 0.5, np.float32)
+
+
+def make_client(head="server", **kw) -> ClientSession:
+    args = dict(device_id="dev", token="tok", model=dict(MODEL), split="conv1", head=head, batch_size=2,
+                num_classes=5 if head == "server" else None)
+    args.update(kw)
+    return ClientSession(**args)
+
+
+def make_server(records=None, durable=0) -> ServerSession:
+    return ServerSession(INFO, lambda d, t: (d, t) == ("dev", "tok"), {} if records is None else records,
+                         lambda d: durable)
+
+
+def connect(head="server", records=None, durable=0, **kw) -> tuple[ClientSession, ServerSession]:
+    c, s = make_client(head, **kw), make_server(records, durable)
+    action = s.receive(c.hello())
+    assert isinstance(action, Admit) and action.device_id == "dev"
+    c.accept_welcome(s.welcome())
+    return c, s
+
+
+def refused(reply, code: ErrorCode, close: bool, batch_id=None) -> dict:
+    assert isinstance(reply, Reply) and reply.close is close
+    message = m.decode(reply.data)
+    assert message["type"] == "error" and message["code"] == code.value
+    assert message.get("batch_id") == batch_id
+    return message
+
+
+def test_handshake_welcome():
+    c, s = connect(durable=0)
+    assert c.welcome == {"type": "welcome", "session_id": s.session_id, "resume_from": 1, "durable_through": 0,
+                         "activation_shape": [2, 3], "embedding_dim": 4,
+                         "limits": {"max_message_bytes": 1 << 16, "max_batch": 4}}
+    assert c.max_message_bytes == 1 << 16 and s.head == "server" and not s.closed
+
+
+@pytest.mark.parametrize("change, code", [
+    ({"token": "nope"}, ErrorCode.UNAUTHORIZED),
+    ({"device_id": "other"}, ErrorCode.UNAUTHORIZED),
+    ({"model": {"family": "toy", "width": 3}}, ErrorCode.MODEL_MISMATCH),
+    ({"split": "layer1"}, ErrorCode.MODEL_MISMATCH),
+    ({"head": "middle"}, ErrorCode.UNSUPPORTED),
+    ({"batch_size": 5}, ErrorCode.MODEL_MISMATCH),
+    ({"num_classes": 6}, ErrorCode.MODEL_MISMATCH),
+    ({"num_classes": None}, ErrorCode.MODEL_MISMATCH),
+    ({"encodings": {"activations": "f64", "gradients": "f32"}}, ErrorCode.UNSUPPORTED),
+    ({"encodings": {"activations": "f32", "gradients": "bf16"}}, ErrorCode.UNSUPPORTED),
+])
+def test_handshake_refusals_are_fatal(change, code):
+    s = make_server()
+    reply = s.receive(make_client(**change).hello())
+    refused(reply, code, close=True)
+    assert s.closed and s.device_id is None
+    refused(s.receive(make_client().hello()), ErrorCode.BAD_STATE, close=True)  # nothing after close
+
+
+def test_wrong_version_is_fatal():
+    hello = msgpack.unpackb(make_client().hello())
+    hello["protocol_version"] = 2
+    s = make_server()
+    refused(s.receive(m.encode(hello)), ErrorCode.VERSION_MISMATCH, close=True)
+    assert s.closed
+
+
+def test_version_is_checked_before_token():
+    hello = msgpack.unpackb(make_client(token="wrong").hello())
+    hello["protocol_version"] = 2
+    refused(make_server().receive(m.encode(hello)), ErrorCode.VERSION_MISMATCH, close=True)
+
+
+def test_device_head_needs_no_num_classes():
+    _, s = connect("device")
+    assert s.head == "device"
+
+
+def test_message_before_hello_closes():
+    s = make_server()
+    refused(s.receive(make_client().forward(1, ACTS, [0, 1])), ErrorCode.BAD_STATE, close=True)
+    assert s.closed
+
+
+def test_garbage_before_hello_closes():
+    s = make_server()
+    refused(s.receive(b"\xc1"), ErrorCode.BAD_MESSAGE, close=True)
+    assert s.closed
+
+
+def test_oversize_after_handshake_is_fatal():
+    _, s = connect()
+    refused(s.receive(b"\0" * ((1 << 16) + 1)), ErrorCode.TOO_LARGE, close=True)
+    assert s.closed
+
+
+def test_server_head_train_and_retry():
+    c, s = connect()
+    action = s.receive(c.forward(1, ACTS, [0, 4]))
+    assert isinstance(action, Train) and action.batch_id == 1
+    assert np.array_equal(action.activations, ACTS) and action.labels.tolist() == [0, 4]
+    reply = s.applied(1, GRAD, loss=1.5, n_correct=1)
+    backward = c.receive(reply, {"backward"}, 1)
+    assert backward["loss"] == 1.5 and backward["n_correct"] == 1 and backward["durable_through"] == 0
+    assert list(backward) == ["type", "batch_id", "grad", "loss", "n_correct", "durable_through"]
+    retry = s.receive(c.forward(1, ACTS, [0, 4]))
+    assert isinstance(retry, Reply) and not retry.close and retry.data == reply
+    assert s.record.last_applied == 1
+    assert isinstance(s.receive(c.forward(2, ACTS, [1, 2])), Train)
+
+
+def test_out_of_order_keeps_the_session_open():
+    c, s = connect()
+    assert isinstance(s.receive(c.forward(1, ACTS, [0, 1])), Train)
+    s.applied(1, GRAD, 0.1, 2)
+    refused(s.receive(c.forward(3, ACTS, [0, 1])), ErrorCode.OUT_OF_ORDER, close=False, batch_id=3)
+    with pytest.raises(RemoteError) as exc:
+        c.receive(s.receive(c.forward(0, ACTS, [0, 1])).data, {"backward"}, 0)
+    assert exc.value.code == "out_of_order" and exc.value.batch_id == 0
+    assert not s.closed
+    assert isinstance(s.receive(c.forward(2, ACTS, [0, 1])), Train)
+
+
+def test_first_batch_must_be_one():
+    c, s = connect()
+    refused(s.receive(c.forward(2, ACTS, [0, 1])), ErrorCode.OUT_OF_ORDER, close=False, batch_id=2)
+    refused(s.receive(c.forward(0, ACTS, [0, 1])), ErrorCode.OUT_OF_ORDER, close=False, batch_id=0)
+
+
+def test_eval_batches_are_not_sequenced():
+    c, s = connect()
+    for eval_id in (7, 1, 7):
+        action = s.receive(c.forward(eval_id, ACTS, [0, 1], eval=True))
+        assert isinstance(action, Evaluate) and action.batch_id == eval_id
+    result = c.receive(s.eval_result(7, 0.25, 1, 2), {"eval_result"}, 7)
+    assert result == {"type": "eval_result", "batch_id": 7, "loss": 0.25, "n_correct": 1, "n": 2}
+    assert s.record.last_applied == 0
+    assert isinstance(s.receive(c.forward(1, ACTS, [0, 1])), Train)
+
+
+@pytest.mark.parametrize("labels, acts", [
+    (None, ACTS),                                       # server head needs labels
+    ([0], ACTS),                                        # one label for two samples
+    ([0, 5], ACTS),                                     # out of range
+    ([-1, 0], ACTS),
+])
+def test_server_head_label_refusals(labels, acts):
+    c, s = connect()
+    data = m.encode({"type": "forward", "batch_id": 1, "activations": acts, **({} if labels is None else {"labels": labels})})
+    refused(s.receive(data), ErrorCode.BAD_MESSAGE, close=False, batch_id=1)
+    assert s.record.last_applied == 0 and not s.closed
+
+
+@pytest.mark.parametrize("acts", [np.zeros((2, 3, 2), np.float32), np.zeros((2, 6), np.float32),
+                                  np.zeros((0, 2, 3), np.float32), np.zeros((5, 2, 3), np.float32)])
+def test_activation_shape_refusals(acts):
+    c, s = connect()
+    data = m.encode({"type": "forward", "batch_id": 1, "activations": acts, "labels": [0] * len(acts)})
+    refused(s.receive(data), ErrorCode.BAD_TENSOR, close=False, batch_id=1)
+
+
+def test_device_may_not_send_server_messages():
+    c, s = connect()
+    refused(s.receive(s.eval_result(1, 0.0, 0, 1)), ErrorCode.BAD_STATE, close=False, batch_id=1)
+    refused(s.receive(c.hello()), ErrorCode.BAD_STATE, close=False)
+    refused(s.receive(c.embedding_grad(1, np.zeros((2, 4), np.float32))), ErrorCode.BAD_STATE, close=False, batch_id=1)
+
+
+def test_device_head_flow():
+    c, s = connect("device")
+    refused(s.receive(m.encode({"type": "forward", "batch_id": 1, "activations": ACTS, "labels": [0, 1]})),
+            ErrorCode.BAD_MESSAGE, close=False, batch_id=1)
+    with pytest.raises(ValueError):
+        c.forward(1, ACTS, [0, 1])
+    refused(s.receive(c.embedding_grad(1, np.zeros((2, 4), np.float32))), ErrorCode.BAD_STATE, close=False, batch_id=1)
+    action = s.receive(c.forward(1, ACTS))
+    assert isinstance(action, Embed) and action.batch_id == 1 and not action.eval
+    emb = c.receive(s.embedded(1, np.ones((2, 4), np.float32)), {"embeddings"}, 1)
+    assert emb["eval"] is False
+    refused(s.receive(c.embedding_grad(1, np.zeros((2, 5), np.float32))), ErrorCode.BAD_TENSOR, close=False, batch_id=1)
+    refused(s.receive(c.embedding_grad(2, np.zeros((2, 4), np.float32))), ErrorCode.OUT_OF_ORDER, close=False,
+            batch_id=2)
+    tail = s.receive(c.embedding_grad(1, np.full((2, 4), 0.25, np.float32)))
+    assert isinstance(tail, TrainTail) and tail.batch_id == 1 and tail.grad.shape == (2, 4)
+    reply = s.applied(1, GRAD)
+    backward = c.receive(reply, {"backward"}, 1)
+    assert "loss" not in backward and "n_correct" not in backward
+    # retries of the last batch, by either message, get the cached BACKWARD
+    assert s.receive(c.embedding_grad(1, np.zeros((2, 4), np.float32))).data == reply
+    assert s.receive(c.forward(1, ACTS)).data == reply
+    # the next gradient needs its forward first
+    refused(s.receive(c.embedding_grad(2, np.zeros((2, 4), np.float32))), ErrorCode.BAD_STATE, close=False, batch_id=2)
+
+
+def test_device_head_eval_does_not_touch_pending():
+    c, s = connect("device")
+    assert isinstance(s.receive(c.forward(1, ACTS)), Embed)
+    action = s.receive(c.forward(9, ACTS, eval=True))
+    assert isinstance(action, Embed) and action.eval
+    assert c.receive(s.embedded(9, np.ones((2, 4), np.float32), eval=True), {"embeddings"}, 9)["eval"] is True
+    assert isinstance(s.receive(c.embedding_grad(1, np.zeros((2, 4), np.float32))), TrainTail)
+
+
+def test_close_drops_pending_and_a_new_session_resumes():
+    records: dict[str, DeviceRecord] = {}
+    c, s = connect("device", records)
+    assert isinstance(s.receive(c.forward(1, ACTS)), Embed)
+    s.receive(c.embedding_grad(1, np.zeros((2, 4), np.float32)))
+    s.applied(1, GRAD)
+    assert isinstance(s.receive(c.forward(2, ACTS)), Embed)
+    s.close()
+    assert s.closed and s._pending is None
+    refused(s.receive(c.embedding_grad(2, np.zeros((2, 4), np.float32))), ErrorCode.BAD_STATE, close=True)
+
+    c2, s2 = connect("device", records, durable=1)
+    assert c2.welcome["resume_from"] == 2 and c2.welcome["durable_through"] == 1
+    assert s2.session_id != s.session_id
+    refused(s2.receive(c2.embedding_grad(2, np.zeros((2, 4), np.float32))), ErrorCode.BAD_STATE, close=False,
+            batch_id=2)
+    assert isinstance(s2.receive(c2.forward(2, ACTS)), Embed)
+    assert isinstance(s2.receive(c2.embedding_grad(2, np.zeros((2, 4), np.float32))), TrainTail)
+
+
+def test_server_failure_forgets_pending():
+    c, s = connect("device")
+    s.receive(c.forward(1, ACTS))
+    with pytest.raises(RemoteError) as exc:
+        c.receive(s.failed(1, "boom"), {"embeddings"}, 1)
+    assert exc.value.code == "server_error" and exc.value.batch_id == 1
+    refused(s.receive(c.embedding_grad(1, np.zeros((2, 4), np.float32))), ErrorCode.BAD_STATE, close=False, batch_id=1)
+    assert isinstance(s.receive(c.forward(1, ACTS)), Embed)
+
+
+def test_resume_after_restart_from_a_checkpoint():
+    # a restarted server whose checkpoint covers batch 3 answers resume_from = durable_through + 1
+    records = {"dev": DeviceRecord(3, b"cached")}
+    c, s = connect("server", records, durable=3)
+    assert c.welcome["resume_from"] == 4 and c.welcome["durable_through"] == 3
+    assert s.receive(c.forward(3, ACTS, [0, 1])).data == b"cached"
+    assert isinstance(s.receive(c.forward(4, ACTS, [0, 1])), Train)
+
+
+def test_gradient_encoding_follows_hello():
+    c, s = connect(encodings={"activations": "i8", "gradients": "f16"})
+    raw = msgpack.unpackb(c.forward(1, ACTS, [0, 1]))
+    assert raw["activations"]["dtype"] == "i8" and "scale" in raw["activations"]
+    action = s.receive(c.forward(1, ACTS, [0, 1]))
+    assert np.abs(action.activations - ACTS).max() <= ACTS.max() / 127 / 2 + 1e-6
+    assert msgpack.unpackb(s.applied(1, GRAD))["grad"]["dtype"] == "f16"
+
+
+def test_missing_encoding_roles_default_to_f32():
+    c, s = connect(encodings={})
+    assert s.grad_encoding == "f32"
+
+
+# ---- ClientSession -----------------------------------------------------------------------------
+def test_client_receive_raises_remote_error():
+    c = make_client()
+    with pytest.raises(RemoteError) as exc:
+        c.receive(m.encode(m.error(ErrorCode.SERVER_ERROR, "boom", 4)), {"backward"}, 4)
+    assert (exc.value.code, exc.value.message, exc.value.batch_id) == ("server_error", "boom", 4)
+    with pytest.raises(RemoteError):
+        c.accept_welcome(make_server().receive(make_client(token="bad").hello()).data)
+
+
+def test_client_receive_checks_type_and_batch():
+    c, s = connect()
+    s.receive(c.forward(1, ACTS, [0, 1]))
+    reply = s.applied(1, GRAD)
+    with pytest.raises(ProtocolError) as exc:
+        c.receive(reply, {"embeddings"})
+    assert exc.value.code == ErrorCode.BAD_STATE
+    with pytest.raises(ProtocolError) as exc:
+        c.receive(reply, {"backward"}, 2)
+    assert exc.value.code == ErrorCode.OUT_OF_ORDER
+
+
+def test_client_refuses_too_large_before_sending():
+    c, _ = connect()
+    assert c.max_message_bytes == 1 << 16
+    big = np.zeros((4, 2, 3), np.float32)
+    c.welcome["limits"]["max_message_bytes"] = 100
+    with pytest.raises(ProtocolError) as exc:
+        c.forward(1, big, [0] * 4)
+    assert exc.value.code == ErrorCode.TOO_LARGE
+    with pytest.raises(ProtocolError):
+        c.embedding_grad(1, np.zeros((4, 40), np.float32))
+    assert len(c.forward(1, np.zeros((1, 2, 3), np.float32), [0])) <= 100
+
+
+def test_client_hello_layout():
+    hello = msgpack.unpackb(make_client().hello())
+    assert list(hello) == ["type", "protocol_version", "device_id", "token", "model", "split", "head", "encodings",
+                           "batch_size", "num_classes"]
+    assert "num_classes" not in msgpack.unpackb(make_client("device").hello())
