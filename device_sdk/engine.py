@@ -72,7 +72,7 @@ class DeviceEngine:
         logits = self.classifier(e)
         loss = F.cross_entropy(logits, y)
         loss.backward()
-        return e.grad.numpy(), float(loss), int((logits.argmax(1) == y).sum())
+        return e.grad.numpy(), loss.item(), int((logits.argmax(1) == y).sum())
 
     def commit(self, batch_id: int, activation_grad: np.ndarray) -> None:
         """Apply the server's gradient: backward through the layer, one optimiser step, snapshot."""

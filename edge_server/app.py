@@ -113,7 +113,7 @@ class EdgeServer:
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
                 loop.add_signal_handler(sig, self._stop.set)
-            except (NotImplementedError, RuntimeError):
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
                 pass
         async with serve(self.handle, self.config.host, self.config.port, max_size=self.info.max_message_bytes,
                          compression=None, max_queue=4, write_limit=2 ** 24, ping_interval=30,

@@ -5,6 +5,7 @@ Every device feeds this one model. Calls are made one at a time by the server sh
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,8 +53,14 @@ class ServerTrainer:
         # bf16 on a GPU for throughput; exact fp32 on the CPU.
         return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
 
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        """Wrap the message's read-only buffer without a copy; nothing here writes to it."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return torch.as_tensor(array, dtype=torch.float32).to(self.device)
+
     def _input(self, activations: np.ndarray) -> torch.Tensor:
-        return torch.as_tensor(activations, dtype=torch.float32).to(self.device).requires_grad_(True)
+        return self._tensor(activations).requires_grad_(True)
 
     def _step(self) -> None:
         self.optimizer.step()
@@ -72,12 +79,12 @@ class ServerTrainer:
         loss.backward()
         self._step()
         n_correct = int((logits.argmax(1) == y).sum())
-        return _numpy(x.grad), float(loss), n_correct
+        return _numpy(x.grad), loss.item(), n_correct
 
     def evaluate(self, activations: np.ndarray, labels: np.ndarray) -> tuple[float, int]:
         self._train_mode(False)
         with torch.no_grad(), self._autocast():
-            logits = self.classifier(self.tail(torch.as_tensor(activations, dtype=torch.float32).to(self.device)))
+            logits = self.classifier(self.tail(self._tensor(activations)))
         y = torch.as_tensor(labels, device=self.device)
         return float(F.cross_entropy(logits.float(), y)), int((logits.argmax(1) == y).sum())
 
@@ -86,7 +93,7 @@ class ServerTrainer:
         self._train_mode(train)
         if not train:
             with torch.no_grad(), self._autocast():
-                return _numpy(self.tail(torch.as_tensor(activations, dtype=torch.float32).to(self.device)).float())
+                return _numpy(self.tail(self._tensor(activations)).float())
         self.optimizer.zero_grad(set_to_none=True)
         x = self._input(activations)
         with self._autocast():
@@ -100,7 +107,7 @@ class ServerTrainer:
             raise RuntimeError("train_tail without a pending embed")
         x, embeddings = self._pending
         self._pending = None
-        embeddings.backward(torch.as_tensor(embedding_grad, dtype=torch.float32, device=self.device))
+        embeddings.backward(self._tensor(embedding_grad))
         self._step()
         return _numpy(x.grad)
 

@@ -1,0 +1,84 @@
+"""The split is exact: two SGD steps through device + protocol + real websocket server equal
+two steps of the unsplit model in one process (loss, gradients, updated weights; 1e-5)."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from device_sdk.client import DeviceClient
+from device_sdk.engine import DeviceEngine, DeviceTrainConfig, to_input
+from device_sdk.models import build_backbone, build_classifier, resolve_spec, split_backbone
+from device_sdk.optim import exponential_decay, make_sgd
+from tests.conftest import TOKENS, ServerThread, small_trainer
+
+TOL = 1e-5
+NUM_CLASSES = 5
+LR, DECAY_STEPS = 0.05, 4
+
+
+def _batches(spec, n: int = 6, steps: int = 2):
+    rng = np.random.default_rng(0)
+    s = spec.input_size
+    return [(rng.integers(0, 256, (n, 3, s, s), dtype=np.uint8), rng.integers(0, NUM_CLASSES, n)) for _ in range(steps)]
+
+
+def _unsplit(spec, batches):
+    torch.manual_seed(123)
+    backbone, classifier = build_backbone(spec), build_classifier(spec, NUM_CLASSES)
+    init = {"backbone": {k: v.clone() for k, v in backbone.state_dict().items()},
+            "classifier": {k: v.clone() for k, v in classifier.state_dict().items()}}
+    params = list(backbone.parameters()) + list(classifier.parameters())
+    opt = make_sgd(params, LR, 0.9)
+    sched = exponential_decay(opt, 0.1, DECAY_STEPS)
+    losses = []
+    for images, labels in batches:
+        backbone.train(), classifier.train()
+        opt.zero_grad()
+        loss = F.cross_entropy(classifier(backbone(to_input(images))), torch.from_numpy(labels))
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return init, backbone, classifier, losses
+
+
+@pytest.mark.parametrize("model,head", [("vgg_face_small", "server"), ("vgg_face_small", "device"),
+                                        ("iresnet_small", "server"), ("iresnet_small", "device")])
+def test_split_step_equals_unsplit_step(tmp_path, model, head):
+    spec = resolve_spec(model)
+    batches = _batches(spec)
+    init, ref_backbone, ref_classifier, ref_losses = _unsplit(spec, batches)
+    ref_device, ref_tail = split_backbone(ref_backbone, "conv1")
+
+    trainer = small_trainer(NUM_CLASSES, model, lr=LR, decay_steps=DECAY_STEPS)
+    backbone = build_backbone(spec)
+    backbone.load_state_dict(init["backbone"])
+    device_init, tail_init = split_backbone(backbone, "conv1")
+    trainer.tail.load_state_dict(tail_init.state_dict())
+    engine = DeviceEngine(spec, "conv1", head, NUM_CLASSES, DeviceTrainConfig(lr=LR, decay_steps=DECAY_STEPS))
+    engine.layer.load_state_dict(device_init.state_dict())
+    (trainer.classifier if head == "server" else engine.classifier).load_state_dict(init["classifier"])
+
+    with ServerThread(trainer, tmp_path) as server:
+        async def run():
+            client = DeviceClient(server.url, "device-0", TOKENS["device-0"], engine, batch_size=8)
+            await client.connect()
+            results = [await client.train_batch(i + 1, images, labels) for i, (images, labels) in enumerate(batches)]
+            await client.close()
+            return results
+        results = asyncio.run(run())
+
+    assert [r.loss for r in results] == pytest.approx(ref_losses, abs=TOL)
+    classifier = trainer.classifier if head == "server" else engine.classifier
+    pairs = [(engine.layer, ref_device), (trainer.tail, ref_tail), (classifier, ref_classifier)]
+    for split_part, ref_part in pairs:
+        for (name, p), (_, q) in zip(split_part.named_parameters(), ref_part.named_parameters()):
+            assert torch.allclose(p, q, atol=TOL), f"{name} weights differ"
+            if q.grad is not None:
+                assert torch.allclose(p.grad, q.grad, atol=TOL), f"{name} gradients differ"
+        for (name, b), (_, c) in zip(split_part.named_buffers(), ref_part.named_buffers()):
+            assert torch.allclose(b.float(), c.float(), atol=TOL), f"buffer {name} differs"
