@@ -198,6 +198,8 @@ class EdgeServer:
                         reply = await self._run(session, action.batch_id, self._train_tail, session, action)
                         holds_lock = False
                         self.model_lock.release()
+                    elif holds_lock:  # device head: an eval batch in the middle of this device's own U-turn
+                        reply = await self._run(session, action.batch_id, self._work, session, action)
                     else:
                         async with self.model_lock:
                             reply = await self._run(session, action.batch_id, self._work, session, action)
