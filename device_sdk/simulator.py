@@ -69,8 +69,9 @@ class SimulatedDevice:
         self.index, self.data, self.config = index, data, config
         total = batches_per_epoch(len(data.train_labels), config.batch_size) * config.epochs
         decay_steps = config.train.decay_steps if config.train.decay_steps > 0 else total
-        train_cfg = DeviceTrainConfig(**{**asdict(config.train), "seed": config.train.seed + index,
-                                         "decay_steps": decay_steps})
+        # Every device starts from the same initial layer (as if all downloaded one published model);
+        # only their data, and so their updates, differ.
+        train_cfg = DeviceTrainConfig(**{**asdict(config.train), "decay_steps": decay_steps})
         engine = DeviceEngine(config.spec, config.split, config.head, num_classes, train_cfg)
         self.client = DeviceClient(config.url, device_id, token, engine, config.batch_size, config.encodings,
                                    config.reconnect_timeout_s)
