@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,7 +18,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from protocol import messages as m
-from protocol.errors import ErrorCode, ProtocolError, RemoteError
+from protocol.errors import ErrorCode, RemoteError
 from protocol.session import ClientSession
 
 from .engine import DeviceEngine

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -57,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     server_cmd = [sys.executable, "-m", "edge_server", "serve", *common, "--num-classes", str(len(data.class_names)),
                   "--tokens", str(run_dir / "server" / "tokens.json"), "--port", str(args.port),
                   "--run-dir", str(run_dir / "server"), "--lr", str(args.lr), "--decay-steps", str(decay_steps),
-                  "--max-batch", str(args.batch_size)]
+                  "--max-batch", str(args.batch_size), "--seed", str(args.seed)]
     server_log = open(run_dir / "server.log", "w")
     server = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, stderr=server_log, text=True)
     try:
