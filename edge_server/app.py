@@ -11,14 +11,14 @@ import logging
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from protocol.session import (Admit, Authenticator, DeviceRecord, Embed, Evaluate, Reply, ServerInfo, ServerSession,
+from protocol.session import (Action, Admit, Authenticator, DeviceRecord, Embed, Evaluate, Reply, ServerInfo, ServerSession,
                               Train, TrainTail)
 
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -57,6 +57,14 @@ def server_info(trainer: ServerTrainer, max_batch: int, max_message_bytes: int) 
                       activation_shape=activation_shape(trainer.spec, trainer.split),
                       embedding_dim=trainer.spec.embedding_dim, num_classes=trainer.num_classes,
                       max_batch=max_batch, max_message_bytes=max_message_bytes)
+
+
+@dataclass
+class _Connection:
+    ws: ServerConnection
+    session: ServerSession
+    holds_lock: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class EdgeServer:
@@ -160,13 +168,12 @@ class EdgeServer:
         self.connections[device_id] = (ws, done)
 
     async def handle(self, ws: ServerConnection) -> None:
-        session = ServerSession(self.info, self.authenticate, self.records, self.durable_through)
-        done = asyncio.Event()
-        holds_lock = False
+        conn = _Connection(ws, ServerSession(self.info, self.authenticate, self.records, self.durable_through))
+        session = conn.session
         try:
             while True:
                 try:
-                    timeout = self.config.pending_timeout_s if holds_lock else None
+                    timeout = self.config.pending_timeout_s if conn.holds_lock else None
                     data = await asyncio.wait_for(ws.recv(), timeout)
                 except TimeoutError:
                     log.warning("%s: no embedding gradient within %.0fs; dropping its batch", session.device_id,
@@ -176,35 +183,7 @@ class EdgeServer:
                 action = session.receive(data)
                 if session.device_id:
                     self.metrics.traffic(session.device_id, bytes_in=len(data))
-                if isinstance(action, Admit):
-                    await self._admit(action.device_id, ws, done)
-                    reply = session.welcome()
-                    log.info("%s connected (%s head), resume from batch %d", action.device_id, session.head,
-                             session.record.last_applied + 1)
-                elif isinstance(action, Reply):
-                    reply = action.data
-                elif isinstance(action, Embed) and not action.eval:
-                    if not holds_lock:
-                        await self.model_lock.acquire()
-                        holds_lock = True
-                    reply = await self._run(session, action.batch_id, self._embed, session, action)
-                    if reply is None:
-                        reply = session.failed(action.batch_id, "the server failed on this batch; it was not applied")
-                        self.trainer.drop_pending()
-                        holds_lock = False
-                        self.model_lock.release()
-                else:
-                    if isinstance(action, TrainTail):
-                        reply = await self._run(session, action.batch_id, self._train_tail, session, action)
-                        holds_lock = False
-                        self.model_lock.release()
-                    elif holds_lock:  # device head: an eval batch in the middle of this device's own U-turn
-                        reply = await self._run(session, action.batch_id, self._work, session, action)
-                    else:
-                        async with self.model_lock:
-                            reply = await self._run(session, action.batch_id, self._work, session, action)
-                    if reply is None:
-                        reply = session.failed(action.batch_id, "the server failed on this batch; it was not applied")
+                reply = await self._perform(conn, action)
                 await ws.send(reply)
                 if session.device_id:
                     self.metrics.traffic(session.device_id, bytes_out=len(reply))
@@ -215,12 +194,45 @@ class EdgeServer:
             pass
         finally:
             session.close()
-            if holds_lock:
-                self.trainer.drop_pending()
-                self.model_lock.release()
+            if conn.holds_lock:
+                self._release(conn)
             if session.device_id and self.connections.get(session.device_id, (None,))[0] is ws:
                 del self.connections[session.device_id]
-            done.set()
+            conn.done.set()
+
+    async def _perform(self, conn: "_Connection", action: Action) -> bytes:
+        """Carry out one action and return the reply bytes."""
+        session = conn.session
+        if isinstance(action, Reply):
+            return action.data
+        if isinstance(action, Admit):
+            await self._admit(action.device_id, conn.ws, conn.done)
+            log.info("%s connected (%s head), resume from batch %d", action.device_id, session.head,
+                     session.record.last_applied + 1)
+            return session.welcome()
+        if isinstance(action, Embed) and not action.eval:
+            # The U-turn starts: hold the model until this device's embedding gradient arrives.
+            if not conn.holds_lock:
+                await self.model_lock.acquire()
+                conn.holds_lock = True
+            reply = await self._run(session, action.batch_id, self._embed, session, action)
+            if reply is None:
+                self._release(conn)
+        elif isinstance(action, TrainTail):
+            reply = await self._run(session, action.batch_id, self._train_tail, session, action)
+            self._release(conn)
+        elif conn.holds_lock:  # an eval batch in the middle of this device's own U-turn
+            reply = await self._run(session, action.batch_id, self._work, session, action)
+        else:
+            async with self.model_lock:
+                reply = await self._run(session, action.batch_id, self._work, session, action)
+        return reply if reply is not None else session.failed(
+            action.batch_id, "the server failed on this batch; it was not applied")
+
+    def _release(self, conn: "_Connection") -> None:
+        self.trainer.drop_pending()
+        conn.holds_lock = False
+        self.model_lock.release()
 
     async def _run(self, session: ServerSession, batch_id: int, fn: Callable, *args: Any) -> bytes | None:
         """Run compute in the worker thread; None if it raised (logged, nothing applied)."""

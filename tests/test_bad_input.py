@@ -157,3 +157,32 @@ def test_bad_inputs_are_refused_and_others_keep_training(server, tmp_path):
     for k, v in checkpoint["trainer"]["tail"].items():
         assert torch.equal(v, state[k])
         assert torch.isfinite(v.float()).all()
+
+
+def test_device_head_u_turn_allows_eval_and_times_out(tmp_path):
+    """An eval batch inside a device's own U-turn is answered (no deadlock on the model lock); a
+    device that never sends its embedding gradient is cut off and the others go on."""
+    with ServerThread(small_trainer(NUM_CLASSES), tmp_path, max_batch=8, pending_timeout_s=1.0) as server:
+        async def scenario():
+            session = _client_session("device-1", head="device")
+            ws = await _raw(server.url, session)
+            await ws.send(session.forward(1, _activations()))
+            assert m.decode(await ws.recv())["type"] == m.EMBEDDINGS
+            await ws.send(session.forward(7, _activations(), eval=True))
+            reply = m.decode(await ws.recv())
+            assert reply["type"] == m.EMBEDDINGS and reply["eval"]
+            await ws.send(session.embedding_grad(1, np.ones((4, reply["embeddings"].shape[1]), np.float32)))
+            assert m.decode(await ws.recv())["type"] == m.BACKWARD
+
+            await ws.send(session.forward(2, _activations()))         # then goes silent, holding the model
+            assert m.decode(await ws.recv())["type"] == m.EMBEDDINGS
+            good = DeviceClient(server.url, "device-0", TOKENS["device-0"],
+                                DeviceEngine(server.trainer.spec, "conv1", "server", NUM_CLASSES), batch_size=8)
+            await good.connect()
+            await asyncio.wait_for(_good_batch(good, 1), timeout=30)
+            with pytest.raises(ConnectionClosed) as closed:
+                await ws.recv()
+            assert closed.value.rcvd.code == 4001
+            await good.close()
+            assert server.server.records["device-1"].last_applied == 1  # batch 2 was dropped, not applied
+        asyncio.run(scenario())
