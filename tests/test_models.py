@@ -204,3 +204,20 @@ def test_build_is_deterministic_given_seed() -> None:
     assert all(torch.equal(a[k], b[k]) for k in a)
     head = build_classifier(spec, 10)
     assert head.in_features == 256 and head.out_features == 10
+
+
+def test_release_pool_shrinks_what_the_device_sends():
+    """release_pool=k: the device average-pools k x k before release, the server upsamples back."""
+    from dataclasses import replace
+
+    spec = replace(PRESETS["iresnet_small"], release_pool=4)
+    assert activation_shape(spec, "conv1") == (16, 16, 16)
+    assert ModelSpec.from_dict(spec.to_dict()) == spec
+    device, server = split_backbone(build_backbone(spec), "conv1")
+    x = torch.rand(2, 3, 64, 64)
+    released = device(x)
+    assert released.shape == (2, 16, 16, 16)
+    assert torch.allclose(released, torch.nn.functional.avg_pool2d(device.stages["conv1"](x), 4))
+    assert server(released).shape == (2, spec.embedding_dim)
+    with pytest.raises(ValueError):
+        replace(spec, release_pool=0)

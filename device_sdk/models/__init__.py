@@ -51,6 +51,9 @@ class ModelSpec:
     depth: int = 50  # iresnet 18 | 34 | 50 | 100
     embedding_size: int = 512  # iresnet
     dropout: float = 0.5  # vgg fc6/fc7 dropout; iresnet dropout before fc
+    # k > 1: the device average-pools its output k x k before release (k^2 fewer values to clip,
+    # noise and send) and the server upsamples it back; applied only where the model is split.
+    release_pool: int = 1
 
     def __post_init__(self) -> None:
         # Fail at spec time (e.g. when a peer sends one) rather than deep in a build.
@@ -63,6 +66,8 @@ class ModelSpec:
             raise ValueError(f"{self.family} input_size must be a positive multiple of {multiple}, got {self.input_size}")
         if min(self.width, self.fc_width, self.embedding_size) < 1:
             raise ValueError("width, fc_width and embedding_size must be >= 1")
+        if self.release_pool < 1:
+            raise ValueError(f"release_pool must be >= 1, got {self.release_pool}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -193,9 +198,14 @@ def split_backbone(backbone: Backbone, split: str) -> tuple[Stages, Stages]:
             f"cannot split at the last stage {split!r}: the server needs at least one stage; "
             f"valid splits: {names[:-1]}"
         )
-    device = Stages(OrderedDict((n, backbone.stages[n]) for n in names[:cut]))
-    server = Stages(OrderedDict((n, backbone.stages[n]) for n in names[cut:]))
-    return device, server
+    device_stages = OrderedDict((n, backbone.stages[n]) for n in names[:cut])
+    server_stages = OrderedDict((n, backbone.stages[n]) for n in names[cut:])
+    k = backbone.spec.release_pool
+    if k > 1:
+        device_stages["release_pool"] = nn.AvgPool2d(k)
+        server_stages = OrderedDict([("release_upsample", nn.Upsample(scale_factor=k, mode="nearest")),
+                                     *server_stages.items()])
+    return Stages(device_stages), Stages(server_stages)
 
 
 def activation_shape(spec: ModelSpec, split: str) -> tuple[int, int, int]:
