@@ -6,13 +6,14 @@ import asyncio
 import json
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from .data import find_lfw_root, load_image_folder, load_lfw
 from .engine import DeviceTrainConfig
-from .models import DEFAULT_SPLIT, PRESETS, resolve_spec
+from .models import DEFAULT_SPLIT, PRESETS, ModelSpec, resolve_spec
 from .simulator import SimConfig, simulate
 
 
@@ -23,7 +24,20 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-folder", action="store_true", help="--data is a plain <class>/<image> folder")
     p.add_argument("--min-images", type=int, default=10, help="LFW: people with at least this many images")
     p.add_argument("--max-identities", type=int, default=None, help="LFW: keep only the first K identities")
+    p.add_argument("--max-images", type=int, default=None, help="LFW: only people with at most this many images")
     p.add_argument("--seed", type=int, default=0)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="vgg_face_small", help=f"preset ({', '.join(PRESETS)}) or a JSON model spec")
+    p.add_argument("--split", default=DEFAULT_SPLIT, help="last stage that runs on the device (default: conv1)")
+    p.add_argument("--release-pool", type=int, default=1,
+                   help="average-pool the device's output k x k before release (server upsamples back)")
+
+
+def model_spec(args: argparse.Namespace) -> ModelSpec:
+    spec = resolve_spec(json.loads(args.model) if args.model.lstrip().startswith("{") else args.model)
+    return replace(spec, release_pool=args.release_pool) if args.release_pool != 1 else spec
 
 
 def load_data(args: argparse.Namespace):
@@ -32,7 +46,7 @@ def load_data(args: argparse.Namespace):
             raise SystemExit("--image-folder needs --data PATH")
         return load_image_folder(args.data, seed=args.seed)
     return load_lfw(find_lfw_root(args.data), min_images=args.min_images, seed=args.seed,
-                    max_identities=args.max_identities)
+                    max_identities=args.max_identities, max_images=args.max_images)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -40,8 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--server", default="ws://127.0.0.1:8765")
     p.add_argument("--tokens", type=Path, required=True, help="JSON of device id -> token (from `splitface-server tokens`)")
     add_data_args(p)
-    p.add_argument("--model", default="vgg_face_small", help=f"preset ({', '.join(PRESETS)}) or a JSON model spec")
-    p.add_argument("--split", default=DEFAULT_SPLIT)
+    add_model_args(p)
     p.add_argument("--head", choices=("server", "device"), default="server")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--epochs", type=int, default=3)
@@ -64,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     data = load_data(args)
-    spec = resolve_spec(json.loads(args.model) if args.model.lstrip().startswith("{") else args.model)
+    spec = model_spec(args)
     config = SimConfig(
         url=args.server, spec=spec, split=args.split, head=args.head, num_devices=args.devices, epochs=args.epochs,
         batch_size=args.batch_size, partition=args.partition, crop=args.crop,

@@ -1,4 +1,4 @@
-"""`splitface-server`: run the edge server, or issue device tokens."""
+"""`splitface-server`: run the edge server, pre-train a public backbone, or issue device tokens."""
 from __future__ import annotations
 
 import argparse
@@ -10,21 +10,13 @@ from pathlib import Path
 
 import torch
 
-from device_sdk.models import DEFAULT_SPLIT, PRESETS, resolve_spec
+from device_sdk.cli import add_data_args, add_model_args, load_data, model_spec
 from protocol.messages import DEFAULT_MAX_MESSAGE_BYTES
 
 from .app import EdgeServer, ServerConfig, server_info
 from .auth import TokenAuthenticator, issue_tokens, load_tokens
+from .pretrain import pretrain
 from .trainer import ServerTrainer, TrainConfig
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="vgg_face_small", help=f"preset ({', '.join(PRESETS)}) or a JSON model spec")
-    p.add_argument("--split", default=DEFAULT_SPLIT, help="last stage that runs on the device (default: conv1)")
-
-
-def parse_model(value: str):
-    return resolve_spec(json.loads(value) if value.lstrip().startswith("{") else value)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,6 +25,9 @@ def main(argv: list[str] | None = None) -> None:
 
     s = sub.add_parser("serve", help="train the server part for connecting devices")
     add_model_args(s)
+    s.add_argument("--init", type=Path, default=None, help="start the tail from a saved backbone (see `pretrain`)")
+    s.add_argument("--train-only", choices=("all", "classifier"), default="all",
+                   help="classifier: freeze the tail, train only the output layer")
     s.add_argument("--num-classes", type=int, required=True, help="identities of the server-head classifier")
     s.add_argument("--tokens", type=Path, required=True, help="JSON of device id -> token digest (see `tokens`)")
     s.add_argument("--host", default="127.0.0.1")
@@ -52,6 +47,16 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     s.add_argument("--seed", type=int, default=0)
 
+    pt = sub.add_parser("pretrain", help="train the whole backbone on a public set and save it")
+    add_model_args(pt)
+    add_data_args(pt)
+    pt.set_defaults(min_images=3, max_images=9)
+    pt.add_argument("--epochs", type=int, default=10)
+    pt.add_argument("--lr", type=float, default=0.1)
+    pt.add_argument("--batch-size", type=int, default=64)
+    pt.add_argument("--out", type=Path, required=True)
+    pt.add_argument("--threads", type=int, default=0)
+
     t = sub.add_parser("tokens", help="issue tokens for devices; digests go to the file, tokens to stdout as JSON")
     t.add_argument("--file", type=Path, required=True)
     t.add_argument("device_ids", nargs="+")
@@ -63,8 +68,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.command == "pretrain":
+        data = load_data(args)
+        meta = pretrain(model_spec(args), data, args.out, args.epochs, args.lr, args.batch_size, args.seed)
+        print(json.dumps({k: v for k, v in meta.items() if k != "history"}), "final:", meta["history"][-1])
+        return
     config = TrainConfig(args.lr, args.momentum, args.weight_decay, args.lr_decay, args.decay_steps, args.seed)
-    trainer = ServerTrainer(parse_model(args.model), args.split, args.num_classes, config, args.device)
+    trainer = ServerTrainer(model_spec(args), args.split, args.num_classes, config, args.device, args.init,
+                            args.train_only)
     info = server_info(trainer, args.max_batch, int(args.max_message_mb * 2 ** 20))
     server = EdgeServer(trainer, info, TokenAuthenticator(load_tokens(args.tokens)),
                         ServerConfig(args.host, args.port, args.run_dir, args.checkpoint_every,

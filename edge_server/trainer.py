@@ -6,6 +6,7 @@ Every device feeds this one model. Calls are made one at a time by the server sh
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from device_sdk.models import ModelSpec, build_backbone, build_classifier, split_backbone
+from device_sdk.models.weights import load_into
 from device_sdk.optim import exponential_decay, make_sgd
 
 
@@ -35,16 +37,26 @@ def pick_device(name: str | None = None) -> torch.device:
 
 class ServerTrainer:
     def __init__(self, spec: ModelSpec, split: str, num_classes: int, config: TrainConfig | None = None,
-                 device: str | None = None):
-        self.spec, self.split, self.num_classes = spec, split, num_classes
+                 device: str | None = None, init: Path | None = None, train_only: str = "all"):
+        """`init`: start the tail from a saved (e.g. public pre-trained) backbone; `train_only="classifier"`
+        freezes the tail and trains only the output layer (the source paper's fine-tuning setting)."""
+        if train_only not in ("all", "classifier"):
+            raise ValueError(f"train_only must be 'all' or 'classifier', not {train_only!r}")
+        self.spec, self.split, self.num_classes, self.train_only = spec, split, num_classes, train_only
         self.config = config or TrainConfig()
         torch.manual_seed(self.config.seed)
         _, tail = split_backbone(build_backbone(spec), split)
+        if init is not None:
+            load_into(tail, init, spec)
         self.device = pick_device(device)
         self.tail = tail.to(self.device)
         self.classifier = build_classifier(spec, num_classes).to(self.device)
-        self.optimizer = make_sgd(list(self.tail.parameters()) + list(self.classifier.parameters()),
-                                  self.config.lr, self.config.momentum, self.config.weight_decay)
+        trained = list(self.classifier.parameters())
+        if train_only == "all":
+            trained += list(self.tail.parameters())
+        else:
+            self.tail.requires_grad_(False)
+        self.optimizer = make_sgd(trained, self.config.lr, self.config.momentum, self.config.weight_decay)
         self.scheduler = exponential_decay(self.optimizer, self.config.lr_decay, self.config.decay_steps)
         self.steps = 0
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -115,7 +127,7 @@ class ServerTrainer:
         self._pending = None
 
     def _train_mode(self, train: bool) -> None:
-        self.tail.train(train)
+        self.tail.train(train and self.train_only == "all")  # a frozen tail keeps its BN statistics too
         self.classifier.train(train)
 
     def state_dict(self) -> dict[str, Any]:
