@@ -2,7 +2,8 @@
 
 Encoding hands msgpack a memoryview of the array (no copy before packing); decoding
 wraps the received bytes with np.frombuffer (no copy for f32). f16 and i8 trade
-precision for bytes on the wire without changing the message layout.
+precision for bytes on the wire without changing the message layout; both carry a
+per-tensor scale (i8: max/127; f16: a power of two that keeps tiny gradients normal).
 """
 from __future__ import annotations
 
@@ -31,15 +32,28 @@ def encode_tensor(array: np.ndarray, encoding: str = "f32") -> dict[str, Any]:
     out: dict[str, Any] = {"dtype": encoding, "shape": shape}
     if encoding == "i8":
         a = a.astype(np.float32, copy=False)
-        peak = float(np.max(np.abs(a))) if a.size else 0.0
-        scale = peak / 127.0 if peak > 0 and math.isfinite(peak) else 1.0
+        peak = _peak(a)
+        scale = peak / 127.0 if peak > 0 else 1.0
         q = np.clip(np.rint(a / scale), -127, 127).astype(np.int8)
         out["data"] = _bytes_view(q)
+        out["scale"] = scale
+    elif encoding == "f16":
+        # A power-of-two scale puts the largest value in [2^14, 2^15): gradients (~1e-8 here)
+        # stay in f16's normal range instead of flushing to subnormals or zero; exact to undo.
+        a = a.astype(np.float32, copy=False)
+        peak = _peak(a)
+        scale = math.ldexp(1.0, max(math.frexp(peak)[1] - 15, -126)) if peak > 0 else 1.0
+        out["data"] = _bytes_view((a / np.float32(scale)).astype(WIRE_DTYPES["f16"]))
         out["scale"] = scale
     else:
         wire = np.ascontiguousarray(a, dtype=WIRE_DTYPES[encoding])
         out["data"] = _bytes_view(wire)
     return out
+
+
+def _peak(a: np.ndarray) -> float:
+    peak = float(np.max(np.abs(a))) if a.size else 0.0
+    return peak if math.isfinite(peak) else 0.0
 
 
 def _bytes_view(a: np.ndarray) -> memoryview:
@@ -71,17 +85,15 @@ def decode_tensor(obj: Any, *, field: str = "tensor", finite: bool = True) -> np
             ErrorCode.BAD_TENSOR,
             f"{field}: {len(data)} bytes do not match dtype {dtype_name} x shape {shape} ({expected} bytes)")
     array = np.frombuffer(data, dtype=dtype).reshape(shape)
-    if dtype_name == "i8":
+    if dtype_name in ("i8", "f16"):
         scale = obj.get("scale")
         if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not (math.isfinite(scale) and scale > 0):
-            raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: i8 needs a finite positive scale")
-        # Applied as a float32: a scale near or beyond float32's range dequantizes to inf, refused below.
+            raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: {dtype_name} needs a finite positive scale")
+        # Applied as a float32: a scale near or beyond float32's range gives inf, refused below.
         with np.errstate(over="ignore", invalid="ignore"):
             array = array.astype(np.float32) * np.float32(scale)
     elif "scale" in obj:
-        raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: scale is only allowed with i8")
-    elif dtype_name == "f16":
-        array = array.astype(np.float32)
+        raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: f32 takes no scale")
     if finite and array.size and not np.isfinite(array).all():
         raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: contains NaN or infinity")
     return array

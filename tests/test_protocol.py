@@ -11,8 +11,18 @@ import pytest
 
 from protocol import messages as m
 from protocol.errors import FATAL_CODES, ErrorCode, ProtocolError, RemoteError
-from protocol.session import (Admit, ClientSession, DeviceRecord, Embed, Evaluate, Reply, ServerInfo, ServerSession,
-                              Train, TrainTail)
+from protocol.session import (
+    Admit,
+    ClientSession,
+    DeviceRecord,
+    Embed,
+    Evaluate,
+    Reply,
+    ServerInfo,
+    ServerSession,
+    Train,
+    TrainTail,
+)
 from protocol.tensor import decode_tensor, encode_tensor
 from protocol.vectors import generate as gen
 
@@ -497,3 +507,15 @@ def test_client_hello_layout():
     assert list(hello) == ["type", "protocol_version", "device_id", "token", "model", "split", "head", "encodings",
                            "batch_size", "num_classes"]
     assert "num_classes" not in msgpack.unpackb(make_client("device").hello())
+
+
+def test_f16_keeps_gradient_sized_values():
+    """conv1 activation gradients are ~1e-8: the f16 scale keeps them (unscaled f16 flushes half to zero)."""
+    grads = np.random.default_rng(1).normal(0, 3e-8, 10_000).astype(np.float32)
+    wire = encode_tensor(grads, "f16")
+    assert math.log2(wire["scale"]).is_integer()
+    assert np.abs(grads).max() / wire["scale"] < 2 ** 15
+    out = decode_tensor(wire)
+    assert np.count_nonzero(out) == np.count_nonzero(grads)
+    assert np.allclose(out, grads, rtol=1e-3, atol=np.abs(grads).max() * 2 ** -11)
+    assert np.count_nonzero(grads.astype(np.float16)) < 0.9 * grads.size  # what an unscaled cast would lose
