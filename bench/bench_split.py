@@ -165,6 +165,7 @@ def log(msg: str) -> None:
 def bench_unsplit(spec, num_classes, batches, warmup, steps) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
+
     from device_sdk.engine import to_input
     from device_sdk.models import build_backbone, build_classifier
     from device_sdk.optim import exponential_decay, make_sgd
@@ -198,7 +199,7 @@ def bench_inprocess(spec, num_classes, batches, warmup, steps) -> dict[str, Any]
     for i in range(warmup + steps):
         images, labels = batches[i % len(batches)]
         t0 = time.perf_counter()
-        activations = engine.forward(images)
+        activations = engine.forward(images, ("train", i + 1), np.arange(len(labels)), labels)
         t1 = time.perf_counter()
         grad, _loss, _ = trainer.train_server_head(activations, labels)
         t2 = time.perf_counter()
@@ -220,38 +221,12 @@ def bench_inprocess(spec, num_classes, batches, warmup, steps) -> dict[str, Any]
     return out
 
 
-class ServerThread:
-    """An EdgeServer in its own event loop in a background thread (as tests/conftest.py)."""
-
-    def __init__(self, trainer, max_batch: int, run_dir: Path):
-        from edge_server.app import EdgeServer, ServerConfig, server_info
-        from edge_server.auth import TokenAuthenticator, hash_token
-        info = server_info(trainer, max_batch, m.DEFAULT_MAX_MESSAGE_BYTES)
-        self.server = EdgeServer(trainer, info, TokenAuthenticator({DEVICE_ID: hash_token(TOKEN)}),
-                                 ServerConfig(port=0, run_dir=run_dir, checkpoint_every_s=1e9, log_every_s=1e9))
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._main, daemon=True)
-
-    def _main(self) -> None:
-        async def go() -> None:
-            self.loop = asyncio.get_running_loop()
-            await self.server.run(on_ready=lambda port: self._ready.set())
-        asyncio.run(go())
-
-    @property
-    def url(self) -> str:
-        return f"ws://127.0.0.1:{self.server.port}"
-
-    def __enter__(self) -> "ServerThread":
-        self._thread.start()
-        if not self._ready.wait(60):
-            raise RuntimeError("edge server did not start")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self.server.stop)
-            self._thread.join(120)
+def serve_in_thread(trainer, max_batch: int, run_dir: Path):
+    from edge_server.app import EdgeServer, ServerConfig, ServerThread, server_info
+    from edge_server.auth import TokenAuthenticator, hash_token
+    info = server_info(trainer, max_batch, m.DEFAULT_MAX_MESSAGE_BYTES)
+    return ServerThread(EdgeServer(trainer, info, TokenAuthenticator({DEVICE_ID: hash_token(TOKEN)}),
+                                   ServerConfig(port=0, run_dir=run_dir, checkpoint_every_s=1e9, log_every_s=1e9)))
 
 
 def bench_websocket(spec, num_classes, batches, warmup, steps, encoding: str) -> dict[str, Any]:
@@ -260,7 +235,7 @@ def bench_websocket(spec, num_classes, batches, warmup, steps, encoding: str) ->
     from edge_server.trainer import ServerTrainer
     batch = len(batches[0][1])
     trainer = ServerTrainer(spec, SPLIT, num_classes, device="cpu")
-    with tempfile.TemporaryDirectory(prefix="bench_split_") as run_dir, ServerThread(trainer, batch, Path(run_dir)) as st:
+    with tempfile.TemporaryDirectory(prefix="bench_split_") as run_dir, serve_in_thread(trainer, batch, Path(run_dir)) as st:
         async def client_main() -> dict[str, Any]:
             engine = DeviceEngine(spec, SPLIT, "server", num_classes)
             client = DeviceClient(st.url, DEVICE_ID, TOKEN, engine, batch,
@@ -273,7 +248,7 @@ def bench_websocket(spec, num_classes, batches, warmup, steps, encoding: str) ->
                     compute0 = st.server.metrics.total.compute_s
                 images, labels = batches[i % len(batches)]
                 t = time.perf_counter()
-                r = await client.train_batch(i + 1, images, labels)
+                r = await client.train_batch(i + 1, images, labels, np.arange(len(labels)))
                 if i >= warmup:
                     times.append(time.perf_counter() - t)
                     device_s.append(r.device_s)
@@ -649,7 +624,7 @@ def report(res: dict[str, Any]) -> str:
                  f"{r['per_sample_forward']:,.1f} | {r['per_sample_backward']:,.1f} | {_human(both)} | {r['source']} |")
     chk = next(r for r in res["bytes"] if "check" in r)
     ovh = [r for r in res["bytes"] if r.get("source") == "measured"]
-    L += ["", f"Overhead per message beyond the tensor bytes (measured): "
+    L += ["", "Overhead per message beyond the tensor bytes (measured): "
           + ", ".join(f"{r['encoding']} FORWARD {r['forward_overhead_bytes']} B / BACKWARD {r['backward_overhead_bytes']} B"
                       for r in ovh)
           + f". Check of the analytic formula ({chk['check']}): predicted {chk['predicted']}, real {chk['real']}."]
@@ -705,6 +680,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import torch
+
     from device_sdk.models import resolve_spec
     if args.threads:
         torch.set_num_threads(args.threads)

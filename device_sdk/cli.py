@@ -5,15 +5,20 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from .data import find_lfw_root, load_image_folder, load_lfw
-from .engine import DeviceTrainConfig
+from .engine import LAYER_TRAINING, PrivacyConfig
 from .models import DEFAULT_SPLIT, PRESETS, ModelSpec, resolve_spec
+from .optim import TrainConfig
+from .privacy.mechanisms import NoNoise, PerActivationGaussian, PerImageGaussian
+from .privacy.planner import plan_per_image
 from .simulator import SimConfig, simulate
 
 
@@ -38,6 +43,43 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def model_spec(args: argparse.Namespace) -> ModelSpec:
     spec = resolve_spec(json.loads(args.model) if args.model.lstrip().startswith("{") else args.model)
     return replace(spec, release_pool=args.release_pool) if args.release_pool != 1 else spec
+
+
+def add_privacy_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("privacy (see docs/privacy.md)")
+    g.add_argument("--mechanism", choices=("none", "per-activation", "per-image"), default="none")
+    g.add_argument("--epsilon", type=float, default=None, help="per-activation: the paper's epsilon for each value")
+    g.add_argument("--delta", type=float, default=1e-5)
+    g.add_argument("--clip-norm", type=float, default=1.0, help="per-image: L2 clip of each image's release")
+    g.add_argument("--noise-multiplier", type=float, default=None, help="per-image: noise std / clip norm")
+    g.add_argument("--target-epsilon", type=float, default=None,
+                   help="per-image: plan the noise so each image's releases over the run compose to this epsilon")
+    g.add_argument("--layer-training", choices=LAYER_TRAINING, default="plain",
+                   help="plain voids per-image guarantees; frozen (public weights) or dpsgd keep them")
+    g.add_argument("--dpsgd-clip", type=float, default=1.0)
+    g.add_argument("--dpsgd-noise", type=float, default=1.0)
+    g.add_argument("--budget-epsilon", type=float, default=math.inf, help="refuse releases past this epsilon")
+    g.add_argument("--budget-level", choices=("image", "identity"), default="image")
+    g.add_argument("--device-weights", type=Path, default=None, help="a saved backbone for the device layer")
+
+
+def privacy_config(args: argparse.Namespace, releases_per_image: int) -> Callable[[], PrivacyConfig]:
+    """A factory: every device gets the same settings and its own secret."""
+    if args.mechanism == "per-activation":
+        if args.epsilon is None:
+            raise SystemExit("--mechanism per-activation needs --epsilon")
+        mechanism = PerActivationGaussian(args.epsilon, args.delta)
+    elif args.mechanism == "per-image":
+        z = args.noise_multiplier
+        if args.target_epsilon is not None:
+            z = plan_per_image(args.target_epsilon, args.delta, releases_per_image)
+        if z is None:
+            raise SystemExit("--mechanism per-image needs --noise-multiplier or --target-epsilon")
+        mechanism = PerImageGaussian(args.clip_norm, z)
+    else:
+        mechanism = NoNoise()
+    return lambda: PrivacyConfig(mechanism, args.delta, args.budget_epsilon, args.budget_level, args.layer_training,
+                                 args.dpsgd_clip, args.dpsgd_noise)
 
 
 def load_data(args: argparse.Namespace):
@@ -72,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reconnect-timeout", type=float, default=120.0)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
+    add_privacy_args(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     if args.threads:
@@ -82,15 +125,22 @@ def main(argv: list[str] | None = None) -> None:
         url=args.server, spec=spec, split=args.split, head=args.head, num_devices=args.devices, epochs=args.epochs,
         batch_size=args.batch_size, partition=args.partition, crop=args.crop,
         encodings={"activations": args.activation_encoding, "gradients": args.gradient_encoding},
-        train=DeviceTrainConfig(args.lr, args.momentum, args.weight_decay, args.lr_decay, args.decay_steps, args.seed),
-        seed=args.seed, results=args.results, progress=not args.no_progress, reconnect_timeout_s=args.reconnect_timeout)
+        train=TrainConfig(args.lr, args.momentum, args.weight_decay, args.lr_decay, args.decay_steps, args.seed),
+        seed=args.seed, results=args.results, progress=not args.no_progress, reconnect_timeout_s=args.reconnect_timeout,
+        privacy=privacy_config(args, releases_per_image=args.epochs), device_weights=args.device_weights)
     tokens = json.loads(args.tokens.read_text())
     print(f"{len(data.class_names)} identities, {len(data.train)} train / {len(data.test)} test images; "
           f"{args.devices} devices, {args.head} head, {spec.family} {spec.input_size}px", flush=True)
     results = asyncio.run(simulate(config, data, tokens))
     for e in results["epochs"]:
         print(f"epoch {e['epoch']}: train acc {e['train_acc']:.3f} loss {e['train_loss']:.3f} | "
-              f"test acc {e['test_acc']:.3f} loss {e['test_loss']:.3f}", flush=True)
+              f"test acc {e['test_acc']:.3f} loss {e['test_loss']:.3f} | "
+              f"per-image epsilon <= {e['epsilon_image_max']:.3g} (delta {args.delta:g})", flush=True)
+    for d in results["devices"]:
+        if d["stopped"]:
+            print(f"{d['device_id']} stopped early: {d['stopped']}", flush=True)
+        if d["privacy"].get("guarantee_void"):
+            print(f"{d['device_id']}: {d['privacy']['note']}", flush=True)
     print(f"results: {args.results}", flush=True)
 
 

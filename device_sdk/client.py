@@ -150,10 +150,12 @@ class DeviceClient:
                     raise
 
     # ---- training and evaluation --------------------------------------------------------
-    async def train_batch(self, batch_id: int, images: np.ndarray, labels: np.ndarray) -> BatchResult:
+    async def train_batch(self, batch_id: int, images: np.ndarray, labels: np.ndarray,
+                          image_ids: np.ndarray) -> BatchResult:
+        """One training batch; raises BudgetExceeded (nothing sent) if the release would overspend."""
         engine = self.engine
         start = time.perf_counter()
-        activations = await asyncio.to_thread(engine.forward, images)
+        activations = await asyncio.to_thread(engine.forward, images, ("train", batch_id), image_ids, labels)
         device_s = time.perf_counter() - start
         forward = self.session.forward(batch_id, activations, labels if engine.head == "server" else None)
         traffic0 = (self.traffic.sent, self.traffic.received, self.traffic.round_trip_s)
@@ -181,10 +183,11 @@ class DeviceClient:
                            self.traffic.round_trip_s - traffic0[2], self.traffic.sent - traffic0[0],
                            self.traffic.received - traffic0[1])
 
-    async def evaluate_batch(self, images: np.ndarray, labels: np.ndarray) -> tuple[float, int]:
-        """(summed loss, correct) on a batch; changes no state on either side."""
+    async def evaluate_batch(self, images: np.ndarray, labels: np.ndarray, image_ids: np.ndarray,
+                             release: tuple) -> tuple[float, int]:
+        """(summed loss, correct) on a batch; changes no model state, but is a counted release."""
         engine = self.engine
-        activations = await asyncio.to_thread(engine.activations, images)
+        activations = await asyncio.to_thread(engine.evaluate_release, images, release, image_ids, labels)
         self._eval_id += 1
         eval_id = self._eval_id
         message = self.session.forward(eval_id, activations, labels if engine.head == "server" else None, eval=True)

@@ -1,31 +1,58 @@
 """The device's training engine: its layer (and, with the device head, its classifier), its
-optimiser, and snapshots of its state for each batch the server may still roll back.
+optimiser, what it releases, and snapshots of its state for each batch the server may still
+roll back.
 
-Device state changes only when a batch's BACKWARD arrives (`commit`), so a batch that must
-be re-sent after a dropped connection is never applied twice on the device either.
+Nothing leaves the device except through `forward`/`evaluate_release`, which apply the privacy
+mechanism and ask the budget guard first. Device state changes only when a batch's BACKWARD
+arrives (`commit`), so a batch re-sent after a dropped connection is never applied twice.
 """
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-from typing import Any
+import math
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .models import ModelSpec, build_backbone, build_classifier, split_backbone
-from .optim import exponential_decay, make_sgd
+from .models.lrn import PaperLRN
+from .models.weights import load_into
+from .optim import TrainConfig, exponential_decay, make_sgd
+from .privacy.accountant import PrivacyAccountant
+from .privacy.budget import BudgetGuard
+from .privacy.dpsgd import clipped_noisy_grad, dpsgd_event, per_sample_grads
+from .privacy.mechanisms import Mechanism, NoNoise, PerActivationGaussian, noise_generator
+
+LAYER_TRAINING = ("plain", "frozen", "dpsgd")
+RELEASE_KINDS = {"train": 1, "eval": 2, "dpsgd": 3}
+Release = tuple  # (kind, *ints), e.g. ("train", 12) or ("eval", 3, 0)
 
 
 @dataclass
-class DeviceTrainConfig:
-    lr: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    lr_decay: float = 0.1
-    decay_steps: int = 1000
-    seed: int = 0
+class PrivacyConfig:
+    """What the device does to its activations, and how its own layer learns.
+
+    layer_training: "plain" (ordinary SGD: the layer's weights carry every training image, which
+    voids any per-image guarantee for later releases), "frozen" (public weights, never updated),
+    or "dpsgd" (per-sample clipped, noised gradients: later releases are post-processing).
+    """
+    mechanism: Mechanism = field(default_factory=NoNoise)
+    delta: float = 1e-5
+    budget_epsilon: float = math.inf
+    budget_level: str = "image"
+    layer_training: str = "plain"
+    dpsgd_clip: float = 1.0
+    dpsgd_noise: float = 1.0
+    secret: int = field(default_factory=lambda: secrets.randbits(63))  # never leaves the device
+
+    def __post_init__(self) -> None:
+        if self.layer_training not in LAYER_TRAINING:
+            raise ValueError(f"layer_training must be one of {LAYER_TRAINING}, not {self.layer_training!r}")
 
 
 def to_input(images: np.ndarray) -> torch.Tensor:
@@ -33,30 +60,94 @@ def to_input(images: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(images)).float().div_(255.0)
 
 
+def release_key(release: Release) -> str:
+    return ":".join(str(x) for x in release)
+
+
 class DeviceEngine:
     def __init__(self, spec: ModelSpec, split: str, head: str, num_classes: int,
-                 config: DeviceTrainConfig | None = None):
+                 config: TrainConfig | None = None, privacy: PrivacyConfig | None = None,
+                 device_weights: Path | None = None):
         if head not in ("server", "device"):
             raise ValueError(f"head must be 'server' or 'device', not {head!r}")
         self.spec, self.split, self.head, self.num_classes = spec, split, head, num_classes
-        self.config = config or DeviceTrainConfig()
+        self.config = config or TrainConfig()
+        self.privacy = privacy or PrivacyConfig()
         torch.manual_seed(self.config.seed)
         self.layer, _ = split_backbone(build_backbone(spec), split)
+        if device_weights is not None:
+            load_into(self.layer, device_weights, spec)
+        self.mechanism = self.privacy.mechanism
+        if isinstance(self.mechanism, PerActivationGaussian):
+            self._bound_activations()
+        self.accountant = PrivacyAccountant(self.privacy.delta)
+        self.guard = BudgetGuard(self.accountant, self.privacy.budget_epsilon, self.privacy.budget_level)
         self.classifier = build_classifier(spec, num_classes) if head == "device" else None
-        params = list(self.layer.parameters()) + (list(self.classifier.parameters()) if self.classifier else [])
-        self.optimizer = make_sgd(params, self.config.lr, self.config.momentum, self.config.weight_decay)
-        self.scheduler = exponential_decay(self.optimizer, self.config.lr_decay, self.config.decay_steps)
+        params = list(self.classifier.parameters()) if self.classifier else []
+        if self.privacy.layer_training == "frozen":
+            self.layer.requires_grad_(False)
+        else:
+            params = list(self.layer.parameters()) + params
+        self.optimizer = make_sgd(params, self.config.lr, self.config.momentum, self.config.weight_decay) if params else None
+        self.scheduler = exponential_decay(self.optimizer, self.config.lr_decay, self.config.decay_steps) \
+            if self.optimizer else None
         self.committed = 0                      # last batch id applied on the device
         self.snapshots: dict[int, dict[str, Any]] = {0: self._state()}
-        self._activations: torch.Tensor | None = None
+        self._pending: dict[str, Any] | None = None
 
-    # ---- one batch ---------------------------------------------------------------------
-    def forward(self, images: np.ndarray) -> np.ndarray:
-        """Activations to send; the graph is kept for `commit`."""
+    def _bound_activations(self) -> None:
+        """The paper's per-activation sensitivity needs LRN inputs in [0, 1]: clamp them."""
+        lrns = [m for m in self.layer.modules() if isinstance(m, PaperLRN)]
+        if not lrns:
+            raise ValueError("the per-activation mechanism needs the device part to end in the paper's LRN")
+        for lrn in lrns:
+            lrn.input_max = 1.0
+        bound = max(lrn.output_bound() for lrn in lrns)
+        if self.mechanism.sensitivity < bound:
+            raise ValueError(f"sensitivity {self.mechanism.sensitivity} is below the layer's output bound {bound}")
+
+    @property
+    def numel(self) -> int:
+        from .models import activation_shape
+        return math.prod(activation_shape(self.spec, self.split))
+
+    # ---- releases ----------------------------------------------------------------------
+    def _release(self, activations: torch.Tensor, release: Release, image_ids: Sequence[int],
+                 identities: Sequence[int], extra: Sequence[tuple[Release, Any, bool]] = ()) -> torch.Tensor:
+        """Privatize, and ask the guard before anything can be sent (raises BudgetExceeded)."""
+        kind, *numbers = release
+        released = self.mechanism.privatize(activations, noise_generator(self.privacy.secret, RELEASE_KINDS[kind],
+                                                                         *numbers))
+        event = self.mechanism.image_event(activations[0].numel())
+        for rel, ev, joint in [(release, event, False), *extra]:
+            self.guard.admit(release_key(rel), list(image_ids), list(identities), ev, joint=joint)
+        return released
+
+    def forward(self, images: np.ndarray, release: Release, image_ids: Sequence[int],
+                identities: Sequence[int]) -> np.ndarray:
+        """The training release of a batch; the graph is kept for `commit`."""
         self.layer.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._activations = self.layer(to_input(images))
-        return self._activations.detach().numpy()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        x = to_input(images)
+        frozen = self.privacy.layer_training == "frozen"
+        with torch.set_grad_enabled(not frozen):
+            activations = self.layer(x)
+        extra = []
+        if self.privacy.layer_training == "dpsgd":
+            # The step this batch will take, counted up front. One noise draw covers the whole sum, so an
+            # identity with k images in the batch moves it k times as far: recorded jointly.
+            extra.append((("dpsgd", *release[1:]), dpsgd_event(self.privacy.dpsgd_noise), True))
+        released = self._release(activations, release, image_ids, identities, extra)
+        self._pending = {"x": x, "activations": activations, "released": released, "release": release}
+        return released.detach().numpy()
+
+    @torch.no_grad()
+    def evaluate_release(self, images: np.ndarray, release: Release, image_ids: Sequence[int],
+                         identities: Sequence[int]) -> np.ndarray:
+        """An evaluation release: no graph, no state change, but still a release the accountant counts."""
+        self.layer.eval()
+        return self._release(self.layer(to_input(images)), release, image_ids, identities).numpy()
 
     def head_step(self, embeddings: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, float, int]:
         """Device head: loss on the device's own labels; returns (embedding gradient, loss, correct).
@@ -75,21 +166,26 @@ class DeviceEngine:
         return e.grad.numpy(), loss.item(), int((logits.argmax(1) == y).sum())
 
     def commit(self, batch_id: int, activation_grad: np.ndarray) -> None:
-        """Apply the server's gradient: backward through the layer, one optimiser step, snapshot."""
-        if self._activations is None:
+        """Apply the server's gradient to the layer (as its training mode says), step, snapshot."""
+        if self._pending is None:
             raise RuntimeError("commit without a forward")
-        self._activations.backward(torch.from_numpy(np.array(activation_grad, dtype=np.float32)))
-        self.optimizer.step()
-        self.scheduler.step()
-        self._activations = None
+        pending, self._pending = self._pending, None
+        grad = torch.from_numpy(np.array(activation_grad, dtype=np.float32))
+        mode = self.privacy.layer_training
+        if mode == "plain":
+            pending["released"].backward(grad)
+        elif mode == "dpsgd":
+            output_grads, = torch.autograd.grad(pending["released"], pending["activations"], grad)
+            per_sample = per_sample_grads(self.layer, pending["x"], output_grads)
+            generator = noise_generator(self.privacy.secret, RELEASE_KINDS["dpsgd"], *pending["release"][1:])
+            noisy = clipped_noisy_grad(per_sample, self.privacy.dpsgd_clip, self.privacy.dpsgd_noise, generator)
+            for name, p in self.layer.named_parameters():
+                p.grad = noisy[name]
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.scheduler.step()
         self.committed = batch_id
         self.snapshots[batch_id] = self._state()
-
-    @torch.no_grad()
-    def activations(self, images: np.ndarray) -> np.ndarray:
-        """Evaluation forward: no graph, no state change."""
-        self.layer.eval()
-        return self.layer(to_input(images)).numpy()
 
     @torch.no_grad()
     def classify(self, embeddings: np.ndarray, labels: np.ndarray) -> tuple[float, int]:
@@ -97,15 +193,26 @@ class DeviceEngine:
         self.classifier.eval()
         logits = self.classifier(torch.from_numpy(np.array(embeddings, dtype=np.float32)))
         y = torch.from_numpy(np.asarray(labels, dtype=np.int64))
-        return float(F.cross_entropy(logits, y)), int((logits.argmax(1) == y).sum())
+        return F.cross_entropy(logits, y).item(), int((logits.argmax(1) == y).sum())
+
+    def privacy_report(self) -> dict[str, Any]:
+        """The accountant's figures, and whether the layer's training voids them."""
+        report = self.accountant.report()
+        report["mechanism"] = self.mechanism.describe()
+        report["layer_training"] = self.privacy.layer_training
+        report["guarantee_void"] = self.privacy.layer_training == "plain" and not isinstance(self.mechanism, NoNoise)
+        if report["guarantee_void"]:
+            report["note"] = ("the device layer trained without DP: its weights carry other images, so the per-image "
+                              "figures hold only for the first release; treat the guarantee as void")
+        return report
 
     # ---- snapshots for server rollbacks ------------------------------------------------
     def _state(self) -> dict[str, Any]:
         return copy.deepcopy({
             "layer": self.layer.state_dict(),
             "classifier": self.classifier.state_dict() if self.classifier else None,
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
         })
 
     def forget_before(self, durable_through: int) -> None:
@@ -121,9 +228,10 @@ class DeviceEngine:
         self.layer.load_state_dict(state["layer"])
         if self.classifier is not None:
             self.classifier.load_state_dict(state["classifier"])
-        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
-        self.scheduler.load_state_dict(state["scheduler"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+            self.scheduler.load_state_dict(state["scheduler"])
         self.committed = batch_id
-        self._activations = None
+        self._pending = None
         for k in [k for k in self.snapshots if k > batch_id]:
             del self.snapshots[k]

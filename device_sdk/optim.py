@@ -1,9 +1,21 @@
 """The source paper's optimiser, shared by the device and the edge server so both decay alike."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
+
+
+@dataclass
+class TrainConfig:
+    """SGD with exponential decay: the source paper's defaults (lr 0.01, momentum 0.9, decay by 0.1)."""
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    lr_decay: float = 0.1
+    decay_steps: int = 1000
+    seed: int = 0
 
 
 def make_sgd(params: Iterable[torch.nn.Parameter], lr: float = 0.01, momentum: float = 0.9,

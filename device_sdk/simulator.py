@@ -12,15 +12,17 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from tqdm import tqdm
 
 from .client import DeviceClient, Rollback
 from .data import DataSplit, FaceSet, partition
-from .engine import DeviceEngine, DeviceTrainConfig
+from .engine import DeviceEngine, PrivacyConfig
 from .models import ModelSpec
+from .optim import TrainConfig
+from .privacy.budget import BudgetExceeded
 
 log = logging.getLogger("splitface.simulator")
 
@@ -37,19 +39,23 @@ class SimConfig:
     partition: str = "iid"
     crop: int = 160
     encodings: dict[str, str] = field(default_factory=lambda: {"activations": "f32", "gradients": "f32"})
-    train: DeviceTrainConfig = field(default_factory=DeviceTrainConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     seed: int = 0
     results: Path | None = None
     progress: bool = True
     reconnect_timeout_s: float = 120.0
+    privacy: Callable[[], PrivacyConfig] = PrivacyConfig   # one per device: each has its own secret
+    device_weights: Path | None = None
 
 
 class DeviceData:
-    """A device's share, decoded once into memory."""
+    """A device's share, decoded once into memory, with stable image ids for the accountant."""
 
-    def __init__(self, train: FaceSet, test: FaceSet, size: int, crop: int):
+    def __init__(self, train: FaceSet, test: FaceSet, size: int, crop: int, ids: dict[str, int]):
         self.train_images, self.train_labels = train.load(size, crop), train.labels
         self.test_images, self.test_labels = test.load(size, crop), test.labels
+        self.train_ids = np.array([ids[str(p)] for p in train.paths], dtype=np.int64)
+        self.test_ids = np.array([ids[str(p)] for p in test.paths], dtype=np.int64)
 
 
 def batches_per_epoch(n: int, batch_size: int) -> int:
@@ -71,12 +77,14 @@ class SimulatedDevice:
         decay_steps = config.train.decay_steps if config.train.decay_steps > 0 else total
         # Every device starts from the same initial layer (as if all downloaded one published model);
         # only their data, and so their updates, differ.
-        train_cfg = DeviceTrainConfig(**{**asdict(config.train), "decay_steps": decay_steps})
-        engine = DeviceEngine(config.spec, config.split, config.head, num_classes, train_cfg)
+        train_cfg = TrainConfig(**{**asdict(config.train), "decay_steps": decay_steps})
+        engine = DeviceEngine(config.spec, config.split, config.head, num_classes, train_cfg, config.privacy(),
+                              config.device_weights)
         self.client = DeviceClient(config.url, device_id, token, engine, config.batch_size, config.encodings,
                                    config.reconnect_timeout_s)
         self.batches: dict[int, Any] = {}      # batch id -> BatchResult (replays overwrite)
         self.epochs: dict[int, dict[str, Any]] = {}
+        self.stopped: str | None = None
 
     async def run(self) -> dict[str, Any]:
         cfg, data = self.config, self.data
@@ -98,7 +106,8 @@ class SimulatedDevice:
                 batch_id = engine.committed + 1
                 epoch, idx = batch_indices(n, cfg.batch_size, batch_id, cfg.seed, self.index)
                 try:
-                    result = await self.client.train_batch(batch_id, data.train_images[idx], data.train_labels[idx])
+                    result = await self.client.train_batch(batch_id, data.train_images[idx], data.train_labels[idx],
+                                                           data.train_ids[idx])
                     self.batches[batch_id] = result
                     bar.n = engine.committed
                     bar.set_postfix(epoch=epoch + 1, loss=f"{result.loss:.3f}")
@@ -109,17 +118,23 @@ class SimulatedDevice:
                     bar.write(f"{self.client.device_id}: {rb}")
                     self.batches = {k: v for k, v in self.batches.items() if k <= rb.batch_id}
                     bar.n = engine.committed
+                except BudgetExceeded as exc:
+                    self.stopped = str(exc)
+                    bar.write(f"{self.client.device_id}: stopped, privacy budget spent: {exc}")
+                    break
         finally:
             bar.close()
             await self.client.close()
         return {"device_id": self.client.device_id, "train_samples": n, "test_samples": len(data.test_labels),
-                "reconnects": self.client.traffic.reconnects, "epochs": [self.epochs[e] for e in sorted(self.epochs)]}
+                "reconnects": self.client.traffic.reconnects, "stopped": self.stopped,
+                "privacy": engine.privacy_report(), "epochs": [self.epochs[e] for e in sorted(self.epochs)]}
 
     async def _epoch_summary(self, epoch: int, per_epoch: int, started: float) -> dict[str, Any]:
         ids = range(epoch * per_epoch + 1, (epoch + 1) * per_epoch + 1)
         rs = [self.batches[k] for k in ids]
         n = sum(r.n for r in rs)
-        test_loss, test_acc = await self.evaluate()
+        test_loss, test_acc = await self.evaluate(epoch)
+        privacy = self.client.engine.accountant.report()
         return {
             "epoch": epoch + 1,
             "train_loss": sum(r.loss * r.n for r in rs) / n,
@@ -133,13 +148,17 @@ class SimulatedDevice:
             "device_s_per_batch": sum(r.device_s for r in rs) / len(rs),
             "round_trip_s_per_batch": sum(r.round_trip_s for r in rs) / len(rs),
             "wall_s": time.time() - started,
+            "epsilon_image_max": privacy["epsilon_image"]["max"],
+            "epsilon_identity_max": privacy["epsilon_identity"]["max"],
         }
 
-    async def evaluate(self) -> tuple[float, float]:
+    async def evaluate(self, epoch: int) -> tuple[float, float]:
         data, bs = self.data, self.config.batch_size
         loss_sum, correct = 0.0, 0
         for i in range(0, len(data.test_labels), bs):
-            loss, n_correct = await self.client.evaluate_batch(data.test_images[i:i + bs], data.test_labels[i:i + bs])
+            sl = slice(i, i + bs)
+            loss, n_correct = await self.client.evaluate_batch(data.test_images[sl], data.test_labels[sl],
+                                                               data.test_ids[sl], ("eval", epoch, i // bs))
             loss_sum, correct = loss_sum + loss, correct + n_correct
         n = max(len(data.test_labels), 1)
         return loss_sum / n, correct / n
@@ -167,6 +186,8 @@ def summarize(devices: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "bytes_received": sum(r["bytes_received"] for r in rows),
             "device_s_per_batch": sum(r["device_s_per_batch"] for r in rows) / len(rows),
             "wall_s": max(r["wall_s"] for r in rows),
+            "epsilon_image_max": max(r["epsilon_image_max"] for r in rows),
+            "epsilon_identity_max": max(r["epsilon_identity_max"] for r in rows),
         })
     return out
 
@@ -176,11 +197,12 @@ async def simulate(config: SimConfig, data: DataSplit, tokens: dict[str, str]) -
     device_ids = sorted(tokens)[:config.num_devices]
     if len(device_ids) < config.num_devices:
         raise ValueError(f"{config.num_devices} devices but tokens for only {len(device_ids)}")
+    ids = {str(p): i for i, p in enumerate([*data.train.paths, *data.test.paths])}
     shares = []
     for i in range(config.num_devices):
         train = partition(data.train, config.num_devices, i, config.partition, config.seed)
         test = partition(data.test, config.num_devices, i, config.partition, config.seed)
-        shares.append(await asyncio.to_thread(DeviceData, train, test, config.spec.input_size, config.crop))
+        shares.append(await asyncio.to_thread(DeviceData, train, test, config.spec.input_size, config.crop, ids))
     devices = [SimulatedDevice(i, d, tokens[d], shares[i], len(data.class_names), config)
                for i, d in enumerate(device_ids)]
     started = time.time()
@@ -190,7 +212,8 @@ async def simulate(config: SimConfig, data: DataSplit, tokens: dict[str, str]) -
                    "num_devices": config.num_devices, "epochs": config.epochs, "batch_size": config.batch_size,
                    "partition": config.partition, "encodings": config.encodings, "train": asdict(config.train),
                    "num_classes": len(data.class_names), "train_images": len(data.train),
-                   "test_images": len(data.test), "seed": config.seed},
+                   "test_images": len(data.test), "seed": config.seed,
+                   "device_weights": str(config.device_weights) if config.device_weights else None},
         "wall_s": time.time() - started,
         "epochs": summarize(list(per_device)),
         "devices": list(per_device),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -18,8 +19,19 @@ from typing import Any, Callable
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from protocol.session import (Action, Admit, Authenticator, DeviceRecord, Embed, Evaluate, Reply, ServerInfo, ServerSession,
-                              Train, TrainTail)
+from protocol.session import (
+    Action,
+    Admit,
+    Authenticator,
+    DeviceRecord,
+    Embed,
+    Evaluate,
+    Reply,
+    ServerInfo,
+    ServerSession,
+    Train,
+    TrainTail,
+)
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .metrics import Metrics
@@ -266,3 +278,40 @@ class EdgeServer:
     def _train_tail(self, session: ServerSession, action: TrainTail) -> tuple:
         grad = self.trainer.train_tail(action.grad)
         return session.applied(action.batch_id, grad), len(grad), None, None, True
+
+
+class ServerThread:
+    """An EdgeServer in its own event loop on a background thread: for tests, benchmarks and
+    notebooks that drive devices from the calling thread. Use as a context manager."""
+
+    def __init__(self, server: EdgeServer):
+        self.server = server
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _main(self) -> None:
+        async def go() -> None:
+            self._loop = asyncio.get_running_loop()
+            await self.server.run(on_ready=lambda port: self._ready.set())
+        asyncio.run(go())
+
+    @property
+    def trainer(self) -> ServerTrainer:
+        return self.server.trainer
+
+    @property
+    def url(self) -> str:
+        return f"ws://{self.server.config.host}:{self.server.port}"
+
+    def __enter__(self) -> "ServerThread":
+        self._thread.start()
+        if not self._ready.wait(60):
+            raise RuntimeError("edge server did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Stop (the server checkpoints on the way out); safe to call twice."""
+        if self._thread.is_alive() and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.server.stop)
+            self._thread.join(120)

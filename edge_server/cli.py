@@ -11,12 +11,13 @@ from pathlib import Path
 import torch
 
 from device_sdk.cli import add_data_args, add_model_args, load_data, model_spec
+from device_sdk.optim import TrainConfig
 from protocol.messages import DEFAULT_MAX_MESSAGE_BYTES
 
 from .app import EdgeServer, ServerConfig, server_info
 from .auth import TokenAuthenticator, issue_tokens, load_tokens
 from .pretrain import pretrain
-from .trainer import ServerTrainer, TrainConfig
+from .trainer import ServerTrainer
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from device_sdk.cli import add_data_args, load_data
+from device_sdk.cli import add_data_args, add_model_args, load_data
 
 from .auth import issue_tokens
 
@@ -23,8 +23,10 @@ from .auth import issue_tokens
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="splitface-demo", description=__doc__)
     add_data_args(p)
-    p.add_argument("--model", default="iresnet_small")
-    p.add_argument("--split", default="conv1")
+    add_model_args(p)
+    p.set_defaults(model="iresnet_small")
+    p.add_argument("--server-init", type=Path, default=None, help="start the server's tail from this saved backbone")
+    p.add_argument("--train-only", choices=("all", "classifier"), default="all", help="server: what it trains")
     p.add_argument("--head", choices=("server", "device"), default="server")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--epochs", type=int, default=3)
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     per_device = math.ceil(len(data.train) / args.devices / args.batch_size) + 1
     decay_steps = per_device * args.devices * args.epochs
 
-    common = ["--model", args.model, "--split", args.split]
+    common = ["--model", args.model, "--split", args.split, "--release-pool", str(args.release_pool)]
     data_args = ["--min-images", str(args.min_images), "--seed", str(args.seed)]
     if args.data:
         data_args += ["--data", str(args.data)]
@@ -56,7 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     server_cmd = [sys.executable, "-m", "edge_server", "serve", *common, "--num-classes", str(len(data.class_names)),
                   "--tokens", str(run_dir / "server" / "tokens.json"), "--port", str(args.port),
                   "--run-dir", str(run_dir / "server"), "--lr", str(args.lr), "--decay-steps", str(decay_steps),
-                  "--max-batch", str(args.batch_size), "--seed", str(args.seed)]
+                  "--max-batch", str(args.batch_size), "--seed", str(args.seed), "--train-only", args.train_only]
+    if args.server_init:
+        server_cmd += ["--init", str(args.server_init)]
     server_log = open(run_dir / "server.log", "w")
     server = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, stderr=server_log, text=True)
     try:
@@ -105,10 +109,11 @@ def _report(run_dir: Path, data) -> None:
     print(f"\n{len(data.class_names)} identities; chance = 1/{len(data.class_names)} = {1 / len(data.class_names):.3f}, "
           f"majority class = {majority:.3f}")
     print(f"{'epoch':>5} {'train acc':>9} {'train loss':>10} {'test acc':>8} {'test loss':>9} {'MB up':>8} {'MB down':>8} "
-          f"{'dev ms/batch':>12}")
+          f"{'dev ms/batch':>12} {'eps/image':>9}")
     for e in results["epochs"]:
         print(f"{e['epoch']:>5} {e['train_acc']:>9.3f} {e['train_loss']:>10.3f} {e['test_acc']:>8.3f} {e['test_loss']:>9.3f} "
-              f"{e['bytes_sent'] / 1e6:>8.1f} {e['bytes_received'] / 1e6:>8.1f} {e['device_s_per_batch'] * 1e3:>12.0f}")
+              f"{e['bytes_sent'] / 1e6:>8.1f} {e['bytes_received'] / 1e6:>8.1f} {e['device_s_per_batch'] * 1e3:>12.0f} "
+              f"{e['epsilon_image_max']:>9.3g}")
     g = metrics["global"]
     print(f"server: {g['samples']} samples, {g['samples_per_s']:.1f} samples/s, "
           f"{g['bytes_in'] / 1e6:.1f} MB in, {g['bytes_out'] / 1e6:.1f} MB out")

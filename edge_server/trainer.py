@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,17 +15,7 @@ import torch.nn.functional as F
 
 from device_sdk.models import ModelSpec, build_backbone, build_classifier, split_backbone
 from device_sdk.models.weights import load_into
-from device_sdk.optim import exponential_decay, make_sgd
-
-
-@dataclass
-class TrainConfig:
-    lr: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    lr_decay: float = 0.1
-    decay_steps: int = 1000
-    seed: int = 0
+from device_sdk.optim import TrainConfig, exponential_decay, make_sgd
 
 
 def pick_device(name: str | None = None) -> torch.device:

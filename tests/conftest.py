@@ -1,16 +1,16 @@
 """Shared fixtures: the real LFW copy and an in-process edge server on loopback."""
 from __future__ import annotations
 
-import asyncio
-import threading
 from pathlib import Path
 
 import pytest
 
 from device_sdk.models import resolve_spec
+from device_sdk.optim import TrainConfig
 from edge_server.app import EdgeServer, ServerConfig, server_info
+from edge_server.app import ServerThread as EdgeThread
 from edge_server.auth import TokenAuthenticator, hash_token
-from edge_server.trainer import ServerTrainer, TrainConfig
+from edge_server.trainer import ServerTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 LFW = ROOT.parent / "shared" / "data" / "lfw"
@@ -24,37 +24,12 @@ def lfw() -> Path:
     return LFW
 
 
-class ServerThread:
-    """An EdgeServer running in its own event loop in a background thread."""
-
-    def __init__(self, trainer: ServerTrainer, run_dir: Path, max_batch: int = 64, max_message_bytes: int = 64 << 20,
-                 **config):
-        self.trainer = trainer
-        info = server_info(trainer, max_batch, max_message_bytes)
-        self.server = EdgeServer(trainer, info, TokenAuthenticator({d: hash_token(t) for d, t in TOKENS.items()}),
-                                 ServerConfig(port=0, run_dir=run_dir, **config))
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._main, daemon=True)
-
-    def _main(self) -> None:
-        async def go() -> None:
-            self.loop = asyncio.get_running_loop()
-            await self.server.run(on_ready=lambda port: self._ready.set())
-        asyncio.run(go())
-
-    @property
-    def url(self) -> str:
-        return f"ws://127.0.0.1:{self.server.port}"
-
-    def __enter__(self) -> "ServerThread":
-        self._thread.start()
-        assert self._ready.wait(30), "server did not start"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self.server.stop)
-            self._thread.join(60)
+def serve_in_thread(trainer: ServerTrainer, run_dir: Path, max_batch: int = 64, max_message_bytes: int = 64 << 20,
+                 **config) -> EdgeThread:
+    """An EdgeServer for the test tokens, on a free loopback port, in a background thread."""
+    info = server_info(trainer, max_batch, max_message_bytes)
+    return EdgeThread(EdgeServer(trainer, info, TokenAuthenticator({d: hash_token(t) for d, t in TOKENS.items()}),
+                                 ServerConfig(port=0, run_dir=run_dir, **config)))
 
 
 def small_trainer(num_classes: int = 5, model: str = "vgg_face_small", **kw) -> ServerTrainer:

@@ -18,7 +18,7 @@ from protocol import messages as m
 from protocol.errors import RemoteError
 from protocol.session import ClientSession
 from protocol.tensor import encode_tensor
-from tests.conftest import TOKENS, ServerThread, small_trainer
+from tests.conftest import TOKENS, serve_in_thread, small_trainer
 
 NUM_CLASSES = 5
 MAX_MESSAGE = 4 << 20
@@ -52,7 +52,7 @@ async def _expect_error(ws, data, code: str) -> dict:
 async def _good_batch(client: DeviceClient, batch_id: int) -> None:
     rng = np.random.default_rng(batch_id)
     images = rng.integers(0, 256, (4, 3, 64, 64), dtype=np.uint8)
-    await client.train_batch(batch_id, images, rng.integers(0, NUM_CLASSES, 4))
+    await client.train_batch(batch_id, images, rng.integers(0, NUM_CLASSES, 4), np.arange(4) + 4 * batch_id)
 
 
 def _forward(session: ClientSession, batch_id: int, **override) -> bytes:
@@ -64,7 +64,7 @@ def _forward(session: ClientSession, batch_id: int, **override) -> bytes:
 
 @pytest.fixture()
 def server(tmp_path):
-    with ServerThread(small_trainer(NUM_CLASSES), tmp_path, max_batch=8, max_message_bytes=MAX_MESSAGE) as s:
+    with serve_in_thread(small_trainer(NUM_CLASSES), tmp_path, max_batch=8, max_message_bytes=MAX_MESSAGE) as s:
         yield s
 
 
@@ -162,7 +162,7 @@ def test_bad_inputs_are_refused_and_others_keep_training(server, tmp_path):
 def test_device_head_u_turn_allows_eval_and_times_out(tmp_path):
     """An eval batch inside a device's own U-turn is answered (no deadlock on the model lock); a
     device that never sends its embedding gradient is cut off and the others go on."""
-    with ServerThread(small_trainer(NUM_CLASSES), tmp_path, max_batch=8, pending_timeout_s=1.0) as server:
+    with serve_in_thread(small_trainer(NUM_CLASSES), tmp_path, max_batch=8, pending_timeout_s=1.0) as server:
         async def scenario():
             session = _client_session("device-1", head="device")
             ws = await _raw(server.url, session)

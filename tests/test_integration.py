@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from device_sdk.data import load_lfw
-
 from edge_server.auth import issue_tokens
 from edge_server.checkpoint import load_checkpoint
 

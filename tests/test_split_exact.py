@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from device_sdk.client import DeviceClient
-from device_sdk.engine import DeviceEngine, DeviceTrainConfig, to_input
+from device_sdk.engine import DeviceEngine, to_input
 from device_sdk.models import build_backbone, build_classifier, resolve_spec, split_backbone
-from device_sdk.optim import exponential_decay, make_sgd
-from tests.conftest import TOKENS, ServerThread, small_trainer
+from device_sdk.optim import TrainConfig, exponential_decay, make_sgd
+from tests.conftest import TOKENS, serve_in_thread, small_trainer
 
 TOL = 1e-5
 NUM_CLASSES = 5
@@ -59,15 +59,16 @@ def test_split_step_equals_unsplit_step(tmp_path, model, head):
     backbone.load_state_dict(init["backbone"])
     device_init, tail_init = split_backbone(backbone, "conv1")
     trainer.tail.load_state_dict(tail_init.state_dict())
-    engine = DeviceEngine(spec, "conv1", head, NUM_CLASSES, DeviceTrainConfig(lr=LR, decay_steps=DECAY_STEPS))
+    engine = DeviceEngine(spec, "conv1", head, NUM_CLASSES, TrainConfig(lr=LR, decay_steps=DECAY_STEPS))
     engine.layer.load_state_dict(device_init.state_dict())
     (trainer.classifier if head == "server" else engine.classifier).load_state_dict(init["classifier"])
 
-    with ServerThread(trainer, tmp_path) as server:
+    with serve_in_thread(trainer, tmp_path) as server:
         async def run():
             client = DeviceClient(server.url, "device-0", TOKENS["device-0"], engine, batch_size=8)
             await client.connect()
-            results = [await client.train_batch(i + 1, images, labels) for i, (images, labels) in enumerate(batches)]
+            results = [await client.train_batch(i + 1, images, labels, np.arange(len(labels)) + 100 * i)
+                       for i, (images, labels) in enumerate(batches)]
             await client.close()
             return results
         results = asyncio.run(run())

@@ -1,0 +1,77 @@
+"""Differential privacy through the real processes: noisy releases train, the accountant reports,
+and the budget guard stops a device before it sends a release past its budget."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from device_sdk.privacy.accountant import PrivacyAccountant
+from device_sdk.privacy.mechanisms import PerImageGaussian
+from edge_server.checkpoint import load_checkpoint
+from tests.test_integration import DATA, MODEL, _setup, _start_server, _stop
+
+
+def _simulate(port: int, lfw: Path, run_dir: Path, tokens: Path, *extra: str) -> dict:
+    cmd = [sys.executable, "-m", "device_sdk", "--server", f"ws://127.0.0.1:{port}", "--tokens", str(tokens),
+           "--data", str(lfw), *DATA, "--model", MODEL, "--devices", "2", "--batch-size", "32", "--lr", "0.05",
+           "--results", str(run_dir / "results.json"), "--threads", "1", "--no-progress", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads((run_dir / "results.json").read_text()) | {"stdout": proc.stdout}
+
+
+def test_per_activation_noise_trains_and_is_accounted(tmp_path, lfw):
+    tokens = _setup(tmp_path)
+    server, port = _start_server(tmp_path)
+    try:
+        results = _simulate(port, lfw, tmp_path, tokens, "--epochs", "2", "--mechanism", "per-activation",
+                            "--epsilon", "10", "--layer-training", "plain")
+    finally:
+        _stop(server)
+    epochs = results["epochs"]
+    assert len(epochs) == 2 and epochs[1]["train_loss"] < epochs[0]["train_loss"]
+    for device in results["devices"]:
+        privacy = device["privacy"]
+        assert privacy["mechanism"]["name"] == "per_activation"
+        assert privacy["guarantee_void"]  # the layer trained without DP: the figures are flagged, not trusted
+        # every image released once per epoch (train images in training, test images in evaluation)
+        assert privacy["releases"] > 0
+    # the per-image view of the paper's per-activation epsilon is far weaker than 10
+    assert epochs[-1]["epsilon_image_max"] > 1000
+    assert "treat the guarantee as void" in results["stdout"]
+
+
+def _epsilon_after(releases: int, noise_multiplier: float) -> float:
+    accountant = PrivacyAccountant(1e-5)
+    for i in range(releases):
+        accountant.record(f"r{i}", [0], [0], PerImageGaussian(5.0, noise_multiplier).image_event(1))
+    return accountant.epsilon_image(0)
+
+
+def test_budget_guard_stops_the_device_before_it_overspends(tmp_path, lfw):
+    """Per-image noise with a budget that covers two releases of an image but not three: each device
+    trains two epochs, stops at the first batch of epoch 3, and the server never receives that batch."""
+    two, three = _epsilon_after(2, 20.0), _epsilon_after(3, 20.0)
+    budget = (two + three) / 2
+    tokens = _setup(tmp_path)
+    server, port = _start_server(tmp_path)
+    try:
+        results = _simulate(port, lfw, tmp_path, tokens, "--epochs", "4", "--mechanism", "per-image",
+                            "--noise-multiplier", "20", "--clip-norm", "5", "--layer-training", "frozen",
+                            "--budget-epsilon", str(budget))
+    finally:
+        _stop(server)
+    final = load_checkpoint(tmp_path / "checkpoint.pt")
+    for device in results["devices"]:
+        assert device["stopped"] and "budget" in device["stopped"]
+        assert len(device["epochs"]) == 2
+        assert device["privacy"]["epsilon_image"]["max"] == pytest.approx(two, rel=1e-6)
+        assert not device["privacy"]["guarantee_void"]
+        applied = final["devices"][device["device_id"]]["last_applied"]
+        assert applied == sum(e["batches"] for e in device["epochs"])  # nothing past the budget was sent
+    assert math.isfinite(results["epochs"][0]["epsilon_image_max"])
