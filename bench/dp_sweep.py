@@ -173,6 +173,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--force", action="store_true", help="re-run settings that already have results")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if "finetune" in args.settings and not args.public.exists():
+        print(f"pre-training the public backbone into {args.public}", flush=True)
+        subprocess.run([sys.executable, "-m", "edge_server", "pretrain", "--model", args.model, "--data", str(args.data),
+                        "--epochs", "12", "--out", str(args.public)], cwd=ROOT, check=True)
     plan = runs(args)
     rows = summarize(plan, [run_one(run, args) for run in plan])
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2, default=str))
