@@ -12,8 +12,10 @@ import math
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import TextIO
 
 from device_sdk.cli import add_data_args, add_model_args, load_data
 
@@ -62,9 +64,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.server_init:
         server_cmd += ["--init", str(args.server_init)]
     server_log = open(run_dir / "server.log", "w")
-    server = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, stderr=server_log, text=True)
+    server = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    copier = None
     try:
-        port = _wait_ready(server)
+        port = _wait_ready(server, server_log)
+        # Keep draining the server's output: a full pipe would block the server.
+        copier = threading.Thread(target=_copy, args=(server.stdout, server_log), daemon=True)
+        copier.start()
         print(f"edge server on ws://127.0.0.1:{port} (log: {run_dir / 'server.log'})", flush=True)
         sim_cmd = [sys.executable, "-m", "device_sdk", "--server", f"ws://127.0.0.1:{port}", "--tokens", str(token_file),
                    *common, *data_args, "--head", args.head, "--devices", str(args.devices), "--epochs", str(args.epochs),
@@ -79,26 +85,27 @@ def main(argv: list[str] | None = None) -> None:
             server.wait(timeout=120)
         except subprocess.TimeoutExpired:
             server.kill()
-        _drain(server, server_log)
+        if copier is not None:
+            copier.join(10)
+        server_log.close()
     _report(run_dir, data)
 
 
-def _wait_ready(server: subprocess.Popen, timeout: float = 120.0) -> int:
-    deadline = time.monotonic() + timeout
+def _wait_ready(server: subprocess.Popen, log: TextIO) -> int:
+    """The port from the server's READY line (copying what it prints before that to the log)."""
     assert server.stdout is not None
-    while time.monotonic() < deadline:
-        line = server.stdout.readline()
-        if not line:
-            raise SystemExit(f"the edge server exited before it was ready (exit {server.wait()})")
+    for line in server.stdout:
+        log.write(line)
         if line.startswith("READY "):
+            log.flush()
             return int(line.split()[1])
-    raise SystemExit("the edge server did not start in time")
+    raise SystemExit(f"the edge server exited before it was ready (exit {server.wait()}); see {log.name}")
 
 
-def _drain(server: subprocess.Popen, log) -> None:
-    if server.stdout is not None:
-        log.write(server.stdout.read())
-    log.close()
+def _copy(stream: TextIO, log: TextIO) -> None:
+    for line in stream:
+        log.write(line)
+        log.flush()
 
 
 def _report(run_dir: Path, data) -> None:
