@@ -106,11 +106,6 @@ class DeviceEngine:
         if self.mechanism.sensitivity < bound:
             raise ValueError(f"sensitivity {self.mechanism.sensitivity} is below the layer's output bound {bound}")
 
-    @property
-    def numel(self) -> int:
-        from .models import activation_shape
-        return math.prod(activation_shape(self.spec, self.split))
-
     # ---- releases ----------------------------------------------------------------------
     def _release(self, activations: torch.Tensor, release: Release, image_ids: Sequence[int],
                  identities: Sequence[int], extra: Sequence[tuple[Release, Any, bool]] = ()) -> torch.Tensor:
