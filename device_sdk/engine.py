@@ -88,9 +88,10 @@ class DeviceEngine:
             self.layer.requires_grad_(False)
         else:
             params = list(self.layer.parameters()) + params
-        self.optimizer = make_sgd(params, self.config.lr, self.config.momentum, self.config.weight_decay) if params else None
-        self.scheduler = exponential_decay(self.optimizer, self.config.lr_decay, self.config.decay_steps) \
-            if self.optimizer else None
+        self.optimizer = self.scheduler = None
+        if params:
+            self.optimizer = make_sgd(params, self.config.lr, self.config.momentum, self.config.weight_decay)
+            self.scheduler = exponential_decay(self.optimizer, self.config.lr_decay, self.config.decay_steps)
         self.committed = 0                      # last batch id applied on the device
         self.snapshots: dict[int, dict[str, Any]] = {0: self._state()}
         self._pending: dict[str, Any] | None = None
@@ -171,7 +172,9 @@ class DeviceEngine:
             pending["released"].backward(grad)
         elif mode == "dpsgd":
             output_grads, = torch.autograd.grad(pending["released"], pending["activations"], grad)
-            per_sample = per_sample_grads(self.layer, pending["x"], output_grads)
+            # The server's gradient is of the batch-mean loss; DP-SGD clips per-sample gradients of
+            # per-sample losses and divides by N itself, so undo the mean first.
+            per_sample = per_sample_grads(self.layer, pending["x"], output_grads * len(output_grads))
             generator = noise_generator(self.privacy.secret, RELEASE_KINDS["dpsgd"], *pending["release"][1:])
             noisy = clipped_noisy_grad(per_sample, self.privacy.dpsgd_clip, self.privacy.dpsgd_noise, generator)
             for name, p in self.layer.named_parameters():
