@@ -7,7 +7,6 @@ shell, Python or JVM, behaves the same.
 """
 from __future__ import annotations
 
-import hmac
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -87,10 +86,6 @@ class TrainTail:
 Action = Reply | Admit | Train | Evaluate | Embed | TrainTail
 
 Authenticator = Callable[[str, str], bool]
-
-
-def token_matches(expected: str, given: str) -> bool:
-    return hmac.compare_digest(expected.encode(), given.encode())
 
 
 class ServerSession:
