@@ -19,6 +19,7 @@ from typing import Any, Callable
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
+from device_sdk.models import activation_shape
 from protocol.session import (
     Action,
     Admit,
@@ -64,7 +65,6 @@ class ServerConfig:
 
 
 def server_info(trainer: ServerTrainer, max_batch: int, max_message_bytes: int) -> ServerInfo:
-    from device_sdk.models import activation_shape
     return ServerInfo(model=trainer.spec.to_dict(), split=trainer.split,
                       activation_shape=activation_shape(trainer.spec, trainer.split),
                       embedding_dim=trainer.spec.embedding_dim, num_classes=trainer.num_classes,
