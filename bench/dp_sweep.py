@@ -62,7 +62,7 @@ def run_one(run: dict, args: argparse.Namespace) -> dict:
     if results.exists() and not args.force:
         return json.loads(results.read_text())
     cmd = [sys.executable, "-m", "edge_server.demo", "--data", str(args.data), "--run-dir", str(run_dir),
-           "--no-progress", "--threads", "1", *run["args"]]
+           "--no-progress", "--threads", "1", *run["args"], *args.demo_args.split()]
     started = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     (run_dir / "demo.log").write_text(proc.stdout + proc.stderr)
@@ -139,9 +139,11 @@ def plot_activations(args: argparse.Namespace, out: Path) -> None:
     plt.close(fig)
 
 
-def table(rows: list[dict], args: argparse.Namespace) -> str:
-    lines = [f"Reduced CPU configuration: `{args.model}`, LFW 158 identities (3895 train / 429 test), "
-             f"2 devices, {args.epochs} epochs, delta = 1e-5.", "",
+def table(rows: list[dict], config: dict) -> str:
+    lines = [f"Reduced CPU configuration: {config['model']['family']} at {config['model']['input_size']}x"
+             f"{config['model']['input_size']}, LFW {config['num_classes']} identities ({config['train_images']} train / "
+             f"{config['test_images']} test), {config['num_devices']} devices, {config['epochs']} epochs, "
+             f"delta = 1e-5.", "",
              "| setting | mechanism | epsilon (as set) | release | final test acc | final train acc | "
              "per-image epsilon (accountant) | per-identity epsilon | note |",
              "|---|---|---:|---|---:|---:|---:|---:|---|"]
@@ -171,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--force", action="store_true", help="re-run settings that already have results")
+    p.add_argument("--demo-args", default="", help="more splitface-demo arguments, e.g. '--max-identities 20'")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if "finetune" in args.settings and not args.public.exists():
@@ -178,13 +181,15 @@ def main(argv: list[str] | None = None) -> None:
         subprocess.run([sys.executable, "-m", "edge_server", "pretrain", "--model", args.model, "--data", str(args.data),
                         "--epochs", "12", "--out", str(args.public)], cwd=ROOT, check=True)
     plan = runs(args)
-    rows = summarize(plan, [run_one(run, args) for run in plan])
+    outcomes = [run_one(run, args) for run in plan]
+    rows = summarize(plan, outcomes)
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2, default=str))
     for setting in args.settings:
         plot_training(rows, setting, args.out)
     plot_activations(args, args.out)
-    (args.out / "table.md").write_text(table(rows, args))
-    print(table(rows, args))
+    text = table(rows, outcomes[0]["config"])
+    (args.out / "table.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

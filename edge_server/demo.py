@@ -33,7 +33,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr", type=float, default=0.05, help="the server's learning rate")
+    p.add_argument("--device-lr", type=float, default=0.005,
+                   help="the devices' learning rate for their own layer; kept small so that the devices' layers "
+                        "stay close to their shared start (see README: batch norm in the server tail)")
     p.add_argument("--run-dir", type=Path, default=None, help="default: runs/demo-<time>")
     p.add_argument("--port", type=int, default=0)
     args, extra = p.parse_known_args(argv)
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"edge server on ws://127.0.0.1:{port} (log: {run_dir / 'server.log'})", flush=True)
         sim_cmd = [sys.executable, "-m", "device_sdk", "--server", f"ws://127.0.0.1:{port}", "--tokens", str(token_file),
                    *common, *data_args, "--head", args.head, "--devices", str(args.devices), "--epochs", str(args.epochs),
-                   "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--results", str(run_dir / "results.json"),
+                   "--batch-size", str(args.batch_size), "--lr", str(args.device_lr), "--results", str(run_dir / "results.json"),
                    *extra]
         sim = subprocess.run(sim_cmd)
         if sim.returncode != 0:

@@ -40,7 +40,7 @@ def _start_server(run_dir: Path, port: int = 0, **extra: str) -> tuple[subproces
 def _simulator(port: int, lfw: Path, run_dir: Path, tokens: Path, epochs: int, head: str = "server") -> subprocess.Popen:
     cmd = [sys.executable, "-m", "device_sdk", "--server", f"ws://127.0.0.1:{port}", "--tokens", str(tokens),
            "--data", str(lfw), *DATA, "--model", MODEL, "--head", head, "--devices", "2", "--epochs", str(epochs),
-           "--batch-size", "32", "--lr", "0.05", "--results", str(run_dir / "results.json"), "--threads", "1",
+           "--batch-size", "32", "--lr", "0.005", "--results", str(run_dir / "results.json"), "--threads", "1",
            "--no-progress", "--reconnect-timeout", "90"]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
