@@ -259,25 +259,32 @@ class EdgeServer:
             self._batches_since_checkpoint += 1
         return reply
 
-    # Compute, in the worker thread. Each returns (reply, samples, loss, n_correct, was_training).
+    # Compute, in the worker thread. Each returns (reply, samples, loss, n_correct, was_training); the
+    # replies carry server_s, the server's compute time, so a device can split its round trip.
     def _work(self, session: ServerSession, action: Train | Evaluate | Embed) -> tuple:
+        start = time.perf_counter()
         if isinstance(action, Train):
             grad, loss, n_correct = self.trainer.train_server_head(action.activations, action.labels)
-            return session.applied(action.batch_id, grad, loss, n_correct), len(grad), loss, n_correct, True
+            reply = session.applied(action.batch_id, grad, loss, n_correct, server_s=time.perf_counter() - start)
+            return reply, len(grad), loss, n_correct, True
         if isinstance(action, Evaluate):
             loss, n_correct = self.trainer.evaluate(action.activations, action.labels)
             n = len(action.labels)
             return session.eval_result(action.batch_id, loss, n_correct, n), n, None, None, False
         embeddings = self.trainer.embed(action.activations, train=False)
-        return session.embedded(action.batch_id, embeddings, eval=True), len(embeddings), None, None, False
+        reply = session.embedded(action.batch_id, embeddings, eval=True, server_s=time.perf_counter() - start)
+        return reply, len(embeddings), None, None, False
 
     def _embed(self, session: ServerSession, action: Embed) -> tuple:
+        start = time.perf_counter()
         embeddings = self.trainer.embed(action.activations, train=True)
-        return session.embedded(action.batch_id, embeddings), len(embeddings), None, None, False
+        return session.embedded(action.batch_id, embeddings, server_s=time.perf_counter() - start), len(embeddings), \
+            None, None, False
 
     def _train_tail(self, session: ServerSession, action: TrainTail) -> tuple:
+        start = time.perf_counter()
         grad = self.trainer.train_tail(action.grad)
-        return session.applied(action.batch_id, grad), len(grad), None, None, True
+        return session.applied(action.batch_id, grad, server_s=time.perf_counter() - start), len(grad), None, None, True
 
 
 class ServerThread:

@@ -81,11 +81,13 @@ SCHEMA: dict[str, dict[str, tuple[Check, bool]]] = {
         "loss": (_is_number, False),
         "n_correct": (_is_int, False),
         "durable_through": (lambda v: _is_int(v) and v >= 0, True),
+        "server_s": (lambda v: _is_number(v) and v >= 0, False),
     },
     EMBEDDINGS: {
         "batch_id": (_is_int, True),
         "embeddings": (TENSOR, True),
         "eval": (lambda v: isinstance(v, bool), False),
+        "server_s": (lambda v: _is_number(v) and v >= 0, False),
     },
     EMBEDDING_GRAD: {
         "batch_id": (lambda v: _is_int(v) and v >= 1, True),

@@ -244,22 +244,28 @@ class ServerSession:
         return TrainTail(batch_id, message["grad"])
 
     # Replies the shell asks for once it has done the work.
-    def applied(self, batch_id: int, grad: np.ndarray, loss: float | None = None, n_correct: int | None = None) -> bytes:
+    def applied(self, batch_id: int, grad: np.ndarray, loss: float | None = None, n_correct: int | None = None,
+                server_s: float | None = None) -> bytes:
         """BACKWARD for a batch that has just been applied; remembered for retries."""
         reply: dict[str, Any] = {"type": m.BACKWARD, "batch_id": batch_id, "grad": encode_tensor(grad, self.grad_encoding)}
         if loss is not None:
             reply["loss"] = float(loss)
         if n_correct is not None:
             reply["n_correct"] = int(n_correct)
+        if server_s is not None:
+            reply["server_s"] = float(server_s)
         record = self.record
         record.last_applied = batch_id
         reply["durable_through"] = self._durable_through(self.device_id)
         record.last_reply = m.encode(reply)
         return record.last_reply
 
-    def embedded(self, batch_id: int, embeddings: np.ndarray, eval: bool = False) -> bytes:
-        return m.encode({"type": m.EMBEDDINGS, "batch_id": batch_id,
-                         "embeddings": encode_tensor(embeddings, self.grad_encoding), "eval": eval})
+    def embedded(self, batch_id: int, embeddings: np.ndarray, eval: bool = False, server_s: float | None = None) -> bytes:
+        reply = {"type": m.EMBEDDINGS, "batch_id": batch_id, "embeddings": encode_tensor(embeddings, self.grad_encoding),
+                 "eval": eval}
+        if server_s is not None:
+            reply["server_s"] = float(server_s)
+        return m.encode(reply)
 
     def eval_result(self, batch_id: int, loss: float, n_correct: int, n: int) -> bytes:
         return m.encode({"type": m.EVAL_RESULT, "batch_id": batch_id, "loss": float(loss), "n_correct": int(n_correct), "n": n})

@@ -130,10 +130,11 @@ def valid_cases() -> list[tuple[str, bytes]]:
     add("forward_i8_labels", client("server", {"activations": "i8", "gradients": "f32"}).forward(2, ACTIVATIONS, LABELS))
     add("forward_eval", server_head.forward(1, ACTIVATIONS, LABELS, eval=True))
 
-    add("backward_server_head", server(server_head).applied(1, ACT_GRAD, loss=2.3025850929940455, n_correct=1))
+    add("backward_server_head", server(server_head).applied(1, ACT_GRAD, loss=2.3025850929940455, n_correct=1,
+                                                                     server_s=0.125))
     add("backward_device_head", server(device_head, last_applied=6, durable=4).applied(7, ACT_GRAD))
 
-    add("embeddings", server(device_head).embedded(1, EMBEDDINGS))
+    add("embeddings", server(device_head).embedded(1, EMBEDDINGS, server_s=0.0625))
     add("embeddings_eval", server(client("device")).embedded(4, EMBEDDINGS, eval=True))
     add("embedding_grad", client("device").embedding_grad(1, EMBEDDING_GRAD))
     add("embedding_grad_i8_zero",
