@@ -17,6 +17,7 @@ from .data import find_lfw_root, load_image_folder, load_lfw
 from .engine import LAYER_TRAINING, PrivacyConfig
 from .models import DEFAULT_SPLIT, PRESETS, ModelSpec, resolve_spec
 from .optim import TrainConfig
+from .runtimes import BACKENDS
 from .privacy.mechanisms import NoNoise, PerActivationGaussian, PerImageGaussian
 from .privacy.planner import plan_per_image
 from .simulator import SimConfig, simulate
@@ -113,6 +114,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--results", type=Path, default=Path("runs/sim/results.json"))
     p.add_argument("--reconnect-timeout", type=float, default=120.0)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--backend", choices=BACKENDS, default="torch",
+                   help="what runs the device layer: eager PyTorch, ExecuTorch (XNNPACK release + portable training "
+                        "program) or ONNX Runtime (see export/README.md)")
+    p.add_argument("--artifacts", type=Path, default=None,
+                   help="exported device programs for --backend (default: <results dir>/artifacts, exported there "
+                        "and verified on first use)")
     p.add_argument("--no-progress", action="store_true")
     add_privacy_args(p)
     args = p.parse_args(argv)
@@ -127,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
         encodings={"activations": args.activation_encoding, "gradients": args.gradient_encoding},
         train=TrainConfig(args.lr, args.momentum, args.weight_decay, args.lr_decay, args.decay_steps, args.seed),
         seed=args.seed, results=args.results, progress=not args.no_progress, reconnect_timeout_s=args.reconnect_timeout,
-        privacy=privacy_config(args, releases_per_image=args.epochs), device_weights=args.device_weights)
+        privacy=privacy_config(args, releases_per_image=args.epochs), device_weights=args.device_weights,
+        backend=args.backend, artifacts=args.artifacts or args.results.parent / "artifacts")
     tokens = json.loads(args.tokens.read_text())
     print(f"{len(data.class_names)} identities, {len(data.train)} train / {len(data.test)} test images; "
           f"{args.devices} devices, {args.head} head, {spec.family} {spec.input_size}px", flush=True)

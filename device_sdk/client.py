@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from protocol.errors import ErrorCode, RemoteError
 from protocol.session import ClientSession
 
 from .engine import DeviceEngine
+from .meter import BatchCost, EnergyCounter, Stopwatch, peak_rss_bytes
 
 log = logging.getLogger("splitface.device")
 
@@ -44,6 +46,7 @@ class Traffic:
     received: int = 0
     reconnects: int = 0
     round_trip_s: float = 0.0
+    decode_s: float = 0.0
 
 
 @dataclass
@@ -56,6 +59,7 @@ class BatchResult:
     round_trip_s: float    # send to reply, server compute included
     bytes_sent: int
     bytes_received: int
+    cost: BatchCost        # the same batch split into phases, for the cost meter
 
 
 class DeviceClient:
@@ -67,6 +71,7 @@ class DeviceClient:
                                      engine.num_classes if engine.head == "server" else None,
                                      dict(encodings or {"activations": "f32", "gradients": "f32"}))
         self.reconnect_timeout_s = reconnect_timeout_s
+        self.energy = EnergyCounter()
         self.server_retries = server_retries
         self.traffic = Traffic()
         self._ws: ClientConnection | None = None
@@ -133,7 +138,11 @@ class DeviceClient:
         self.traffic.round_trip_s += time.perf_counter() - start
         self.traffic.sent += len(data)
         self.traffic.received += len(reply)
-        return self.session.receive(reply, expect, batch_id)
+        start = time.perf_counter()
+        try:
+            return self.session.receive(reply, expect, batch_id)
+        finally:
+            self.traffic.decode_s += time.perf_counter() - start
 
     async def _with_retries(self, attempt) -> Any:
         """Run `attempt()` until it gets through: reconnect on a lost connection, retry a server failure."""
@@ -154,34 +163,48 @@ class DeviceClient:
                           image_ids: np.ndarray) -> BatchResult:
         """One training batch; raises BudgetExceeded (nothing sent) if the release would overspend."""
         engine = self.engine
-        start = time.perf_counter()
-        activations = await asyncio.to_thread(engine.forward, images, ("train", batch_id), image_ids, labels)
-        device_s = time.perf_counter() - start
-        forward = self.session.forward(batch_id, activations, labels if engine.head == "server" else None)
-        traffic0 = (self.traffic.sent, self.traffic.received, self.traffic.round_trip_s)
+        watch = Stopwatch()
+        energy0 = self.energy.read_joules()
+        with watch("forward"):
+            activations = await asyncio.to_thread(engine.forward, images, ("train", batch_id), image_ids, labels)
+        with watch("encode"):
+            forward = self.session.forward(batch_id, activations, labels if engine.head == "server" else None)
+        traffic0 = (self.traffic.sent, self.traffic.received, self.traffic.round_trip_s, self.traffic.decode_s)
         head: dict[str, Any] = {}
+        server_s: list[float] = []
 
         async def attempt() -> dict[str, Any]:
-            nonlocal device_s
+            server_s.clear()
             reply = await self.request(forward, {m.BACKWARD, m.EMBEDDINGS}, batch_id)
             if reply["type"] == m.EMBEDDINGS:
-                t = time.perf_counter()
-                grad, head["loss"], head["n_correct"] = await asyncio.to_thread(
-                    engine.head_step, reply["embeddings"], labels)
-                device_s += time.perf_counter() - t
-                reply = await self.request(self.session.embedding_grad(batch_id, grad), {m.BACKWARD}, batch_id)
+                server_s.append(reply.get("server_s", math.nan))
+                with watch("head"):
+                    grad, head["loss"], head["n_correct"] = await asyncio.to_thread(
+                        engine.head_step, reply["embeddings"], labels)
+                with watch("encode"):
+                    message = self.session.embedding_grad(batch_id, grad)
+                reply = await self.request(message, {m.BACKWARD}, batch_id)
+            server_s.append(reply.get("server_s", math.nan))
             return reply
 
         backward = await self._with_retries(attempt)
-        t = time.perf_counter()
-        await asyncio.to_thread(engine.commit, batch_id, backward["grad"])
-        device_s += time.perf_counter() - t
+        with watch("backward"):
+            await asyncio.to_thread(engine.commit, batch_id, backward["grad"])
         engine.forget_before(backward["durable_through"])
         loss = backward.get("loss", head.get("loss"))
         n_correct = backward.get("n_correct", head.get("n_correct"))
-        return BatchResult(batch_id, len(labels), float(loss), int(n_correct), device_s,
-                           self.traffic.round_trip_s - traffic0[2], self.traffic.sent - traffic0[0],
-                           self.traffic.received - traffic0[1])
+        t = watch.seconds
+        energy1 = self.energy.read_joules()
+        round_trip = self.traffic.round_trip_s - traffic0[2]
+        sent, received = self.traffic.sent - traffic0[0], self.traffic.received - traffic0[1]
+        server_total = sum(server_s)
+        cost = BatchCost(forward_s=t["forward"], backward_s=t["backward"] + t.get("head", 0.0),
+                         serialise_s=t["encode"] + self.traffic.decode_s - traffic0[3], round_trip_s=round_trip,
+                         server_s=None if math.isnan(server_total) else server_total, bytes_sent=sent,
+                         bytes_received=received, peak_rss_bytes=peak_rss_bytes(),
+                         energy_j=None if energy0 is None or energy1 is None else energy1 - energy0)
+        device_s = t["forward"] + t.get("head", 0.0) + t["backward"]
+        return BatchResult(batch_id, len(labels), float(loss), int(n_correct), device_s, round_trip, sent, received, cost)
 
     async def evaluate_batch(self, images: np.ndarray, labels: np.ndarray, image_ids: np.ndarray,
                              release: tuple) -> tuple[float, int]:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .models import ModelSpec, build_backbone, build_classifier, split_backbone
+from .models import ModelSpec, activation_shape, build_backbone, build_classifier, split_backbone
 from .models.lrn import PaperLRN
 from .models.weights import load_into
 from .optim import TrainConfig, exponential_decay, make_sgd
@@ -27,6 +27,7 @@ from .privacy.accountant import PrivacyAccountant
 from .privacy.budget import BudgetGuard
 from .privacy.dpsgd import clipped_noisy_grad, dpsgd_event, per_sample_grads
 from .privacy.mechanisms import Mechanism, NoNoise, PerActivationGaussian, noise_generator
+from .runtimes import LayerRuntime
 
 LAYER_TRAINING = ("plain", "frozen", "dpsgd")
 RELEASE_KINDS = {"train": 1, "eval": 2, "dpsgd": 3}
@@ -92,6 +93,8 @@ class DeviceEngine:
         if params:
             self.optimizer = make_sgd(params, self.config.lr, self.config.momentum, self.config.weight_decay)
             self.scheduler = exponential_decay(self.optimizer, self.config.lr_decay, self.config.decay_steps)
+        self.release_shape = tuple(activation_shape(spec, split))
+        self.runtime: LayerRuntime | None = None  # None: eager PyTorch
         self.committed = 0                      # last batch id applied on the device
         self.snapshots: dict[int, dict[str, Any]] = {0: self._state()}
         self._pending: dict[str, Any] | None = None
@@ -107,43 +110,60 @@ class DeviceEngine:
         if self.mechanism.sensitivity < bound:
             raise ValueError(f"sensitivity {self.mechanism.sensitivity} is below the layer's output bound {bound}")
 
+    def attach_runtime(self, runtime: "LayerRuntime") -> None:
+        """Compute releases and weight gradients with an exported program (ExecuTorch, ONNX Runtime).
+
+        Those programs add noise they are given, so only additive mechanisms qualify, and they have no
+        per-sample gradients, so DP-SGD stays on the torch backend.
+        """
+        if not hasattr(self.mechanism, "additive_noise"):
+            raise ValueError(f"the {runtime.name} backend supports the none and per-activation mechanisms, "
+                             f"not {self.mechanism.name} (use --backend torch)")
+        if self.privacy.layer_training == "dpsgd":
+            raise ValueError(f"the {runtime.name} backend has no per-sample gradients: DP-SGD needs --backend torch")
+        self.runtime = runtime
+
     # ---- releases ----------------------------------------------------------------------
-    def _release(self, activations: torch.Tensor, release: Release, image_ids: Sequence[int],
-                 identities: Sequence[int], extra: Sequence[tuple[Release, Any, bool]] = ()) -> torch.Tensor:
+    def _release(self, x: torch.Tensor, release: Release, image_ids: Sequence[int], identities: Sequence[int],
+                 extra: Sequence[tuple[Release, Any, bool]] = ()) -> dict[str, Any]:
         """Privatize, and ask the guard before anything can be sent (raises BudgetExceeded)."""
         kind, *numbers = release
-        released = self.mechanism.privatize(activations, noise_generator(self.privacy.secret, RELEASE_KINDS[kind],
-                                                                         *numbers))
-        event = self.mechanism.image_event(activations[0].numel())
+        generator = noise_generator(self.privacy.secret, RELEASE_KINDS[kind], *numbers)
+        if self.runtime is None:
+            activations = self.layer(x)
+            out = {"activations": activations, "released": self.mechanism.privatize(activations, generator)}
+        else:
+            noise = self.mechanism.additive_noise((len(x), *self.release_shape), generator)
+            out = {"noise": noise, "released": self.runtime.release(x, noise, list(self.layer.parameters()))}
+        event = self.mechanism.image_event(math.prod(self.release_shape))
         for rel, ev, joint in [(release, event, False), *extra]:
             self.guard.admit(release_key(rel), list(image_ids), list(identities), ev, joint=joint)
-        return released
+        return out
 
     def forward(self, images: np.ndarray, release: Release, image_ids: Sequence[int],
                 identities: Sequence[int]) -> np.ndarray:
-        """The training release of a batch; the graph is kept for `commit`."""
+        """The training release of a batch; the graph (or the noise, with a runtime) is kept for `commit`."""
         self.layer.train()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         x = to_input(images)
         frozen = self.privacy.layer_training == "frozen"
-        with torch.set_grad_enabled(not frozen):
-            activations = self.layer(x)
         extra = []
         if self.privacy.layer_training == "dpsgd":
             # The step this batch will take, counted up front. One noise draw covers the whole sum, so an
             # identity with k images in the batch moves it k times as far: recorded jointly.
             extra.append((("dpsgd", *release[1:]), dpsgd_event(self.privacy.dpsgd_noise), True))
-        released = self._release(activations, release, image_ids, identities, extra)
-        self._pending = {"x": x, "activations": activations, "released": released, "release": release}
-        return released.detach().numpy()
+        with torch.set_grad_enabled(not frozen and self.runtime is None):
+            out = self._release(x, release, image_ids, identities, extra)
+        self._pending = {"x": x, "release": release, **out}
+        return out["released"].detach().numpy()
 
     @torch.no_grad()
     def evaluate_release(self, images: np.ndarray, release: Release, image_ids: Sequence[int],
                          identities: Sequence[int]) -> np.ndarray:
         """An evaluation release: no graph, no state change, but still a release the accountant counts."""
         self.layer.eval()
-        return self._release(self.layer(to_input(images)), release, image_ids, identities).numpy()
+        return self._release(to_input(images), release, image_ids, identities)["released"].numpy()
 
     def head_step(self, embeddings: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, float, int]:
         """Device head: loss on the device's own labels; returns (embedding gradient, loss, correct).
@@ -168,7 +188,11 @@ class DeviceEngine:
         pending, self._pending = self._pending, None
         grad = torch.from_numpy(np.array(activation_grad, dtype=np.float32))
         mode = self.privacy.layer_training
-        if mode == "plain":
+        if mode == "plain" and self.runtime is not None:
+            params = list(self.layer.parameters())
+            for p, g in zip(params, self.runtime.weight_grads(pending["x"], pending["noise"], grad, params)):
+                p.grad = g
+        elif mode == "plain":
             pending["released"].backward(grad)
         elif mode == "dpsgd":
             output_grads, = torch.autograd.grad(pending["released"], pending["activations"], grad)

@@ -20,9 +20,11 @@ from tqdm import tqdm
 from .client import DeviceClient, Rollback
 from .data import DataSplit, FaceSet, partition
 from .engine import DeviceEngine, PrivacyConfig
+from .meter import summarize_costs
 from .models import ModelSpec
 from .optim import TrainConfig
 from .privacy.budget import BudgetExceeded
+from .runtimes import load_runtime
 
 log = logging.getLogger("splitface.simulator")
 
@@ -46,6 +48,8 @@ class SimConfig:
     reconnect_timeout_s: float = 120.0
     privacy: Callable[[], PrivacyConfig] = PrivacyConfig   # one per device: each has its own secret
     device_weights: Path | None = None
+    backend: str = "torch"                 # torch | executorch | onnxruntime (device_sdk.runtimes)
+    artifacts: Path | None = None          # exported programs for the backend (exported here if empty)
 
 
 class DeviceData:
@@ -80,6 +84,11 @@ class SimulatedDevice:
         train_cfg = TrainConfig(**{**asdict(config.train), "decay_steps": decay_steps})
         engine = DeviceEngine(config.spec, config.split, config.head, num_classes, train_cfg, config.privacy(),
                               config.device_weights)
+        if config.backend != "torch":
+            if config.artifacts is None:
+                raise ValueError(f"the {config.backend} backend needs SimConfig.artifacts (a directory)")
+            engine.attach_runtime(load_runtime(config.backend, engine.layer, config.spec.input_size, config.batch_size,
+                                               config.artifacts, real_images=data.train_images[:config.batch_size]))
         self.client = DeviceClient(config.url, device_id, token, engine, config.batch_size, config.encodings,
                                    config.reconnect_timeout_s)
         self.batches: dict[int, Any] = {}      # batch id -> BatchResult (replays overwrite)
@@ -148,6 +157,7 @@ class SimulatedDevice:
             "device_s_per_batch": sum(r.device_s for r in rs) / len(rs),
             "round_trip_s_per_batch": sum(r.round_trip_s for r in rs) / len(rs),
             "wall_s": time.time() - started,
+            "cost": summarize_costs([r.cost for r in rs], warmup=1, energy_reason=self.client.energy.reason),
             "epsilon_image_max": privacy["epsilon_image"]["max"],
             "epsilon_identity_max": privacy["epsilon_identity"]["max"],
         }
@@ -211,6 +221,7 @@ async def simulate(config: SimConfig, data: DataSplit, tokens: dict[str, str]) -
         "config": {"url": config.url, "model": config.spec.to_dict(), "split": config.split, "head": config.head,
                    "num_devices": config.num_devices, "epochs": config.epochs, "batch_size": config.batch_size,
                    "partition": config.partition, "encodings": config.encodings, "train": asdict(config.train),
+                   "backend": config.backend,
                    "num_classes": len(data.class_names), "train_images": len(data.train),
                    "test_images": len(data.test), "seed": config.seed,
                    "device_weights": str(config.device_weights) if config.device_weights else None},

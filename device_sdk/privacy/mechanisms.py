@@ -88,7 +88,11 @@ class PerActivationGaussian(Mechanism):
         self.std = self.sensitivity * self.sigma
 
     def privatize(self, activations: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        return activations + self.std * _noise_like(activations, generator)
+        return activations + self.additive_noise(activations.shape, generator)
+
+    def additive_noise(self, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+        """The noise `privatize` adds; exported device programs take it as an input."""
+        return self.std * torch.randn(shape, generator=generator)
 
     def activation_event(self) -> dp_event.DpEvent:
         """One value on its own (what the paper's epsilon describes)."""
@@ -139,6 +143,9 @@ class NoNoise(Mechanism):
 
     def privatize(self, activations: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         return activations
+
+    def additive_noise(self, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+        return torch.zeros(shape)
 
     def image_event(self, numel: int) -> dp_event.DpEvent:
         return dp_event.GaussianDpEvent(0.0)

@@ -1,0 +1,60 @@
+"""Where the device layer runs: eager PyTorch, ExecuTorch or ONNX Runtime.
+
+A non-torch runtime executes programs exported by `export/` for a fixed batch size; the engine
+keeps everything else (weights and optimiser in torch, noise, accountant, budget guard), so the
+backends differ only in who computes the release and the weight gradient.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+BACKENDS = ("torch", "executorch", "onnxruntime")
+
+
+class LayerRuntime(Protocol):
+    name: str
+    batch_size: int
+
+    def release(self, images: torch.Tensor, noise: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+        """layer(images) + noise, for exactly `batch_size` images."""
+
+    def weight_grads(self, images: torch.Tensor, noise: torch.Tensor, grad: torch.Tensor,
+                     weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """d sum(release * grad) / d weights, in `named_parameters` order."""
+
+
+def padded(x: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """Zero rows up to the exported batch size: zero gradient rows add nothing to the weight gradient."""
+    if len(x) > batch_size:
+        raise ValueError(f"batch of {len(x)} exceeds the exported batch size {batch_size}")
+    if len(x) == batch_size:
+        return x.contiguous()
+    return torch.cat([x, x.new_zeros((batch_size - len(x), *x.shape[1:]))]).contiguous()
+
+
+def load_runtime(backend: str, layer: nn.Module, input_size: int, batch_size: int, artifacts: Path,
+                 threads: int | None = None, real_images: np.ndarray | None = None) -> LayerRuntime:
+    """The runtime for `backend`, exporting (and verifying) `layer` into `artifacts` first if it is empty."""
+    if backend not in BACKENDS or backend == "torch":
+        raise ValueError(f"backend must be one of {BACKENDS[1:]} here, not {backend!r}")
+    from export.artifacts import MANIFEST, Manifest
+    from export.verify import export_verified
+
+    if not (artifacts / MANIFEST).exists():
+        export_verified(layer, input_size, batch_size, artifacts, real_images)
+    manifest = Manifest.load(artifacts)
+    lrn_max = [m.input_max for m in layer.modules() if hasattr(m, "input_max")]
+    layer_max = lrn_max[0] if lrn_max else None
+    if manifest.batch_size != batch_size or manifest.input_max != layer_max:
+        raise ValueError(f"artifacts in {artifacts} were exported for batch {manifest.batch_size} and LRN input clamp "
+                         f"{manifest.input_max}; this device needs batch {batch_size} and clamp {layer_max}: re-export")
+    if backend == "executorch":
+        from .executorch_runtime import ExecuTorchRuntime
+        return ExecuTorchRuntime(artifacts, manifest, threads)
+    from .onnx_runtime import OnnxRuntime
+    return OnnxRuntime(artifacts, manifest, threads)

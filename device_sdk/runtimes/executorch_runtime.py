@@ -1,0 +1,46 @@
+"""ExecuTorch: the XNNPACK release program, then the portable joint forward-backward program."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from . import padded
+
+
+class ExecuTorchRuntime:
+    name = "executorch"
+
+    def __init__(self, artifacts: Path, manifest, threads: int | None = None):
+        from executorch.extension.pybindings import portable_lib
+        from executorch.extension.training.pybindings._training_module import _load_for_executorch_for_training
+
+        from export.artifacts import RELEASE_PTE, TRAIN_PTE
+
+        if threads is not None:
+            portable_lib._unsafe_reset_threadpool(threads)
+        self.manifest, self.batch_size = manifest, manifest.batch_size
+        self._release = portable_lib._load_for_executorch(str(artifacts / RELEASE_PTE))
+        self._train = _load_for_executorch_for_training(str(artifacts / TRAIN_PTE))
+        self._params: list[torch.Tensor] | None = None
+
+    def release(self, images: torch.Tensor, noise: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+        n = len(images)
+        args = [padded(images, self.batch_size), padded(noise, self.batch_size)]
+        if not self.manifest.static_weights:
+            args += [w.detach().contiguous() for w in weights]
+        return self._release.forward(args)[0][:n].clone()
+
+    def weight_grads(self, images: torch.Tensor, noise: torch.Tensor, grad: torch.Tensor,
+                     weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        args = (padded(images, self.batch_size), padded(noise, self.batch_size), padded(grad, self.batch_size))
+        if self._params is None:
+            # The program's own weight buffers are reachable only after one call.
+            self._train.forward_backward("forward", args)
+            named = self._train.named_parameters()
+            self._params = [named[f"layer.{name}"] for name in self.manifest.weight_names]
+        for target, w in zip(self._params, weights):
+            target.copy_(w.detach())           # aliases the program's memory: the next call uses w
+        self._train.forward_backward("forward", args)
+        grads = self._train.named_gradients()
+        return [grads[f"layer.{name}"] for name in self.manifest.weight_names]
