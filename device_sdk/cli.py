@@ -17,9 +17,9 @@ from .data import find_lfw_root, load_image_folder, load_lfw
 from .engine import LAYER_TRAINING, PrivacyConfig
 from .models import DEFAULT_SPLIT, PRESETS, ModelSpec, resolve_spec
 from .optim import TrainConfig
-from .runtimes import BACKENDS
 from .privacy.mechanisms import NoNoise, PerActivationGaussian, PerImageGaussian
 from .privacy.planner import plan_per_image
+from .runtimes import BACKENDS
 from .simulator import SimConfig, simulate
 
 

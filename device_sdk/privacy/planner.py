@@ -7,7 +7,6 @@ import math
 from dp_accounting import dp_event, mechanism_calibration
 from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 from dp_accounting.privacy_accountant import NeighboringRelation
-
 from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
 
 from .accountant import epsilon_of, to_add_or_remove
