@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv with torch 2.13.0 (CPU wheel) first, then the project and its test extras.
+# Creates .venv with torch 2.13.0 (CPU wheel) first, then the project and its test extras; installs the
+# JDK-side test jars (JUnit 4, msgpack-java) from Debian for the Android demo's JVM core when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -9,3 +10,14 @@ fi
 .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/pip install -q "torch==2.13.0"
 .venv/bin/pip install -q -e ".[test]"
+
+if [ ! -f /usr/share/java/junit4.jar ] || [ ! -f /usr/share/java/msgpack-core.jar ] || ! command -v javac >/dev/null; then
+  if ! command -v apt-get >/dev/null; then
+    echo "need a JDK (17+), JUnit 4 and msgpack-java under /usr/share/java (Debian: apt-get install default-jdk-headless junit4 libmsgpack-java)" >&2
+    exit 1
+  fi
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get install -y -q junit4 libmsgpack-java >/dev/null || {
+    $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q junit4 libmsgpack-java >/dev/null; }
+fi

@@ -8,7 +8,7 @@ import math
 import sys
 
 from .mechanisms import PAPER_LRN_SENSITIVITY
-from .planner import per_activation_view, per_image_view
+from .planner import per_activation_view, per_image_view, release_schedule
 
 
 def _numel(text: str) -> int:
@@ -37,7 +37,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clip-norm", type=float, default=1.0)
     p.add_argument("--sensitivity", type=float, default=PAPER_LRN_SENSITIVITY)
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    s = sub.add_parser("schedule", help="per-image epsilon after each release, for a device's budget guard (msgpack)")
+    s.add_argument("--epsilon", type=float, required=True, help="the paper's per-activation epsilon")
+    s.add_argument("--delta", type=float, default=1e-5)
+    s.add_argument("--numel", type=_numel, required=True, help="values per image release, e.g. 16*64*64")
+    s.add_argument("--releases", type=int, required=True, help="how many releases of one image to tabulate")
+    s.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    if args.command == "schedule":
+        import msgpack
+        table = release_schedule(args.epsilon, args.delta, args.numel, args.releases)
+        with open(args.out, "wb") as f:
+            f.write(msgpack.packb({"mechanism": "per_activation", "epsilon_per_activation": args.epsilon,
+                                   "delta": args.delta, "numel": args.numel, "epsilon_after": table}))
+        print(f"per-image epsilon after 1..{args.releases} releases: {table[0]:.4g} ... {table[-1]:.4g} -> {args.out}")
+        return 0
 
     # Worst case: an image that is both trained on and evaluated (our LFW split keeps them apart,
     # so a train image has `epochs` releases and a test image `epochs * evals_per_epoch`).

@@ -74,3 +74,14 @@ def per_image_view(epsilon: float, delta: float, numel: int, releases_per_image:
         "noise_to_signal_l2": z * math.sqrt(numel),
         "epsilon_check": epsilon_of(dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(z), releases_per_image), delta),
     }
+
+
+def release_schedule(epsilon: float, delta: float, numel: int, releases: int,
+                     sensitivity: float = PAPER_LRN_SENSITIVITY) -> list[float]:
+    """Per-image epsilon after k = 1..releases releases of the per-activation mechanism (PLD, REPLACE_ONE).
+
+    A device without dp_accounting (the Android app) enforces its budget from this table instead of
+    composing anything itself.
+    """
+    event = PerActivationGaussian(epsilon, delta, sensitivity).image_event(numel)
+    return [epsilon_of(dp_event.SelfComposedDpEvent(event, k), delta) for k in range(1, releases + 1)]

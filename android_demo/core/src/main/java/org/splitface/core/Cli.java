@@ -1,0 +1,133 @@
+package org.splitface.core;
+
+import java.nio.ByteBuffer;
+import java.nio.ByteOrder;
+import java.nio.file.Files;
+import java.nio.file.Path;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+
+/**
+ * Command-line entry points on a msgpack job file (what tests/test_android_core.py writes):
+ *   parity JOB OUT   run the device layer forward and backward, write the results
+ *   train JOB        train against the server in the job, one JSON line of metrics per batch
+ */
+public final class Cli {
+    private Cli() {}
+
+    public static void main(String[] args) throws Exception {
+        if (args.length < 2) { System.err.println("usage: parity JOB OUT | train JOB"); System.exit(64); }
+        @SuppressWarnings("unchecked") Map<String, Object> job = (Map<String, Object>) Wire.unpack(Files.readAllBytes(Path.of(args[1])));
+        switch (args[0]) {
+            case "parity": parity(job, Path.of(args[2])); break;
+            case "train": System.exit(train(job)); break;
+            default: System.err.println("unknown command " + args[0]); System.exit(64);
+        }
+    }
+
+    static DeviceLayer layer(Map<String, Object> job) {
+        Map<?, ?> conv = (Map<?, ?>) job.get("conv"), lrn = (Map<?, ?>) job.get("lrn");
+        float[] w = floats((byte[]) job.get("weight"));
+        Object b = job.get("bias");
+        int cout = i(conv.get("cout")), cin = i(conv.get("cin")), k = i(conv.get("k"));
+        Object max = lrn.get("input_max");
+        DeviceLayer layer = new DeviceLayer(cin, cout, k, i(conv.get("stride")), i(conv.get("pad")), b != null,
+                i(lrn.get("size")), d(lrn.get("alpha")), d(lrn.get("beta")), d(lrn.get("gamma")), max == null ? null : d(max));
+        System.arraycopy(w, 0, layer.weight, 0, w.length);
+        if (b != null) System.arraycopy(floats((byte[]) b), 0, layer.bias, 0, layer.bias.length);
+        return layer;
+    }
+
+    /** uint8 NCHW pixels -> float in [0, 1], as device_sdk.engine.to_input. */
+    static float[] pixels(byte[] data) {
+        float[] out = new float[data.length];
+        for (int j = 0; j < data.length; j++) out[j] = (data[j] & 0xff) / 255.0f;
+        return out;
+    }
+
+    static void parity(Map<String, Object> job, Path out) throws Exception {
+        DeviceLayer layer = layer(job);
+        int[] shape = ints((List<?>) job.get("shape"));
+        float[] y = layer.forward(pixels((byte[]) job.get("images")), shape[0], shape[2], shape[3]);
+        float[][] g = layer.backward(floats((byte[]) job.get("grad")));
+        Map<String, Object> result = new LinkedHashMap<>();
+        result.put("out", bytes(y));
+        result.put("grad_weight", bytes(g[0]));
+        result.put("grad_bias", g[1] == null ? null : bytes(g[1]));
+        Files.write(out, Wire.pack(result));
+    }
+
+    @SuppressWarnings("unchecked")
+    static int train(Map<String, Object> job) throws Exception {
+        DeviceLayer layer = layer(job);
+        int[] shape = ints((List<?>) job.get("shape"));     // all images: [N, 3, H, W]
+        float[] images = pixels((byte[]) job.get("images"));
+        int[] labels = ints((List<?>) job.get("labels"));
+        int batch = i(job.get("batch_size")), epochs = i(job.get("epochs"));
+        Map<String, String> enc = new LinkedHashMap<>();
+        enc.put("activations", "f32");
+        enc.put("gradients", "f32");
+        ClientSession session = new ClientSession((String) job.get("device_id"), (String) job.get("token"),
+                (Map<String, Object>) job.get("model"), (String) job.get("split"), "server", batch, i(job.get("num_classes")), enc);
+        int batchesPerEpoch = (shape[0] + batch - 1) / batch;
+        Sgd sgd = new Sgd(new float[][] {layer.weight, layer.bias}, d(job.get("lr")), d(job.get("momentum")),
+                d(job.get("weight_decay")), d(job.get("lr_decay")), (long) batchesPerEpoch * epochs);
+        PerActivationNoise noise = job.get("epsilon") == null ? null : new PerActivationNoise(d(job.get("epsilon")), d(job.get("delta")));
+        BudgetGuard guard = job.get("schedule") == null ? null
+                : BudgetGuard.fromSchedule((byte[]) job.get("schedule"), d(job.get("budget")));
+        int plane = shape[1] * shape[2] * shape[3];
+        try (DeviceClient client = new DeviceClient((String) job.get("url"), JdkWebSocketTransport.factory(), session, layer,
+                sgd, noise, guard, 120_000, 5)) {
+            client.connect();
+            long total = (long) batchesPerEpoch * epochs;
+            while (client.committed() < total) {
+                long id = client.committed() + 1;
+                int start = (int) ((id - 1) % batchesPerEpoch) * batch, n = Math.min(batch, shape[0] - start);
+                float[] x = new float[n * plane];
+                System.arraycopy(images, start * plane, x, 0, n * plane);
+                int[] y = new int[n];
+                long[] ids = new long[n];
+                for (int j = 0; j < n; j++) { y[j] = labels[start + j]; ids[j] = start + j; }
+                try {
+                    System.out.println(client.trainBatch(id, x, new int[] {n, shape[1], shape[2], shape[3]}, y, ids).toJson());
+                } catch (DeviceClient.Rollback rb) {
+                    System.err.println(rb.getMessage());
+                }
+            }
+            return 0;
+        } catch (RemoteError e) {
+            System.err.println("ERROR " + e.getMessage());
+            return 2;
+        } catch (BudgetGuard.BudgetExceeded e) {
+            System.err.println("STOPPED privacy budget spent: " + e.getMessage());
+            return 3;
+        } catch (Transport.ConnectionLost e) {
+            System.err.println("ERROR " + e.getMessage());
+            return 4;
+        }
+    }
+
+    static float[] floats(byte[] b) {
+        ByteBuffer buf = ByteBuffer.wrap(b).order(ByteOrder.LITTLE_ENDIAN);
+        float[] out = new float[b.length / 4];
+        for (int j = 0; j < out.length; j++) out[j] = buf.getFloat();
+        return out;
+    }
+
+    static byte[] bytes(float[] f) {
+        ByteBuffer buf = ByteBuffer.allocate(f.length * 4).order(ByteOrder.LITTLE_ENDIAN);
+        for (float v : f) buf.putFloat(v);
+        return buf.array();
+    }
+
+    static int[] ints(List<?> list) {
+        int[] out = new int[list.size()];
+        for (int j = 0; j < out.length; j++) out[j] = i(list.get(j));
+        return out;
+    }
+
+    static int i(Object o) { return (int) ((Number) o).longValue(); }
+
+    static double d(Object o) { return ((Number) o).doubleValue(); }
+}

@@ -1,0 +1,145 @@
+package org.splitface.core;
+
+import java.util.Map;
+import java.util.Set;
+import java.util.TreeMap;
+
+/**
+ * A device training its layer against the edge server (server head), as device_sdk/client.py:
+ * one batch in flight; a lost connection is re-opened and the same bytes re-sent (the server
+ * applies a batch once and replays its reply for a retry); after a server restart the device
+ * rolls back to the server's checkpoint using the snapshots it keeps back to durable_through.
+ * The layer changes only when BACKWARD arrives.
+ */
+public final class DeviceClient implements AutoCloseable {
+    /** The server resumed from an older checkpoint: continue from batch {@code batchId + 1}. */
+    public static final class Rollback extends RuntimeException {
+        public final long batchId;
+        Rollback(long batchId) { super("server resumed at batch " + batchId + "; rolled back"); this.batchId = batchId; }
+    }
+
+    private final String url;
+    private final Transport.Factory transports;
+    private final ClientSession session;
+    private final DeviceLayer layer;
+    private final Sgd sgd;
+    private final PerActivationNoise noise;   // null: no noise (the server sees the activations)
+    private final BudgetGuard guard;          // null: no budget
+    private final long replyTimeoutMs;
+    private final int reconnectAttempts;
+    private final TreeMap<Long, Object[]> snapshots = new TreeMap<>();
+    private Transport transport;
+    private long committed;
+
+    public DeviceClient(String url, Transport.Factory transports, ClientSession session, DeviceLayer layer, Sgd sgd,
+                        PerActivationNoise noise, BudgetGuard guard, long replyTimeoutMs, int reconnectAttempts) {
+        this.url = url; this.transports = transports; this.session = session; this.layer = layer; this.sgd = sgd;
+        this.noise = noise; this.guard = guard; this.replyTimeoutMs = replyTimeoutMs; this.reconnectAttempts = reconnectAttempts;
+        snapshots.put(0L, snapshot());
+    }
+
+    public long committed() { return committed; }
+
+    /** HELLO / WELCOME; may throw Rollback (state already restored) or RemoteError (e.g. a wrong token). */
+    public void connect() throws Transport.ConnectionLost {
+        transport = transports.open(url);
+        transport.send(session.hello());
+        Map<String, Object> welcome = session.acceptWelcome(transport.receive(replyTimeoutMs));
+        long serverApplied = (Long) welcome.get("resume_from") - 1;
+        long durable = (Long) welcome.get("durable_through");
+        if (serverApplied > committed + 1)
+            throw new IllegalStateException("server has applied batch " + serverApplied + ", device only " + committed
+                    + ": the device lost its state");
+        forgetBefore(Math.min(durable, serverApplied));
+        if (serverApplied < committed) {
+            restore(serverApplied);
+            throw new Rollback(serverApplied);
+        }
+    }
+
+    private void reconnect() throws Transport.ConnectionLost {
+        close();
+        Transport.ConnectionLost last = null;
+        for (int i = 0; i < reconnectAttempts; i++) {
+            try {
+                connect();
+                return;
+            } catch (Transport.ConnectionLost e) {
+                last = e;
+                try { Thread.sleep(Math.min(2000, 100L << i)); } catch (InterruptedException ie) { Thread.currentThread().interrupt(); }
+            }
+        }
+        throw last;
+    }
+
+    /** One training batch; images NCHW in [0, 1]. Throws BudgetExceeded before sending anything over budget. */
+    public BatchMetrics trainBatch(long batchId, float[] images, int[] shape, int[] labels, long[] imageIds)
+            throws Transport.ConnectionLost {
+        if (batchId != committed + 1) throw new IllegalArgumentException("next batch is " + (committed + 1));
+        long t0 = System.nanoTime();
+        float[] out = layer.forward(images, shape[0], shape[2], shape[3]);
+        if (noise != null) {
+            float[] z = noise.noise(out.length);
+            for (int i = 0; i < out.length; i++) out[i] += z[i];
+        }
+        if (guard != null) guard.admit(imageIds);   // before anything is sent; a re-send below is the same release
+        int[] outShape = layer.outputShape(shape[0], shape[2], shape[3]);
+        byte[] forward = session.forward(batchId, out, outShape, labels, false);
+        double forwardMs = (System.nanoTime() - t0) / 1e6;
+
+        long t1 = System.nanoTime();
+        Map<String, Object> backward = null;
+        int serverFailures = 0;
+        long received = 0;
+        while (backward == null) {
+            try {
+                transport.send(forward);
+                byte[] reply = transport.receive(replyTimeoutMs);
+                received = reply.length;
+                backward = session.receive(reply, Set.of(Messages.BACKWARD), batchId);
+            } catch (Transport.ConnectionLost e) {
+                reconnect();   // may throw Rollback: the caller continues from committed() + 1
+            } catch (RemoteError e) {
+                if (e.fatal() || !"server_error".equals(e.code) || ++serverFailures > 3) throw e;
+            }
+        }
+        double roundTripMs = (System.nanoTime() - t1) / 1e6;
+
+        long t2 = System.nanoTime();
+        float[][] grads = layer.backward(((Tensor) backward.get("grad")).values());
+        sgd.step(grads);
+        committed = batchId;
+        snapshots.put(batchId, snapshot());
+        forgetBefore((Long) backward.get("durable_through"));
+        double backwardMs = (System.nanoTime() - t2) / 1e6;
+
+        Object serverS = backward.get("server_s");
+        double spent = guard == null ? Double.POSITIVE_INFINITY : guard.spent();
+        double left = guard == null ? Double.NaN : guard.budget - spent;
+        if (noise == null) spent = Double.POSITIVE_INFINITY;
+        return new BatchMetrics(batchId, forwardMs, backwardMs, roundTripMs,
+                serverS == null ? null : ((Number) serverS).doubleValue() * 1e3, forward.length, received,
+                ((Number) backward.get("loss")).doubleValue(), (int) (long) (Long) backward.get("n_correct"),
+                labels.length, spent, left, null);
+    }
+
+    private Object[] snapshot() { return new Object[] {layer.state(), sgd.state()}; }
+
+    private void restore(long batchId) {
+        Object[] s = snapshots.get(batchId);
+        if (s == null) throw new IllegalStateException("cannot roll back to batch " + batchId + ": no snapshot");
+        layer.load((float[][]) s[0]);
+        sgd.load((Object[]) s[1]);
+        committed = batchId;
+        snapshots.tailMap(batchId, false).clear();
+    }
+
+    private void forgetBefore(long durable) {
+        snapshots.headMap(Math.min(durable, committed), false).clear();
+    }
+
+    @Override
+    public void close() {
+        if (transport != null) { transport.close(); transport = null; }
+    }
+}

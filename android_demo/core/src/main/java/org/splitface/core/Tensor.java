@@ -1,0 +1,135 @@
+package org.splitface.core;
+
+import java.nio.ByteBuffer;
+import java.nio.ByteOrder;
+import java.util.ArrayList;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+
+/** The wire tensor {dtype, shape, data[, scale]} of protocol/SPEC.md, as protocol/tensor.py encodes it. */
+public final class Tensor {
+    public static final int MAX_RANK = 8;
+    public final String dtype;
+    public final int[] shape;
+    public final byte[] data;      // little-endian wire bytes
+    public final Double scale;     // f16 and i8 only
+
+    private Tensor(String dtype, int[] shape, byte[] data, Double scale) {
+        this.dtype = dtype; this.shape = shape; this.data = data; this.scale = scale;
+    }
+
+    public static int numel(int[] shape) {
+        int n = 1;
+        for (int d : shape) n *= d;
+        return n;
+    }
+
+    /** Encode float values in "f32", "f16" (power-of-two scale) or "i8" (scale = max/127). */
+    public static Tensor encode(float[] values, int[] shape, String encoding) {
+        if (values.length != numel(shape)) throw new IllegalArgumentException("values do not match the shape");
+        switch (encoding) {
+            case "f32": {
+                ByteBuffer b = ByteBuffer.allocate(values.length * 4).order(ByteOrder.LITTLE_ENDIAN);
+                for (float v : values) b.putFloat(v);
+                return new Tensor("f32", shape.clone(), b.array(), null);
+            }
+            case "f16": {
+                double peak = peak(values);
+                double scale = peak > 0 ? Math.scalb(1.0, Math.max(frexpExponent(peak) - 15, -126)) : 1.0;
+                float fscale = (float) scale;
+                ByteBuffer b = ByteBuffer.allocate(values.length * 2).order(ByteOrder.LITTLE_ENDIAN);
+                for (float v : values) b.putShort(Half.fromFloat(v / fscale));
+                return new Tensor("f16", shape.clone(), b.array(), scale);
+            }
+            case "i8": {
+                double peak = peak(values);
+                double scale = peak > 0 ? peak / 127.0 : 1.0;
+                float fscale = (float) scale;
+                byte[] q = new byte[values.length];
+                for (int i = 0; i < values.length; i++) {
+                    double r = Math.rint(values[i] / fscale);
+                    q[i] = (byte) Math.max(-127, Math.min(127, r));
+                }
+                return new Tensor("i8", shape.clone(), q, scale);
+            }
+            default: throw new IllegalArgumentException("unknown encoding " + encoding);
+        }
+    }
+
+    private static double peak(float[] values) {
+        float peak = 0;
+        for (float v : values) peak = Math.max(peak, Math.abs(v));
+        return Float.isFinite(peak) ? peak : 0.0;
+    }
+
+    /** Python's math.frexp exponent: x = m * 2^e with m in [0.5, 1). */
+    private static int frexpExponent(double x) { return Math.getExponent(x) + 1; }
+
+    /** Validate a decoded wire map (BAD_TENSOR on any mismatch), as protocol/tensor.py decode_tensor. */
+    public static Tensor fromWire(Object obj, String field) {
+        if (!(obj instanceof Map)) throw bad(field + ": expected a map");
+        Map<?, ?> m = (Map<?, ?>) obj;
+        Object dtype = m.get("dtype"), shape = m.get("shape"), data = m.get("data");
+        if (!("f32".equals(dtype) || "f16".equals(dtype) || "i8".equals(dtype)))
+            throw bad(field + ": dtype " + dtype + " is not one of [f32, f16, i8]");
+        if (!(shape instanceof List) || ((List<?>) shape).size() > MAX_RANK) throw bad(field + ": shape must be a list of at most 8 non-negative ints");
+        List<?> dims = (List<?>) shape;
+        int[] s = new int[dims.size()];
+        for (int i = 0; i < s.length; i++) {
+            Object d = dims.get(i);
+            if (!(d instanceof Long) || (Long) d < 0 || (Long) d > Integer.MAX_VALUE) throw bad(field + ": shape must be a list of at most 8 non-negative ints");
+            s[i] = (int) (long) (Long) d;
+        }
+        if (!(data instanceof byte[])) throw bad(field + ": data must be bin");
+        for (Object k : m.keySet())
+            if (!List.of("dtype", "shape", "data", "scale").contains(k)) throw bad(field + ": unexpected key " + k);
+        int item = "f32".equals(dtype) ? 4 : "f16".equals(dtype) ? 2 : 1;
+        long expected = 1;
+        for (int d : s) expected *= d;
+        expected *= item;
+        byte[] bytes = (byte[]) data;
+        if (bytes.length != expected) throw bad(field + ": " + bytes.length + " bytes do not match dtype x shape (" + expected + " bytes)");
+        Double scale = null;
+        if (!"f32".equals(dtype)) {
+            Object sc = m.get("scale");
+            double v = sc instanceof Double ? (Double) sc : sc instanceof Long ? (double) (Long) sc : Double.NaN;
+            if (!(Double.isFinite(v) && v > 0)) throw bad(field + ": " + dtype + " needs a finite positive scale");
+            scale = v;
+        } else if (m.containsKey("scale")) throw bad(field + ": f32 takes no scale");
+        Tensor t = new Tensor((String) dtype, s, bytes, scale);
+        for (float v : t.values()) if (!Float.isFinite(v)) throw bad(field + ": contains NaN or infinity");
+        return t;
+    }
+
+    /** The float32 values the receiver uses (scale applied as a float32, as the reference does). */
+    public float[] values() {
+        int n = numel(shape);
+        float[] out = new float[n];
+        ByteBuffer b = ByteBuffer.wrap(data).order(ByteOrder.LITTLE_ENDIAN);
+        float fscale = scale == null ? 1f : (float) (double) scale;
+        for (int i = 0; i < n; i++) {
+            switch (dtype) {
+                case "f32": out[i] = b.getFloat(); break;
+                case "f16": out[i] = Half.toFloat(b.getShort()) * fscale; break;
+                default: out[i] = data[i] * fscale;
+            }
+        }
+        return out;
+    }
+
+    public Map<String, Object> toWire() {
+        Map<String, Object> m = new LinkedHashMap<>();
+        m.put("dtype", dtype);
+        List<Object> dims = new ArrayList<>();
+        for (int d : shape) dims.add((long) d);
+        m.put("shape", dims);
+        m.put("data", data);
+        if (scale != null) m.put("scale", scale);
+        return m;
+    }
+
+    private static ProtocolException bad(String message) {
+        return new ProtocolException(ProtocolException.BAD_TENSOR, message);
+    }
+}

@@ -1,0 +1,90 @@
+package org.splitface.core;
+
+import static org.junit.Assert.assertArrayEquals;
+import static org.junit.Assert.assertEquals;
+import static org.junit.Assert.assertTrue;
+import static org.junit.Assert.fail;
+
+import java.nio.charset.StandardCharsets;
+import java.nio.file.Files;
+import java.nio.file.Path;
+import java.util.ArrayList;
+import java.util.HexFormat;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+import java.util.stream.Collectors;
+import org.junit.Test;
+
+/** protocol/vectors: every valid case decodes to its JSON and re-encodes byte for byte; every invalid one is refused with its code. */
+public class VectorConformanceTest {
+    static final Path VECTORS = Path.of(System.getProperty("splitface.vectors", "../protocol/vectors"));
+
+    static List<Path> cases() throws Exception {
+        try (var files = Files.list(VECTORS)) {
+            return files.filter(p -> p.toString().endsWith(".json")).sorted().collect(Collectors.toList());
+        }
+    }
+
+    @SuppressWarnings("unchecked")
+    static Object meaning(Object json) {
+        if (json instanceof Map) {
+            Map<String, Object> m = (Map<String, Object>) json;
+            Map<String, Object> out = new LinkedHashMap<>();
+            for (Map.Entry<String, Object> e : m.entrySet()) {
+                if (m.containsKey("data_hex")) {                       // a tensor: its wire form
+                    if (e.getKey().equals("values")) continue;
+                    if (e.getKey().equals("data_hex")) { out.put("data", HexFormat.of().parseHex((String) e.getValue())); continue; }
+                }
+                out.put(e.getKey(), meaning(e.getValue()));
+            }
+            return out;
+        }
+        if (json instanceof List) {
+            List<Object> out = new ArrayList<>();
+            for (Object x : (List<Object>) json) out.add(meaning(x));
+            return out;
+        }
+        return json;
+    }
+
+    @Test
+    @SuppressWarnings("unchecked")
+    public void everyVector() throws Exception {
+        List<Path> cases = cases();
+        assertTrue("no vectors found in " + VECTORS.toAbsolutePath(), cases.size() >= 28);
+        int valid = 0, invalid = 0;
+        for (Path json : cases) {
+            String name = json.getFileName().toString().replace(".json", "");
+            byte[] bytes = Files.readAllBytes(VECTORS.resolve(name + ".msgpack"));
+            Map<String, Object> expected = (Map<String, Object>) Json.parse(Files.readString(json, StandardCharsets.UTF_8));
+            if (Boolean.TRUE.equals(expected.get("invalid"))) {
+                try {
+                    Messages.decode(bytes, Messages.DEFAULT_MAX_MESSAGE_BYTES);
+                    fail(name + ": accepted an invalid message");
+                } catch (ProtocolException e) {
+                    assertEquals(name, expected.get("error_code"), e.code);
+                }
+                invalid++;
+                continue;
+            }
+            Map<String, Object> decoded = Messages.decode(bytes, Messages.DEFAULT_MAX_MESSAGE_BYTES);
+            assertEquals(name + ": keys in wire order", new ArrayList<>(expected.keySet()), new ArrayList<>(decoded.keySet()));
+            for (Map.Entry<String, Object> e : expected.entrySet()) {
+                Object got = decoded.get(e.getKey());
+                if (got instanceof Tensor) {
+                    List<Object> values = (List<Object>) ((Map<String, Object>) e.getValue()).get("values");
+                    float[] v = ((Tensor) got).values();
+                    assertEquals(name, values.size(), v.length);
+                    for (int i = 0; i < v.length; i++)
+                        assertEquals(name + " value " + i, Float.floatToIntBits((float) ((Number) values.get(i)).doubleValue()),
+                                Float.floatToIntBits(v[i]));
+                }
+            }
+            assertArrayEquals(name + ": re-encoded", bytes, Messages.encode(decoded));
+            assertArrayEquals(name + ": encoded from its JSON", bytes, Wire.pack(meaning(expected)));
+            valid++;
+        }
+        assertTrue(valid >= 16 && invalid >= 10);
+    }
+}

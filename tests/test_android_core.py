@@ -1,0 +1,129 @@
+"""The Android demo's pure-JVM core (android_demo/core) against the Python reference: its device layer
+equals PyTorch's on real faces, and a Java device trains against the real edge server on loopback.
+The JUnit tests (protocol vectors byte for byte, gradients, noise, budget guard) run from test.sh via
+android_demo/jvm_test.sh; this file builds the core with the same script."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from device_sdk.data import load_lfw
+from device_sdk.engine import to_input
+from device_sdk.models import build_backbone, resolve_spec, split_backbone
+from device_sdk.models.lrn import PaperLRN
+from device_sdk.privacy.planner import release_schedule
+from tests.conftest import TOKENS, serve_in_thread, small_trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "android_demo"
+MODEL = "iresnet_small"
+
+
+@pytest.fixture(scope="module")
+def java() -> list[str]:
+    build = subprocess.run([str(DEMO / "jvm_test.sh"), "--build-only"], capture_output=True, text=True)
+    assert build.returncode == 0, build.stdout + build.stderr
+    return ["java", "-cp", f"{DEMO / 'core/build/main'}:/usr/share/java/msgpack-core.jar", "org.splitface.core.Cli"]
+
+
+def device_layer(clamp: float | None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layer, _ = split_backbone(build_backbone(resolve_spec(MODEL)), "conv1")
+    for lrn in (m for m in layer.modules() if isinstance(m, PaperLRN)):
+        lrn.input_max = clamp
+    return layer
+
+
+def layer_job(layer: torch.nn.Module) -> dict:
+    conv = next(m for m in layer.modules() if isinstance(m, torch.nn.Conv2d))
+    lrn = next(m for m in layer.modules() if isinstance(m, PaperLRN))
+    f32 = lambda t: t.detach().numpy().astype("<f4").tobytes()  # noqa: E731
+    return {"conv": {"cin": conv.in_channels, "cout": conv.out_channels, "k": conv.kernel_size[0],
+                     "stride": conv.stride[0], "pad": conv.padding[0]},
+            "lrn": {"size": lrn.size, "alpha": lrn.alpha, "beta": lrn.beta, "gamma": lrn.gamma, "input_max": lrn.input_max},
+            "weight": f32(conv.weight), "bias": None if conv.bias is None else f32(conv.bias)}
+
+
+@pytest.fixture(scope="module")
+def faces(lfw):
+    split = load_lfw(lfw, min_images=10, max_identities=4)
+    # Shuffled once (LFW lists are grouped by person): every batch mixes identities.
+    train = split.train.subset(np.random.default_rng(0).permutation(len(split.train))[:64])
+    return train.load(64, 160), train.labels, len(split.class_names)
+
+
+@pytest.mark.parametrize("clamp", [None, 1.0])
+def test_java_device_layer_equals_pytorch_on_real_faces(java, faces, tmp_path, clamp):
+    images = faces[0][:4]
+    layer = device_layer(clamp)
+    x = to_input(images)
+    out = layer(x)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    (out * grad).sum().backward()
+    job = {**layer_job(layer), "images": images.tobytes(), "shape": list(images.shape),
+           "grad": grad.numpy().astype("<f4").tobytes()}
+    (tmp_path / "job.msgpack").write_bytes(msgpack.packb(job))
+    run = subprocess.run([*java, "parity", str(tmp_path / "job.msgpack"), str(tmp_path / "out.msgpack")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    got = msgpack.unpackb((tmp_path / "out.msgpack").read_bytes())
+    java_out = np.frombuffer(got["out"], "<f4").reshape(out.shape)
+    np.testing.assert_allclose(java_out, out.detach().numpy(), atol=1e-5)   # activations lie in [0, 1)
+    conv = next(m for m in layer.modules() if isinstance(m, torch.nn.Conv2d))
+    for name, param in (("grad_weight", conv.weight), ("grad_bias", conv.bias)):
+        want = param.grad.numpy()
+        java_grad = np.frombuffer(got[name], "<f4").reshape(want.shape)
+        np.testing.assert_allclose(java_grad, want, atol=1e-4 * np.abs(want).max())
+
+
+def train_job(url: str, faces, token: str, epochs: int, **extra) -> dict:
+    images, labels, classes = faces
+    return {**layer_job(device_layer(extra.pop("clamp", None))), "url": url, "device_id": "device-0", "token": token,
+            "model": resolve_spec(MODEL).to_dict(), "split": "conv1", "num_classes": classes, "batch_size": 16,
+            "epochs": epochs, "images": images.tobytes(), "shape": list(images.shape),
+            "labels": [int(y) for y in labels], "lr": 0.005, "momentum": 0.9, "weight_decay": 0.0, "lr_decay": 0.1,
+            "epsilon": None, "delta": 1e-5, "schedule": None, "budget": float("inf"), **extra}
+
+
+def run_java(java, job: dict, tmp_path: Path) -> subprocess.CompletedProcess:
+    path = tmp_path / "train.msgpack"
+    path.write_bytes(msgpack.packb(job))
+    return subprocess.run([*java, "train", str(path)], capture_output=True, text=True, timeout=300)
+
+
+def test_java_device_trains_against_the_python_server(java, faces, tmp_path):
+    with serve_in_thread(small_trainer(faces[2], MODEL, lr=0.05), tmp_path / "server") as server:
+        run = run_java(java, train_job(server.url, faces, TOKENS["device-0"], epochs=5), tmp_path)
+        steps = server.trainer.steps
+    assert run.returncode == 0, run.stderr
+    batches = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [b["batch_id"] for b in batches] == list(range(1, 21)) and steps == 20
+    losses = [b["loss"] for b in batches]  # the server's loss, from its BACKWARD replies
+    assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.3, losses  # the same 4 batches, epoch 5 vs epoch 1
+    first = batches[0]
+    assert first["bytes_up"] > 16 * 16 * 64 * 64 * 4 and first["bytes_down"] > 16 * 16 * 64 * 64 * 4
+    assert first["forward_ms"] > 0 and first["backward_ms"] > 0 and first["server_ms"] > 0
+    assert first["energy_mah"] is None  # a JVM has no battery: unavailable, not invented
+
+
+def test_java_device_is_refused_in_words_and_stops_at_its_budget(java, faces, tmp_path):
+    numel = 16 * 64 * 64
+    schedule = release_schedule(10.0, 1e-5, numel, 3)
+    budget = (schedule[0] + schedule[1]) / 2   # one release of each image, not two
+    sched = msgpack.packb({"delta": 1e-5, "epsilon_after": schedule})
+    with serve_in_thread(small_trainer(faces[2], MODEL, lr=0.05), tmp_path / "server") as server:
+        refused = run_java(java, train_job(server.url, faces, "wrong-token", epochs=1), tmp_path)
+        noisy = run_java(java, train_job(server.url, faces, TOKENS["device-0"], epochs=2, epsilon=10.0, clamp=1.0,
+                                         schedule=sched, budget=budget), tmp_path)
+        steps = server.trainer.steps
+    assert refused.returncode == 2 and "server refused (unauthorized)" in refused.stderr
+    assert noisy.returncode == 3 and "privacy budget spent" in noisy.stderr and "nothing was sent" in noisy.stderr
+    batches = [json.loads(line) for line in noisy.stdout.splitlines()]
+    assert len(batches) == 4 and steps == 4   # epoch 1 trained; epoch 2's first release refused, never sent
+    assert batches[-1]["epsilon_spent"] == pytest.approx(schedule[0], rel=1e-6)
