@@ -18,6 +18,8 @@ if [ ! -f /usr/share/java/junit4.jar ] || [ ! -f /usr/share/java/msgpack-core.ja
   fi
   SUDO=""
   [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get install -y -q junit4 libmsgpack-java >/dev/null || {
-    $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q junit4 libmsgpack-java >/dev/null; }
+  PKGS="junit4 libmsgpack-java"
+  command -v javac >/dev/null || PKGS="$PKGS default-jdk-headless"
+  $SUDO apt-get install -y -q $PKGS >/dev/null || {
+    $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q $PKGS >/dev/null; }
 fi

@@ -5,7 +5,10 @@ android_demo/jvm_test.sh; this file builds the core with the same script."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import msgpack
@@ -18,7 +21,9 @@ from device_sdk.engine import to_input
 from device_sdk.models import build_backbone, resolve_spec, split_backbone
 from device_sdk.models.lrn import PaperLRN
 from device_sdk.privacy.planner import release_schedule
+from edge_server.checkpoint import load_checkpoint
 from tests.conftest import TOKENS, serve_in_thread, small_trainer
+from tests.test_integration import NUM_CLASSES, _setup, _start_server, _stop
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "android_demo"
@@ -127,3 +132,41 @@ def test_java_device_is_refused_in_words_and_stops_at_its_budget(java, faces, tm
     batches = [json.loads(line) for line in noisy.stdout.splitlines()]
     assert len(batches) == 4 and steps == 4   # epoch 1 trained; epoch 2's first release refused, never sent
     assert batches[-1]["epsilon_spent"] == pytest.approx(schedule[0], rel=1e-6)
+
+
+def test_java_device_survives_a_killed_server(java, faces, tmp_path):
+    """SIGKILL the server process mid-run and restart it from its checkpoint on the same port: the Java
+    device reconnects, rolls back to what the checkpoint holds, replays, and finishes; the server
+    applied every batch exactly once."""
+    tokens = _setup(tmp_path)
+    token = json.loads(tokens.read_text())["device-0"]
+    server, port = _start_server(tmp_path, checkpoint_every_batches="5", checkpoint_every="1000")
+    job = train_job(f"ws://127.0.0.1:{port}", faces, token, epochs=30, num_classes=NUM_CLASSES)
+    (tmp_path / "train.msgpack").write_bytes(msgpack.packb(job))
+    device = subprocess.Popen([*java, "train", str(tmp_path / "train.msgpack")], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            state = load_checkpoint(tmp_path / "checkpoint.pt") if (tmp_path / "checkpoint.pt").exists() else None
+            if state and state["trainer"]["steps"] >= 10:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("no checkpoint with 10 steps")
+        time.sleep(0.5)  # a few batches the checkpoint does not hold
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait()
+        killed_at = load_checkpoint(tmp_path / "checkpoint.pt")["trainer"]["steps"]
+        server, _ = _start_server(tmp_path, port=port, checkpoint_every_batches="5", checkpoint_every="1000")
+        out, err = device.communicate(timeout=300)
+    finally:
+        if device.poll() is None:
+            device.kill()
+        _stop(server)
+    assert device.returncode == 0, err
+    total = 30 * 4
+    assert killed_at < total and "rolled back" in err
+    final = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert final["trainer"]["steps"] == total and final["devices"]["device-0"]["last_applied"] == total
+    assert json.loads(out.splitlines()[-1])["batch_id"] == total
