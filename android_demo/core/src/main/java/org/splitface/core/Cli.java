@@ -77,8 +77,8 @@ public final class Cli {
         BudgetGuard guard = job.get("schedule") == null ? null
                 : BudgetGuard.fromSchedule((byte[]) job.get("schedule"), d(job.get("budget")));
         int plane = shape[1] * shape[2] * shape[3];
-        try (DeviceClient client = new DeviceClient((String) job.get("url"), JdkWebSocketTransport.factory(), session, layer,
-                sgd, noise, guard, 120_000, 30)) {
+        try (DeviceClient client = new DeviceClient((String) job.get("url"), JdkWebSocketTransport.factory(), session,
+                new ReferenceLayerTrainer(layer, sgd), noise, guard, 120_000, 30)) {
             client.connect();
             long total = (long) batchesPerEpoch * epochs;
             while (client.committed() < total) {

@@ -21,21 +21,20 @@ public final class DeviceClient implements AutoCloseable {
     private final String url;
     private final Transport.Factory transports;
     private final ClientSession session;
-    private final DeviceLayer layer;
-    private final Sgd sgd;
+    private final LayerTrainer layer;
     private final PerActivationNoise noise;   // null: no noise (the server sees the activations)
     private final BudgetGuard guard;          // null: no budget
     private final long replyTimeoutMs;
     private final int reconnectAttempts;
-    private final TreeMap<Long, Object[]> snapshots = new TreeMap<>();
+    private final TreeMap<Long, Object> snapshots = new TreeMap<>();
     private Transport transport;
     private long committed;
 
-    public DeviceClient(String url, Transport.Factory transports, ClientSession session, DeviceLayer layer, Sgd sgd,
+    public DeviceClient(String url, Transport.Factory transports, ClientSession session, LayerTrainer layer,
                         PerActivationNoise noise, BudgetGuard guard, long replyTimeoutMs, int reconnectAttempts) {
-        this.url = url; this.transports = transports; this.session = session; this.layer = layer; this.sgd = sgd;
+        this.url = url; this.transports = transports; this.session = session; this.layer = layer;
         this.noise = noise; this.guard = guard; this.replyTimeoutMs = replyTimeoutMs; this.reconnectAttempts = reconnectAttempts;
-        snapshots.put(0L, snapshot());
+        snapshots.put(0L, layer.snapshot());
     }
 
     public long committed() { return committed; }
@@ -106,10 +105,9 @@ public final class DeviceClient implements AutoCloseable {
         double roundTripMs = (System.nanoTime() - t1) / 1e6;
 
         long t2 = System.nanoTime();
-        float[][] grads = layer.backward(((Tensor) backward.get("grad")).values());
-        sgd.step(grads);
+        layer.step(((Tensor) backward.get("grad")).values());
         committed = batchId;
-        snapshots.put(batchId, snapshot());
+        snapshots.put(batchId, layer.snapshot());
         forgetBefore((Long) backward.get("durable_through"));
         double backwardMs = (System.nanoTime() - t2) / 1e6;
 
@@ -123,13 +121,10 @@ public final class DeviceClient implements AutoCloseable {
                 labels.length, spent, left, null);
     }
 
-    private Object[] snapshot() { return new Object[] {layer.state(), sgd.state()}; }
-
     private void restore(long batchId) {
-        Object[] s = snapshots.get(batchId);
+        Object s = snapshots.get(batchId);
         if (s == null) throw new IllegalStateException("cannot roll back to batch " + batchId + ": no snapshot");
-        layer.load((float[][]) s[0]);
-        sgd.load((Object[]) s[1]);
+        layer.restore(s);
         committed = batchId;
         snapshots.tailMap(batchId, false).clear();
     }
