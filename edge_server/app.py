@@ -36,6 +36,7 @@ from protocol.session import (
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .metrics import Metrics
+from .recorder import Recorder
 from .trainer import ServerTrainer
 
 log = logging.getLogger("splitface.server")
@@ -54,6 +55,7 @@ class ServerConfig:
     checkpoint_every_batches: int = 0     # 0: time-based only
     log_every_s: float = 10.0
     pending_timeout_s: float = 60.0
+    record_max: int = 0                   # > 0: keep up to this many received training samples per device (audit)
 
     @property
     def checkpoint_path(self) -> Path:
@@ -62,6 +64,10 @@ class ServerConfig:
     @property
     def metrics_path(self) -> Path:
         return self.run_dir / "metrics.json"
+
+    @property
+    def recordings_dir(self) -> Path:
+        return self.run_dir / "recordings"
 
 
 def server_info(trainer: ServerTrainer, max_batch: int, max_message_bytes: int) -> ServerInfo:
@@ -85,6 +91,7 @@ class EdgeServer:
         self.records: dict[str, DeviceRecord] = {}
         self.durable: dict[str, int] = {}
         self.metrics = Metrics()
+        self.recorder = Recorder(config.recordings_dir, config.record_max) if config.record_max > 0 else None
         self.model_lock = asyncio.Lock()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="compute")
         self.connections: dict[str, tuple[ServerConnection, asyncio.Event]] = {}
@@ -117,6 +124,8 @@ class EdgeServer:
             state = {"identity": self._identity(), "trainer": self.trainer.state_dict(), "devices": devices,
                      "saved_at": time.time()}
             await self._compute(save_checkpoint, self.config.checkpoint_path, state)
+            if self.recorder:
+                await self._compute(self.recorder.flush)
             self.durable = {d: r["last_applied"] for d, r in devices.items()}
             self._batches_since_checkpoint = 0
         log.info("checkpoint at server step %d", self.trainer.steps)
@@ -266,6 +275,8 @@ class EdgeServer:
         if isinstance(action, Train):
             grad, loss, n_correct = self.trainer.train_server_head(action.activations, action.labels)
             reply = session.applied(action.batch_id, grad, loss, n_correct, server_s=time.perf_counter() - start)
+            if self.recorder:
+                self.recorder.record(session.device_id, action.batch_id, action.activations, action.labels)
             return reply, len(grad), loss, n_correct, True
         if isinstance(action, Evaluate):
             loss, n_correct = self.trainer.evaluate(action.activations, action.labels)
@@ -278,12 +289,16 @@ class EdgeServer:
     def _embed(self, session: ServerSession, action: Embed) -> tuple:
         start = time.perf_counter()
         embeddings = self.trainer.embed(action.activations, train=True)
+        if self.recorder:
+            self.recorder.record(session.device_id, action.batch_id, action.activations, None)
         return session.embedded(action.batch_id, embeddings, server_s=time.perf_counter() - start), len(embeddings), \
             None, None, False
 
     def _train_tail(self, session: ServerSession, action: TrainTail) -> tuple:
         start = time.perf_counter()
         grad = self.trainer.train_tail(action.grad)
+        if self.recorder:
+            self.recorder.record_embedding_grad(session.device_id, action.batch_id, action.grad)
         return session.applied(action.batch_id, grad, server_s=time.perf_counter() - start), len(grad), None, None, True
 
 

@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     s.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--record-max", type=int, default=0,
+                   help="play the curious server for the privacy audit: keep up to N received training samples per "
+                        "device in <run dir>/recordings/ (default 0: keep nothing)")
 
     pt = sub.add_parser("pretrain", help="train the whole backbone on a public set and save it")
     add_model_args(pt)
@@ -80,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     info = server_info(trainer, args.max_batch, int(args.max_message_mb * 2 ** 20))
     server = EdgeServer(trainer, info, TokenAuthenticator(load_tokens(args.tokens)),
                         ServerConfig(args.host, args.port, args.run_dir, args.checkpoint_every,
-                                     args.checkpoint_every_batches, pending_timeout_s=args.pending_timeout))
+                                     args.checkpoint_every_batches, pending_timeout_s=args.pending_timeout,
+                                     record_max=args.record_max))
     logging.getLogger("splitface.server").info("training %s split at %s on %s", args.model, args.split, trainer.device)
     asyncio.run(server.run(on_ready=lambda port: print(f"READY {port}", flush=True)))
 

@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> None:
                         "stay close to their shared start (see README: batch norm in the server tail)")
     p.add_argument("--run-dir", type=Path, default=None, help="default: runs/demo-<time>")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--record-max", type=int, default=0,
+                   help="the server keeps up to N received training samples per device for the privacy audit")
     args, extra = p.parse_known_args(argv)
     run_dir = args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -63,7 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     server_cmd = [sys.executable, "-m", "edge_server", "serve", *common, "--num-classes", str(len(data.class_names)),
                   "--tokens", str(run_dir / "server" / "tokens.json"), "--port", str(args.port),
                   "--run-dir", str(run_dir / "server"), "--lr", str(args.lr), "--decay-steps", str(decay_steps),
-                  "--max-batch", str(args.batch_size), "--seed", str(args.seed), "--train-only", args.train_only]
+                  "--max-batch", str(args.batch_size), "--seed", str(args.seed), "--train-only", args.train_only,
+                  "--record-max", str(args.record_max)]
     if args.server_init:
         server_cmd += ["--init", str(args.server_init)]
     server_log = open(run_dir / "server.log", "w")
