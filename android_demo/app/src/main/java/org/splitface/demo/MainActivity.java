@@ -98,7 +98,8 @@ public class MainActivity extends Activity {
                     meter.start();
                     BatchMetrics m = client.trainBatch(id, x, new int[] {batch, 3, size, size}, y, ids);
                     Double mah = meter.stopMilliAmpHours();
-                    show(batches, describe(m, mah, meter), true);
+                    Double counter = meter.counterMilliAmpHours();
+                    show(batches, describe(m, mah, counter), true);
                     show(status, meter.charging() ? "CHARGING: energy readings are the charger's, not the battery's"
                             : "training, batch " + id, false);
                 }
@@ -115,9 +116,11 @@ public class MainActivity extends Activity {
         }
     }
 
-    private static String describe(BatchMetrics m, Double mah, BatteryMeter meter) {
+    /** One line per batch; counter = the CHARGE_COUNTER delta (coarse, often whole mAh steps: read it over many batches). */
+    private static String describe(BatchMetrics m, Double mah, Double counter) {
         double seconds = (m.forwardMs() + m.roundTripMs() + m.backwardMs()) / 1000;
-        String energy = mah == null ? "energy n/a" : String.format(Locale.ROOT, "%.4f mAh (%.2f mAh/min)", mah, mah / seconds * 60);
+        String energy = (mah == null ? "current n/a" : String.format(Locale.ROOT, "%.4f mAh (%.2f mAh/min)", mah, mah / seconds * 60))
+                + (counter == null ? ", counter n/a" : String.format(Locale.ROOT, ", counter %.3f mAh", counter));
         return String.format(Locale.ROOT, "#%d fwd %.0f ms bwd %.0f ms rtt %.0f ms | up %.1f MB down %.1f MB | %s | eps %s left %s",
                 m.batchId(), m.forwardMs(), m.backwardMs(), m.roundTripMs(), m.bytesUp() / 1e6, m.bytesDown() / 1e6, energy,
                 fmt(m.epsilonSpent()), fmt(m.epsilonLeft()));
