@@ -30,32 +30,10 @@ from device_sdk.data import find_lfw_root, load_lfw  # noqa: E402
 from device_sdk.engine import to_input  # noqa: E402
 from device_sdk.models import build_backbone, resolve_spec, split_backbone  # noqa: E402
 from device_sdk.models.lrn import PaperLRN  # noqa: E402
-from device_sdk.privacy.mechanisms import NoNoise, PerActivationGaussian, noise_generator  # noqa: E402
-from edge_server.audit.attack import reconstruction_report  # noqa: E402
-from edge_server.audit.inversion import RidgeInversion, resized  # noqa: E402
-from edge_server.audit.metrics import linkage_rate  # noqa: E402
+from device_sdk.privacy.mechanisms import NoNoise, PerActivationGaussian  # noqa: E402
+from edge_server.audit.attack import reconstruction_report, releases  # noqa: E402
+from edge_server.audit.inversion import resized, tuned_inversion  # noqa: E402
 from edge_server.audit.recognizer import Eigenfaces  # noqa: E402
-
-
-def releases(layer, images: np.ndarray, mechanism, seed: int) -> np.ndarray:
-    with torch.no_grad():
-        return mechanism.privatize(layer(torch.from_numpy(images)), noise_generator(seed, 1)).numpy()
-
-
-def tuned_inversion(public_releases: np.ndarray, public_images: np.ndarray) -> tuple[RidgeInversion, dict]:
-    """What an attacker can do without private data: pick pool and ridge by linkage on held-out public faces."""
-    n = len(public_images) * 3 // 4
-    best, best_score = None, -1.0
-    for pool in (2, 4, 8):
-        for ridge in (1e-2, 1e-1, 1.0):
-            inv = RidgeInversion(ridge, pool, 32).fit(public_releases[:n], public_images[:n])
-            held = public_images[n:]
-            recon = inv.reconstruct(public_releases[n:])
-            score = linkage_rate(recon.reshape(len(recon), -1), resized(held, 32).reshape(len(held), -1))
-            if score > best_score:
-                best, best_score = (pool, ridge), score
-    return RidgeInversion(best[1], best[0], 32).fit(public_releases, public_images), \
-        {"pool": best[0], "ridge": best[1], "public_holdout_linkage": best_score}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,8 +13,8 @@ from device_sdk.data import load_lfw
 from device_sdk.engine import to_input
 from device_sdk.models import build_backbone, resolve_spec, split_backbone
 from device_sdk.models.lrn import PaperLRN
-from device_sdk.privacy.mechanisms import NoNoise, PerActivationGaussian, noise_generator
-from edge_server.audit.attack import reconstruction_report
+from device_sdk.privacy.mechanisms import NoNoise, PerActivationGaussian
+from edge_server.audit.attack import reconstruction_report, releases
 from edge_server.audit.inversion import RidgeInversion
 from edge_server.audit.recognizer import Eigenfaces
 
@@ -31,11 +31,6 @@ def setting(lfw):
     images = {name: to_input(s.load(64, 160)).numpy() for name, s in
               (("public", public_train), ("private", private.train), ("photos", private.test))}
     return layer, images, private.train.labels, private.test.labels
-
-
-def releases(layer, images: np.ndarray, mechanism, seed: int) -> np.ndarray:
-    with torch.no_grad():
-        return mechanism.privatize(layer(torch.from_numpy(images)), noise_generator(seed, 1)).numpy()
 
 
 def attack(setting, mechanism) -> dict:

@@ -6,10 +6,21 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
+import torch
+from torch import nn
+
+from device_sdk.privacy.mechanisms import Mechanism, noise_generator
 
 from .inversion import RidgeInversion, resized
 from .metrics import chance_risk, linkage_rate, psnr, reidentification_risk, ssim
 from .recognizer import Eigenfaces
+
+
+def releases(layer: nn.Module, images: np.ndarray, mechanism: Mechanism, seed: int) -> np.ndarray:
+    """Images in [0, 1] through a device layer and a mechanism: how the attacker prepares its public
+    training pairs, with the device SDK's own code (and noise of its own: it lacks the device's secret)."""
+    with torch.no_grad():
+        return mechanism.privatize(layer(torch.from_numpy(images)), noise_generator(seed, 1)).numpy()
 
 
 def reconstruction_report(inversion: RidgeInversion, recognizer: Eigenfaces, received: np.ndarray,

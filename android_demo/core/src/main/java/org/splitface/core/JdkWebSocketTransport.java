@@ -6,18 +6,14 @@ import java.net.http.HttpClient;
 import java.net.http.WebSocket;
 import java.nio.ByteBuffer;
 import java.time.Duration;
-import java.util.concurrent.BlockingQueue;
 import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.CompletionStage;
-import java.util.concurrent.LinkedBlockingQueue;
 import java.util.concurrent.TimeUnit;
 
 /** The JDK's java.net.http websocket client (Java 11+): what the JVM core's tests and CLI use. */
 public final class JdkWebSocketTransport implements Transport, WebSocket.Listener {
-    private static final Object CLOSED = new Object();
-    private final BlockingQueue<Object> inbox = new LinkedBlockingQueue<>();
+    private final Inbox inbox = new Inbox();
     private final ByteArrayOutputStream partial = new ByteArrayOutputStream();
-    private volatile String closeReason = "connection closed";
     private WebSocket socket;
 
     public static Transport.Factory factory() { return JdkWebSocketTransport::open; }
@@ -43,18 +39,7 @@ public final class JdkWebSocketTransport implements Transport, WebSocket.Listene
     }
 
     @Override
-    public byte[] receive(long timeoutMs) throws ConnectionLost {
-        Object m;
-        try {
-            m = inbox.poll(timeoutMs, TimeUnit.MILLISECONDS);
-        } catch (InterruptedException e) {
-            Thread.currentThread().interrupt();
-            throw new ConnectionLost("interrupted");
-        }
-        if (m == null) throw new ConnectionLost("no reply within " + timeoutMs + " ms");
-        if (m == CLOSED) { inbox.add(CLOSED); throw new ConnectionLost(closeReason); }
-        return (byte[]) m;
-    }
+    public byte[] receive(long timeoutMs) throws ConnectionLost { return inbox.take(timeoutMs); }
 
     @Override
     public void close() {
@@ -67,28 +52,25 @@ public final class JdkWebSocketTransport implements Transport, WebSocket.Listene
         byte[] chunk = new byte[data.remaining()];
         data.get(chunk);
         partial.write(chunk, 0, chunk.length);
-        if (last) { inbox.add(partial.toByteArray()); partial.reset(); }
+        if (last) { inbox.deliver(partial.toByteArray()); partial.reset(); }
         ws.request(1);
         return null;
     }
 
     @Override
     public CompletionStage<?> onText(WebSocket ws, CharSequence data, boolean last) {
-        closeReason = "server sent a text frame";
-        inbox.add(CLOSED);
+        inbox.closed("server sent a text frame");
         return null;
     }
 
     @Override
     public CompletionStage<?> onClose(WebSocket ws, int code, String reason) {
-        closeReason = "server closed the connection (" + code + (reason.isEmpty() ? "" : ": " + reason) + ")";
-        inbox.add(CLOSED);
+        inbox.closed("server closed the connection (" + code + (reason.isEmpty() ? "" : ": " + reason) + ")");
         return CompletableFuture.completedFuture(null);
     }
 
     @Override
     public void onError(WebSocket ws, Throwable error) {
-        closeReason = "connection lost: " + error.getMessage();
-        inbox.add(CLOSED);
+        inbox.closed("connection lost: " + error.getMessage());
     }
 }
