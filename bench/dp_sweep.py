@@ -10,6 +10,9 @@ Mechanisms: the paper's per-activation Gaussian at epsilon in --epsilons (and no
 per-image clipped Gaussian planned for per-image targets in --image-targets, with and without
 a pooled (lower-dimensional) release.
 
+The server records up to --record-max training releases per device (gitignored, under
+runs/<name>/server/recordings/) for `splitface-audit`, which plays the curious server against them.
+
 Outputs (under --out): runs/<name>/ (each run's results.json and server log), summary.json,
 fig_training_<setting>.png (train accuracy, test accuracy, loss per epoch per epsilon: the
 paper's figures 3 and 4), fig_activations.png (its figure 2), and table.md.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import subprocess
 import sys
 import time
@@ -44,13 +48,18 @@ def runs(args: argparse.Namespace) -> list[dict]:
         for eps in args.epsilons:
             noise = ["--mechanism", "none"] if eps == math.inf else ["--mechanism", "per-activation", "--epsilon", str(eps)]
             plan.append({"name": f"{setting}-act-{eps:g}", "setting": setting, "mechanism": "per-activation",
-                         "epsilon": eps, "pool": 1, "args": base + noise})
+                         "epsilon": eps, "pool": 1, "head": "server", "args": base + noise})
+            if setting == "scratch" and eps in args.device_head_epsilons:
+                # the label-leakage audit needs the device head: the labels stay on the device
+                plan.append({"name": f"{setting}-devicehead-act-{eps:g}", "setting": setting,
+                             "mechanism": "per-activation", "epsilon": eps, "pool": 1, "head": "device",
+                             "args": base + noise + ["--head", "device"]})
         if setting != "finetune":
             continue  # the per-image mechanism is studied where the layer is public (its guarantee holds)
         for target in args.image_targets:
             for pool in args.pools:
                 plan.append({"name": f"{setting}-img-{target:g}-pool{pool}", "setting": setting,
-                             "mechanism": "per-image", "epsilon": target, "pool": pool,
+                             "mechanism": "per-image", "epsilon": target, "pool": pool, "head": "server",
                              "args": base + ["--mechanism", "per-image", "--target-epsilon", str(target),
                                              "--clip-norm", str(args.clip_norm), "--release-pool", str(pool)]})
     return plan
@@ -61,8 +70,12 @@ def run_one(run: dict, args: argparse.Namespace) -> dict:
     results = run_dir / "results.json"
     if results.exists() and not args.force:
         return json.loads(results.read_text())
+    # a fresh run: the server would otherwise resume from the old run's checkpoint and refuse the devices
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
     cmd = [sys.executable, "-m", "edge_server.demo", "--data", str(args.data), "--run-dir", str(run_dir),
-           "--no-progress", "--threads", "1", *run["args"], *args.demo_args.split()]
+           "--no-progress", "--threads", "1", "--record-max", str(args.record_max), *run["args"],
+           *args.demo_args.split()]
     started = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     (run_dir / "demo.log").write_text(proc.stdout + proc.stderr)
@@ -77,7 +90,7 @@ def summarize(plan: list[dict], outcomes: list[dict]) -> list[dict]:
     for run, result in zip(plan, outcomes):
         last = result["epochs"][-1]
         privacy = result["devices"][0]["privacy"]
-        rows.append({**{k: run[k] for k in ("name", "setting", "mechanism", "epsilon", "pool")},
+        rows.append({**{k: run[k] for k in ("name", "setting", "mechanism", "epsilon", "pool", "head")},
                      "epochs": result["epochs"], "final_test_acc": last["test_acc"], "final_train_acc": last["train_acc"],
                      "epsilon_image": last["epsilon_image_max"], "epsilon_identity": last["epsilon_identity_max"],
                      "guarantee_void": privacy.get("guarantee_void", False), "mechanism_detail": privacy["mechanism"],
@@ -86,7 +99,7 @@ def summarize(plan: list[dict], outcomes: list[dict]) -> list[dict]:
 
 
 def plot_training(rows: list[dict], setting: str, out: Path) -> None:
-    chosen = [r for r in rows if r["setting"] == setting and r["mechanism"] == "per-activation"]
+    chosen = [r for r in rows if r["setting"] == setting and r["mechanism"] == "per-activation" and r["head"] == "server"]
     if not chosen:
         return
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
@@ -151,7 +164,8 @@ def table(rows: list[dict], config: dict) -> str:
         eps = "none" if r["epsilon"] == math.inf else (f"{r['epsilon']:g} per value" if r["mechanism"] == "per-activation"
                                                        else f"{r['epsilon']:g} per image")
         release = "full" if r["pool"] == 1 else f"{r['pool']}x{r['pool']} avg-pooled"
-        note = "void: layer trained without DP" if r["guarantee_void"] else ""
+        note = "; ".join(n for n in ("device head" if r["head"] == "device" else "",
+                                     "void: layer trained without DP" if r["guarantee_void"] else "") if n)
         lines.append(f"| {r['setting']} | {r['mechanism'] if r['epsilon'] != math.inf else 'none'} | {eps} | {release} | "
                      f"{r['final_test_acc']:.3f} | {r['final_train_acc']:.3f} | {r['epsilon_image']:.4g} | "
                      f"{r['epsilon_identity']:.4g} | {note} |")
@@ -172,6 +186,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clip-norm", type=float, default=10.0)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--device-head-epsilons", nargs="*", type=float, default=[3, math.inf],
+                   help="scratch: also run these with the classifier on the device (for the label-leakage audit)")
+    p.add_argument("--record-max", type=int, default=256,
+                   help="the server records this many training releases per device for splitface-audit")
     p.add_argument("--force", action="store_true", help="re-run settings that already have results")
     p.add_argument("--demo-args", default="", help="more splitface-demo arguments, e.g. '--max-identities 20'")
     args = p.parse_args(argv)

@@ -83,6 +83,12 @@ def privacy_config(args: argparse.Namespace, releases_per_image: int) -> Callabl
                                  args.dpsgd_clip, args.dpsgd_noise)
 
 
+def data_selection(args: argparse.Namespace) -> dict:
+    """The data arguments, as recorded in a run's results (the audit reloads the same images with them)."""
+    return {"image_folder": args.image_folder, "min_images": args.min_images, "max_identities": args.max_identities,
+            "max_images": args.max_images, "seed": args.seed}
+
+
 def load_data(args: argparse.Namespace):
     if args.image_folder:
         if not args.data:
@@ -135,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         train=TrainConfig(args.lr, args.momentum, args.weight_decay, args.lr_decay, args.decay_steps, args.seed),
         seed=args.seed, results=args.results, progress=not args.no_progress, reconnect_timeout_s=args.reconnect_timeout,
         privacy=privacy_config(args, releases_per_image=args.epochs), device_weights=args.device_weights,
-        backend=args.backend, artifacts=args.artifacts or args.results.parent / "artifacts")
+        backend=args.backend, artifacts=args.artifacts or args.results.parent / "artifacts", data=data_selection(args))
     tokens = json.loads(args.tokens.read_text())
     print(f"{len(data.class_names)} identities, {len(data.train)} train / {len(data.test)} test images; "
           f"{args.devices} devices, {args.head} head, {spec.family} {spec.input_size}px", flush=True)

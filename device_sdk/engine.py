@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .models import ModelSpec, activation_shape, build_backbone, build_classifier, split_backbone
 from .models.lrn import PaperLRN
@@ -65,6 +66,30 @@ def release_key(release: Release) -> str:
     return ":".join(str(x) for x in release)
 
 
+def initial_layer(spec: ModelSpec, split: str, seed: int, weights: Path | None = None) -> nn.Module:
+    """The device part as every device starts it: seeded (all devices draw the same layer) or loaded
+    from published weights. An edge server that knows the seed can build the same one."""
+    torch.manual_seed(seed)
+    layer, _ = split_backbone(build_backbone(spec), split)
+    if weights is not None:
+        load_into(layer, weights, spec)
+    return layer
+
+
+def bound_for(mechanism: Mechanism, layer: nn.Module) -> None:
+    """The paper's per-activation sensitivity needs LRN inputs in [0, 1]: clamp them (in place)."""
+    if not isinstance(mechanism, PerActivationGaussian):
+        return
+    lrns = [m for m in layer.modules() if isinstance(m, PaperLRN)]
+    if not lrns:
+        raise ValueError("the per-activation mechanism needs the device part to end in the paper's LRN")
+    for lrn in lrns:
+        lrn.input_max = 1.0
+    bound = max(lrn.output_bound() for lrn in lrns)
+    if mechanism.sensitivity < bound:
+        raise ValueError(f"sensitivity {mechanism.sensitivity} is below the layer's output bound {bound}")
+
+
 class DeviceEngine:
     def __init__(self, spec: ModelSpec, split: str, head: str, num_classes: int,
                  config: TrainConfig | None = None, privacy: PrivacyConfig | None = None,
@@ -74,13 +99,9 @@ class DeviceEngine:
         self.spec, self.split, self.head, self.num_classes = spec, split, head, num_classes
         self.config = config or TrainConfig()
         self.privacy = privacy or PrivacyConfig()
-        torch.manual_seed(self.config.seed)
-        self.layer, _ = split_backbone(build_backbone(spec), split)
-        if device_weights is not None:
-            load_into(self.layer, device_weights, spec)
+        self.layer = initial_layer(spec, split, self.config.seed, device_weights)
         self.mechanism = self.privacy.mechanism
-        if isinstance(self.mechanism, PerActivationGaussian):
-            self._bound_activations()
+        bound_for(self.mechanism, self.layer)
         self.accountant = PrivacyAccountant(self.privacy.delta)
         self.guard = BudgetGuard(self.accountant, self.privacy.budget_epsilon, self.privacy.budget_level)
         self.classifier = build_classifier(spec, num_classes) if head == "device" else None
@@ -98,17 +119,6 @@ class DeviceEngine:
         self.committed = 0                      # last batch id applied on the device
         self.snapshots: dict[int, dict[str, Any]] = {0: self._state()}
         self._pending: dict[str, Any] | None = None
-
-    def _bound_activations(self) -> None:
-        """The paper's per-activation sensitivity needs LRN inputs in [0, 1]: clamp them."""
-        lrns = [m for m in self.layer.modules() if isinstance(m, PaperLRN)]
-        if not lrns:
-            raise ValueError("the per-activation mechanism needs the device part to end in the paper's LRN")
-        for lrn in lrns:
-            lrn.input_max = 1.0
-        bound = max(lrn.output_bound() for lrn in lrns)
-        if self.mechanism.sensitivity < bound:
-            raise ValueError(f"sensitivity {self.mechanism.sensitivity} is below the layer's output bound {bound}")
 
     def attach_runtime(self, runtime: "LayerRuntime") -> None:
         """Compute releases and weight gradients with an exported program (ExecuTorch, ONNX Runtime).

@@ -50,6 +50,7 @@ class SimConfig:
     device_weights: Path | None = None
     backend: str = "torch"                 # torch | executorch | onnxruntime (device_sdk.runtimes)
     artifacts: Path | None = None          # exported programs for the backend (exported here if empty)
+    data: dict[str, Any] = field(default_factory=dict)  # how the data was selected: lets an audit find each batch's images
 
 
 class DeviceData:
@@ -224,7 +225,8 @@ async def simulate(config: SimConfig, data: DataSplit, tokens: dict[str, str]) -
                    "backend": config.backend,
                    "num_classes": len(data.class_names), "train_images": len(data.train),
                    "test_images": len(data.test), "seed": config.seed,
-                   "device_weights": str(config.device_weights) if config.device_weights else None},
+                   "device_weights": str(config.device_weights) if config.device_weights else None,
+                   "crop": config.crop, "data": config.data},
         "wall_s": time.time() - started,
         "epochs": summarize(list(per_device)),
         "devices": list(per_device),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from edge_server.audit.attack import label_leakage, membership_inference
 from edge_server.audit.metrics import chance_risk, linkage_rate, psnr, reidentification_risk, roc_auc, ssim
 
 
@@ -35,7 +36,18 @@ def test_reidentification_risk_top_k():
     query_ids = np.array([7, 8, 9])  # the third query is nearest to person 7's reconstructions
     assert reidentification_risk(queries, query_ids, gallery, gallery_ids, k=1) == pytest.approx(2 / 3)
     assert reidentification_risk(queries, query_ids, gallery, gallery_ids, k=3) == 1.0
-    assert chance_risk(query_ids, gallery_ids, 1) == pytest.approx(1 / 3)
+
+
+def test_chance_risk_keeps_the_gallery_unbalanced():
+    rng = np.random.default_rng(0)
+    gallery, queries = rng.normal(size=(40, 8)), rng.normal(size=(30, 8))
+    balanced = np.repeat(np.arange(10), 4)
+    assert chance_risk(queries, rng.integers(0, 10, 30), gallery, balanced, 1, rounds=200) == \
+        pytest.approx(0.1, abs=0.02)
+    # identity 0 holds 31 of 40 items and is every query's identity: it wins the best-item ranking
+    # far more often than 1 in 10
+    skewed = np.concatenate([np.zeros(31, int), np.arange(1, 10)])
+    assert chance_risk(queries, np.zeros(30, int), gallery, skewed, 1, rounds=200) > 0.5
 
 
 def test_auc():
@@ -46,3 +58,27 @@ def test_auc():
     assert roc_auc(rng.normal(size=4000), rng.normal(size=4000)) == pytest.approx(0.5, abs=0.02)
     # one Gaussian shifted by d' = 1: AUC = Phi(1 / sqrt 2) = 0.760
     assert roc_auc(rng.normal(1, 1, 20000), rng.normal(0, 1, 20000)) == pytest.approx(0.760, abs=0.01)
+
+
+def test_label_leakage_reads_identities_from_gradient_directions():
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 5, 256)
+    batches = np.repeat(np.arange(4), 64)
+    directions = rng.normal(size=(5, 32))
+    telling = directions[labels] + 0.3 * rng.normal(size=(256, 32))
+    r = label_leakage(telling, labels, batches)
+    assert r["direction_auc"] > 0.95 and r["nearest_gradient_same_identity"] > 0.9
+    assert r["nearest_gradient_same_identity_chance"] == pytest.approx(0.2, abs=0.05)
+    silent = label_leakage(rng.normal(size=(256, 32)), labels, batches)
+    assert silent["direction_auc"] == pytest.approx(0.5, abs=0.05)
+    assert silent["norm_auc_one_vs_rest_mean"] == pytest.approx(0.5, abs=0.1)
+    # one identity's gradients twice as long: the norm attack finds it
+    loud = rng.normal(size=(256, 32)) * np.where(labels == 0, 2.0, 1.0)[:, None]
+    assert roc_auc(np.linalg.norm(loud[labels == 0], axis=1), np.linalg.norm(loud[labels != 0], axis=1)) > 0.9
+
+
+def test_membership_inference_auc():
+    rng = np.random.default_rng(0)
+    assert membership_inference(rng.exponential(0.2, 500), rng.exponential(2.0, 500))["auc"] > 0.85
+    assert membership_inference(rng.exponential(1.0, 500), rng.exponential(1.0, 500))["auc"] == \
+        pytest.approx(0.5, abs=0.05)

@@ -1,4 +1,5 @@
-"""The epsilon sweep, reduced to CI size: real processes, its table and figures."""
+"""The epsilon sweep, reduced to CI size: real processes, its table and figures; then the privacy
+audit (`splitface-audit`) plays the curious server against the sweep's recorded runs."""
 from __future__ import annotations
 
 import json
@@ -11,16 +12,47 @@ from tests.conftest import ROOT
 def test_reduced_sweep_runs_end_to_end(tmp_path, lfw):
     out = tmp_path / "sweep"
     cmd = [sys.executable, str(ROOT / "bench" / "dp_sweep.py"), "--data", str(lfw), "--out", str(out),
-           "--settings", "scratch", "--epsilons", "10", "inf", "--epochs", "1",
+           "--settings", "scratch", "--epsilons", "0.05", "inf", "--epochs", "1", "--device-head-epsilons", "inf",
            "--demo-args=--min-images 20 --max-identities 10 --devices 1 --batch-size 32"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads((out / "summary.json").read_text())
-    assert [r["mechanism"] for r in rows] == ["per-activation", "per-activation"]
-    noisy, clean = rows
-    assert noisy["epsilon_image"] > 1000 and noisy["guarantee_void"]   # the paper's eps=10 per value, per image
+    assert [(r["mechanism"], r["head"]) for r in rows] == [("per-activation", "server"), ("per-activation", "server"),
+                                                          ("per-activation", "device")]
+    noisy, clean, device_head = rows
+    assert noisy["epsilon_image"] > 1 and noisy["guarantee_void"]   # the paper's eps per value, per image
     assert clean["epsilon_image"] == float("inf")
     table = (out / "table.md").read_text()
-    assert "10 identities" in table and "void: layer trained without DP" in table
+    assert "10 identities" in table and "void: layer trained without DP" in table and "device head" in table
     for figure in ("fig_training_scratch.png", "fig_activations.png"):
         assert (out / figure).stat().st_size > 10_000
+
+    audit = tmp_path / "audit"
+    runs = [str(out / "runs" / r["name"]) for r in rows]
+    cmd = [sys.executable, "-m", "edge_server.audit.cli", *runs, "--data", str(lfw), "--out", str(audit),
+           "--public-images", "300", "--decoder-epochs", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    noisy, clean, device_head = (json.loads((audit / f"{r['name']}.json").read_text()) for r in rows)
+    assert clean["recorded_releases"] == 256 and clean["device_layer"].startswith("surrogate")
+    # one epoch at the devices' small learning rate: the seeded initial layer is a good surrogate, and
+    # without noise the linear inversion finds each release's source image among 256
+    ridge = clean["attacks"]["reconstruction_ridge"]
+    assert ridge["linkage_pixels"] > 0.5 and ridge["psnr_db"] > 18
+    assert ridge["recognizers"]["eigenfaces"]["risk@1_clean_upper_bound"] > 2 * ridge["recognizers"]["eigenfaces"]["risk@1_chance"]
+    assert noisy["attacks"]["reconstruction_ridge"]["linkage_pixels"] < 0.05   # noise std ~68 per value
+    assert clean["attacks"]["label_leakage"]["share_of_recorded_labels_that_are_true"] == 1.0
+    assert 0 <= clean["attacks"]["membership_inference"]["auc"] <= 1
+    leakage = device_head["attacks"]["label_leakage"]
+    assert not leakage["labels_sent"] and 0 <= leakage["direction_auc"] <= 1
+    summary = json.loads((audit / "summary.json").read_text())
+    assert [s["run"] for s in summary] == [r["name"] for r in rows]
+    for figure in ("privacy_utility.png", "reconstructions.png"):
+        assert (audit / figure).stat().st_size > 10_000
+
+
+def test_audit_refuses_a_run_without_recordings(tmp_path, lfw):
+    (tmp_path / "run").mkdir()
+    proc = subprocess.run([sys.executable, "-m", "edge_server.audit.cli", str(tmp_path / "run"), "--data", str(lfw),
+                           "--out", str(tmp_path / "audit")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "not a finished splitface-demo run" in proc.stderr

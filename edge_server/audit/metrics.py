@@ -41,7 +41,7 @@ def ssim(reconstructed: np.ndarray, original: np.ndarray, peak: float = 1.0) -> 
     return s.reshape(len(original), -1).mean(axis=1)
 
 
-def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
     b = b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12)
     return a @ b.T
@@ -50,7 +50,7 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def linkage_rate(reconstructed: np.ndarray, originals: np.ndarray) -> float:
     """Share of reconstructions whose most similar original (cosine, in the given embedding) is their
     own source: row i of `reconstructed` comes from row i of `originals`."""
-    nearest = _cosine(reconstructed, originals).argmax(axis=1)
+    nearest = cosine(reconstructed, originals).argmax(axis=1)
     return float((nearest == np.arange(len(originals))).mean())
 
 
@@ -58,7 +58,7 @@ def reidentification_risk(queries: np.ndarray, query_ids: np.ndarray, gallery: n
                           k: int) -> float:
     """R(A, S, K): share of attacker queries (real photos) whose true identity is among the identities
     of the K most similar gallery items (reconstructions); identities are ranked by their best item."""
-    sims = _cosine(queries, gallery)
+    sims = cosine(queries, gallery)
     identities = np.unique(gallery_ids)
     # best similarity per identity, then the top-K identities per query
     per_identity = np.stack([sims[:, gallery_ids == i].max(axis=1) for i in identities], axis=1)
@@ -66,11 +66,15 @@ def reidentification_risk(queries: np.ndarray, query_ids: np.ndarray, gallery: n
     return float((top == np.asarray(query_ids)[:, None]).any(axis=1).mean())
 
 
-def chance_risk(query_ids: np.ndarray, gallery_ids: np.ndarray, k: int) -> float:
-    """R(A, S, K) of a guesser: K of the gallery's identities drawn at random (for queries whose identity is in it)."""
-    n = len(np.unique(gallery_ids))
-    present = np.isin(query_ids, gallery_ids).mean()
-    return float(min(k, n) / n * present)
+def chance_risk(queries: np.ndarray, query_ids: np.ndarray, gallery: np.ndarray, gallery_ids: np.ndarray, k: int,
+                rounds: int = 50, seed: int = 0) -> float:
+    """R(A, S, K) when the gallery says nothing about who is who: the mean risk over random
+    reassignments of the gallery's identities (group sizes kept). Not K / #identities: an identity
+    with more gallery items wins the best-item ranking more often, and the people with most photos
+    are also queried most, so with unbalanced data chance is well above K / #identities."""
+    rng = np.random.default_rng(seed)
+    return float(np.mean([reidentification_risk(queries, query_ids, gallery, rng.permutation(gallery_ids), k)
+                          for _ in range(rounds)]))
 
 
 def roc_auc(positive_scores: np.ndarray, negative_scores: np.ndarray) -> float:

@@ -1,0 +1,212 @@
+"""`splitface-audit`: play the curious edge server against recorded training runs.
+
+    splitface-audit RUN_DIR [RUN_DIR ...] --data LFW --out results/audit/sweep \\
+        [--recognizer-weights runs/public_iresnet_small.pt]
+
+Each RUN_DIR is a `splitface-demo --record-max N` run (the epsilon sweep records every run). Per
+run: reconstructions (ridge and decoder, fitted on public faces) scored by PSNR, SSIM, linkage and
+re-identification risk; linkage through the server's own model; label leakage; membership
+inference. Writes <out>/<run>.json, and for all runs together summary.json, reconstructions.png
+and privacy_utility.png. See docs/audit.md for the threat model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from device_sdk.data import find_lfw_root  # noqa: E402
+from device_sdk.engine import to_input  # noqa: E402
+
+from .attack import label_leakage, membership_inference, reconstruction_report, retrieval_report  # noqa: E402
+from .decoder import DecoderInversion  # noqa: E402
+from .inversion import resized, tuned_inversion  # noqa: E402
+from .recognizer import Eigenfaces, PublicBackbone, Recognizer  # noqa: E402
+from .run import AttackerView, GroundTruth, ground_truth, load_run  # noqa: E402
+
+SAMPLES = 6  # reconstructions shown per run
+
+
+def audit_run(view: AttackerView, truth: GroundTruth, recognizers: dict[str, Recognizer], args: argparse.Namespace
+              ) -> tuple[dict, dict[str, np.ndarray]]:
+    """Every attack on one run; returns (report, sample reconstructions by inversion)."""
+    load = lambda s: to_input(s.load(truth.size, truth.crop)).numpy()  # noqa: E731
+    private, public = load(truth.private), load(truth.public)
+    ids = truth.private.labels
+    wanted = np.isin(truth.photos.labels, ids)          # the attacker looks for the people it trained on
+    photos, photo_ids = load(truth.photos.subset(np.flatnonzero(wanted))), truth.photos.labels[wanted]
+    received = view.recorded("activations").astype(np.float32)
+    report: dict = {"run": view.name, "head": view.head, "mechanism": view.mechanism.describe(),
+                    "device_layer": view.layer_knowledge, "test_accuracy": view.test_accuracy,
+                    "epsilon_image_accountant": view.epsilon_image, "recorded_releases": len(received),
+                    "public_images": len(public), "attacks": {}}
+    samples = {"original": resized(private[:SAMPLES], args.image_size)}
+
+    sample = view.release_sampler(public)
+    ridge, chosen = tuned_inversion(sample(1), public, args.image_size)
+    decoder = DecoderInversion(args.image_size, epochs=args.decoder_epochs).fit(sample, public)
+    for name, inversion, extra in (("ridge", ridge, chosen), ("decoder", decoder, {"epochs": args.decoder_epochs})):
+        recon = inversion.reconstruct(received)
+        report["attacks"][f"reconstruction_{name}"] = {
+            **extra, **reconstruction_report(recon, private, ids, photos, photo_ids, recognizers)}
+        samples[name] = recon[:SAMPLES]
+
+    # the server's own model as the recognizer: its embeddings of what it received, and of the attacker's
+    # photos sent through the device layer it knows (or its surrogate) and the mechanism
+    gallery = view.embed(received)
+    queries = view.embed(view.releases(photos, seed=3))
+    report["attacks"]["server_model_linkage"] = retrieval_report(queries, photo_ids, gallery, ids)
+
+    if view.head == "server":
+        recorded = view.recorded("labels")
+        report["attacks"]["label_leakage"] = {
+            "labels_sent": True, "share_of_recorded_labels_that_are_true": float(np.mean(recorded == ids)),
+            "note": "server head: every training label travels in FORWARD; leakage is total by design"}
+        members = view.losses(view.releases(private, seed=4), ids)
+        non_members = view.losses(view.releases(photos, seed=5), photo_ids)
+        report["attacks"]["membership_inference"] = membership_inference(members, non_members)
+    else:
+        batch_keys = np.concatenate([np.full(len(r["batch_ids"]), i) * 1_000_000 + r["batch_ids"]
+                                     for i, (_, r) in enumerate(sorted(view.recordings.items()))])
+        report["attacks"]["label_leakage"] = {"labels_sent": False, **label_leakage(
+            view.recorded("embedding_grads"), ids, batch_keys)}
+        report["attacks"]["membership_inference"] = {
+            "skipped": "device head: the server holds no classifier to threshold"}
+    return report, samples
+
+
+def headline(report: dict) -> dict:
+    """The figures the summary and the chart use: the strongest reconstruction attack's risk."""
+    best = max(((name, rec, r) for name, a in report["attacks"].items() if name.startswith("reconstruction")
+                for rec, r in a["recognizers"].items()), key=lambda t: t[2]["risk@1"])
+    linkage = report["attacks"]["server_model_linkage"]
+    return {"run": report["run"], "head": report["head"], "mechanism": report["mechanism"],
+            "test_accuracy": report["test_accuracy"], "best_attack": f"{best[0]} + {best[1]}",
+            "risk@1": best[2]["risk@1"], "risk@1_chance": best[2]["risk@1_chance"],
+            "risk@1_clean_upper_bound": best[2]["risk@1_clean_upper_bound"],
+            "linkage_pixels": max(a["linkage_pixels"] for n, a in report["attacks"].items()
+                                  if n.startswith("reconstruction")),
+            "server_model_risk@1": linkage["risk@1"],
+            "membership_auc": report["attacks"]["membership_inference"].get("auc"),
+            "label_direction_auc": report["attacks"]["label_leakage"].get("direction_auc")}
+
+
+def _label(mechanism: dict) -> str:
+    if mechanism["name"] == "per_activation":
+        return f"eps {mechanism['epsilon_per_activation']:g}/value"
+    if mechanism["name"] == "per_image":
+        return f"z {mechanism['noise_multiplier']:.3g}, C {mechanism['clip_norm']:g}"
+    return "no noise"
+
+
+def plot_privacy_utility(rows: list[dict], path: Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    for ax, key, title in ((axes[0], "risk@1", "reconstruction attack (best of ridge/decoder x recognizers)"),
+                           (axes[1], "server_model_risk@1", "linkage through the server's own model")):
+        for r in rows:
+            marker = {"per_activation": "o", "per_image": "s", "none": "*"}[r["mechanism"]["name"]]
+            color = "tab:orange" if "finetune" in r["run"] else "tab:blue"
+            ax.scatter(r[key], r["test_accuracy"], marker=marker, color=color, s=60,
+                       facecolors="none" if r["head"] == "device" else color)
+            ax.annotate(_label(r["mechanism"]), (r[key], r["test_accuracy"]), fontsize=7, xytext=(4, 3),
+                        textcoords="offset points")
+        chance = np.mean([r["risk@1_chance"] for r in rows])
+        ax.axvline(chance, color="grey", ls="--", lw=1, label=f"chance ({chance:.3f})")
+        ax.set_xlabel("re-identification risk R@1 (higher = less private)")
+        ax.set_ylabel("test accuracy of the run")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("privacy vs utility per run (orange: finetune, blue: scratch; o per-activation, s per-image, "
+                 "* none; hollow: device head)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_reconstructions(samples: dict[str, dict[str, np.ndarray]], labels: dict[str, str], path: Path) -> None:
+    names = list(samples)
+    rows = [("original", samples[names[0]]["original"])]
+    for n in names:
+        rows.append((f"{labels[n]}\nridge", samples[n]["ridge"]))
+        rows.append((f"{labels[n]}\ndecoder", samples[n]["decoder"]))
+    cols = len(rows[0][1])
+    fig, axes = plt.subplots(len(rows), cols, figsize=(1.3 * cols + 1, 1.3 * len(rows)), squeeze=False)
+    for i, (label, images) in enumerate(rows):
+        for j in range(cols):
+            axes[i, j].imshow(images[j].transpose(1, 2, 0).clip(0, 1))
+            axes[i, j].set_xticks([]), axes[i, j].set_yticks([])
+        axes[i, 0].set_ylabel(label, fontsize=6)
+    fig.suptitle("what the curious server reconstructs from the releases it received", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="splitface-audit", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", type=Path, help="splitface-demo run directories recorded with --record-max")
+    p.add_argument("--data", default=None, help="LFW root (the private images' ground truth and the public faces)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--recognizer-weights", type=Path, default=None,
+                   help="a backbone pre-trained on public faces (splitface-server pretrain) as the stronger "
+                        "recognizer; eigenfaces alone without it")
+    p.add_argument("--public-images", type=int, default=1200, help="public faces the attacker fits on")
+    p.add_argument("--image-size", type=int, default=32, help="reconstruction size")
+    p.add_argument("--decoder-epochs", type=int, default=12)
+    p.add_argument("--threads", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    root = find_lfw_root(args.data)
+    if args.recognizer_weights and not args.recognizer_weights.exists():
+        raise SystemExit(f"splitface-audit: {args.recognizer_weights} does not exist "
+                         f"(make one with `splitface-server pretrain`, or leave --recognizer-weights out)")
+    try:
+        # fail on a bad run before spending time on the others
+        views = [load_run(r) for r in args.runs]
+        truths = [ground_truth(view, root, args.public_images) for view in views]
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        raise SystemExit(f"splitface-audit: {exc}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows, samples, labels, recognizers = [], {}, {}, {}
+    for view, truth in zip(views, truths):
+        started = time.time()
+        if not recognizers:
+            public = to_input(truth.public.load(truth.size, truth.crop)).numpy()
+            recognizers["eigenfaces"] = Eigenfaces().fit(public)
+            if args.recognizer_weights:
+                recognizers["public_backbone"] = PublicBackbone(args.recognizer_weights)
+        report, samples[view.name] = audit_run(view, truth, recognizers, args)
+        report["config"] = {"public_images": args.public_images, "image_size": args.image_size,
+                            "recognizers": list(recognizers), "seconds": round(time.time() - started, 1)}
+        (args.out / f"{view.name}.json").write_text(json.dumps(report, indent=2))
+        rows.append(headline(report))
+        labels[view.name] = f"{view.name}"
+        r = rows[-1]
+        print(f"{view.name}: test acc {r['test_accuracy']:.3f} | R@1 {r['risk@1']:.3f} (chance {r['risk@1_chance']:.3f}, "
+              f"clean {r['risk@1_clean_upper_bound']:.3f}; {r['best_attack']}) | pixel linkage {r['linkage_pixels']:.3f} "
+              f"| server-model R@1 {r['server_model_risk@1']:.3f} | MI AUC {_fmt(r['membership_auc'])} "
+              f"| label AUC {_fmt(r['label_direction_auc'])} | {time.time() - started:.0f}s", flush=True)
+    (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
+    plot_privacy_utility(rows, args.out / "privacy_utility.png")
+    plot_reconstructions(samples, labels, args.out / "reconstructions.png")
+    print(f"wrote {args.out}", flush=True)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
+
+
+if __name__ == "__main__":
+    main()
