@@ -84,10 +84,16 @@ def audit_run(view: AttackerView, truth: GroundTruth, recognizers: dict[str, Rec
     return report, samples
 
 
-def headline(report: dict) -> dict:
-    """The figures the summary and the chart use: the strongest reconstruction attack's risk."""
-    best = max(((name, rec, r) for name, a in report["attacks"].items() if name.startswith("reconstruction")
+def strongest(report: dict) -> tuple[str, str, dict]:
+    """(inversion, recognizer, figures) of the reconstruction attack with the highest R@1: the upper
+    envelope of the four, which favours the attacker (each one's own figures are in the report)."""
+    return max(((name, rec, r) for name, a in report["attacks"].items() if name.startswith("reconstruction")
                 for rec, r in a["recognizers"].items()), key=lambda t: t[2]["risk@1"])
+
+
+def headline(report: dict) -> dict:
+    """The figures the summary and the chart use."""
+    best = strongest(report)
     linkage = report["attacks"]["server_model_linkage"]
     return {"run": report["run"], "head": report["head"], "mechanism": report["mechanism"],
             "test_accuracy": report["test_accuracy"], "best_attack": f"{best[0]} + {best[1]}",
@@ -98,6 +104,27 @@ def headline(report: dict) -> dict:
             "server_model_risk@1": linkage["risk@1"],
             "membership_auc": report["attacks"]["membership_inference"].get("auc"),
             "label_direction_auc": report["attacks"]["label_leakage"].get("direction_auc")}
+
+
+def table(reports: list[dict]) -> str:
+    """One line per run: the headline figures, each beside its chance level."""
+    lines = ["| run | release | head | test acc | per-image eps (accountant) | pixel linkage ridge / decoder "
+             "(chance) | best R@1 (chance; clean) | best R@5 (chance) | server-model R@1 (chance) | "
+             "membership AUC | labels |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for report in reports:
+        a, (_, _, best) = report["attacks"], strongest(report)
+        ridge, decoder = a["reconstruction_ridge"], a["reconstruction_decoder"]
+        leak = a["label_leakage"]
+        labels = "sent (total)" if leak["labels_sent"] else f"direction AUC {leak['direction_auc']:.2f}"
+        lines.append(
+            f"| {report['run']} | {_label(report['mechanism'])} | {report['head']} | {report['test_accuracy']:.3f} | "
+            f"{report['epsilon_image_accountant']:.3g} | {ridge['linkage_pixels']:.3f} / {decoder['linkage_pixels']:.3f} "
+            f"({ridge['linkage_pixels_chance']:.3f}) | {best['risk@1']:.3f} ({best['risk@1_chance']:.3f}; "
+            f"{best['risk@1_clean_upper_bound']:.3f}) | {best['risk@5']:.3f} ({best['risk@5_chance']:.3f}) | "
+            f"{a['server_model_linkage']['risk@1']:.3f} ({a['server_model_linkage']['risk@1_chance']:.3f}) | "
+            f"{_fmt(a['membership_inference'].get('auc'))} | {labels} |")
+    return "\n".join(lines) + "\n"
 
 
 def _label(mechanism: dict) -> str:
@@ -133,14 +160,15 @@ def plot_privacy_utility(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_reconstructions(samples: dict[str, dict[str, np.ndarray]], labels: dict[str, str], path: Path) -> None:
-    names = list(samples)
-    rows = [("original", samples[names[0]]["original"])]
-    for n in names:
-        rows.append((f"{labels[n]}\nridge", samples[n]["ridge"]))
-        rows.append((f"{labels[n]}\ndecoder", samples[n]["decoder"]))
+def plot_reconstructions(samples: dict[str, dict[str, np.ndarray]], reports: dict[str, dict], path: Path) -> None:
+    """One row per run: its better inversion (by pixel linkage, then PSNR) of the same first recorded images."""
+    rows = [("original", next(iter(samples.values()))["original"])]
+    for name, report in reports.items():
+        scores = {i: report["attacks"][f"reconstruction_{i}"] for i in ("ridge", "decoder")}
+        best = max(scores, key=lambda i: (scores[i]["linkage_pixels"], scores[i]["psnr_db"]))
+        rows.append((f"{name}\n{_label(report['mechanism'])}, {best}", samples[name][best]))
     cols = len(rows[0][1])
-    fig, axes = plt.subplots(len(rows), cols, figsize=(1.3 * cols + 1, 1.3 * len(rows)), squeeze=False)
+    fig, axes = plt.subplots(len(rows), cols, figsize=(1.2 * cols + 1.2, 1.2 * len(rows)), squeeze=False)
     for i, (label, images) in enumerate(rows):
         for j in range(cols):
             axes[i, j].imshow(images[j].transpose(1, 2, 0).clip(0, 1))
@@ -161,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--recognizer-weights", type=Path, default=None,
                    help="a backbone pre-trained on public faces (splitface-server pretrain) as the stronger "
                         "recognizer; eigenfaces alone without it")
+    p.add_argument("--published-weights", type=Path, default=None,
+                   help="the frozen device layer's published weights, if not at the path the run recorded")
     p.add_argument("--public-images", type=int, default=1200, help="public faces the attacker fits on")
     p.add_argument("--image-size", type=int, default=32, help="reconstruction size")
     p.add_argument("--decoder-epochs", type=int, default=12)
@@ -174,12 +204,12 @@ def main(argv: list[str] | None = None) -> None:
                          f"(make one with `splitface-server pretrain`, or leave --recognizer-weights out)")
     try:
         # fail on a bad run before spending time on the others
-        views = [load_run(r) for r in args.runs]
+        views = [load_run(r, args.published_weights) for r in args.runs]
         truths = [ground_truth(view, root, args.public_images) for view in views]
     except (FileNotFoundError, ValueError, KeyError) as exc:
         raise SystemExit(f"splitface-audit: {exc}")
     args.out.mkdir(parents=True, exist_ok=True)
-    rows, samples, labels, recognizers = [], {}, {}, {}
+    rows, samples, reports, recognizers = [], {}, {}, {}
     for view, truth in zip(views, truths):
         started = time.time()
         if not recognizers:
@@ -192,15 +222,16 @@ def main(argv: list[str] | None = None) -> None:
                             "recognizers": list(recognizers), "seconds": round(time.time() - started, 1)}
         (args.out / f"{view.name}.json").write_text(json.dumps(report, indent=2))
         rows.append(headline(report))
-        labels[view.name] = f"{view.name}"
+        reports[view.name] = report
         r = rows[-1]
         print(f"{view.name}: test acc {r['test_accuracy']:.3f} | R@1 {r['risk@1']:.3f} (chance {r['risk@1_chance']:.3f}, "
               f"clean {r['risk@1_clean_upper_bound']:.3f}; {r['best_attack']}) | pixel linkage {r['linkage_pixels']:.3f} "
               f"| server-model R@1 {r['server_model_risk@1']:.3f} | MI AUC {_fmt(r['membership_auc'])} "
               f"| label AUC {_fmt(r['label_direction_auc'])} | {time.time() - started:.0f}s", flush=True)
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
+    (args.out / "table.md").write_text(table(list(reports.values())))
     plot_privacy_utility(rows, args.out / "privacy_utility.png")
-    plot_reconstructions(samples, labels, args.out / "reconstructions.png")
+    plot_reconstructions(samples, reports, args.out / "reconstructions.png")
     print(f"wrote {args.out}", flush=True)
 
 

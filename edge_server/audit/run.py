@@ -77,8 +77,10 @@ class AttackerView:
         return np.concatenate([r[key] for _, r in sorted(self.recordings.items())])
 
 
-def load_run(run_dir: Path, weights_root: Path | None = None) -> AttackerView:
-    """`run_dir`: a `splitface-demo --record-max N` run (results.json, server/checkpoint.pt, server/recordings)."""
+def load_run(run_dir: Path, published_weights: Path | None = None) -> AttackerView:
+    """`run_dir`: a `splitface-demo --record-max N` run (results.json, server/checkpoint.pt, server/recordings).
+    `published_weights`: where the frozen device layer's weights are on this machine, if not where the run
+    recorded them."""
     run_dir = Path(run_dir)
     results_file = run_dir / "results.json"
     if not results_file.exists():
@@ -97,7 +99,10 @@ def load_run(run_dir: Path, weights_root: Path | None = None) -> AttackerView:
     mechanism = from_description(privacy["mechanism"])
     weights = config.get("device_weights")
     if weights and privacy.get("layer_training") == "frozen":
-        path = Path(weights) if weights_root is None else weights_root / Path(weights).name
+        path = published_weights or Path(weights)
+        if not path.exists():
+            raise FileNotFoundError(f"{run_dir.name}: the published device weights {path} are missing "
+                                    f"(pass their path with --published-weights)")
         layer, knowledge = initial_layer(spec, config["split"], config["train"]["seed"], path), \
             "white-box (the published frozen weights)"
     else:
