@@ -6,7 +6,7 @@
 Each RUN_DIR is a `splitface-demo --record-max N` run (the epsilon sweep records every run). Per
 run: reconstructions (ridge and decoder, fitted on public faces) scored by PSNR, SSIM, linkage and
 re-identification risk; linkage through the server's own model; label leakage; membership
-inference. Writes <out>/<run>.json, and for all runs together summary.json, reconstructions.png
+inference. Writes <out>/<run>.json, and for all runs together summary.json, table.md, reconstructions.png
 and privacy_utility.png. See docs/audit.md for the threat model.
 """
 from __future__ import annotations
