@@ -31,16 +31,17 @@ from .attack import label_leakage, membership_inference, reconstruction_report, 
 from .decoder import DecoderInversion  # noqa: E402
 from .inversion import resized, tuned_inversion  # noqa: E402
 from .recognizer import Eigenfaces, PublicBackbone, Recognizer  # noqa: E402
-from .run import AttackerView, GroundTruth, ground_truth, load_run  # noqa: E402
+from .run import AttackerView, GroundTruth, ground_truth, load_run, public_faces  # noqa: E402
 
 SAMPLES = 6  # reconstructions shown per run
 
 
-def audit_run(view: AttackerView, truth: GroundTruth, recognizers: dict[str, Recognizer], args: argparse.Namespace
-              ) -> tuple[dict, dict[str, np.ndarray]]:
-    """Every attack on one run; returns (report, sample reconstructions by inversion)."""
+def audit_run(view: AttackerView, truth: GroundTruth, public: np.ndarray, recognizers: dict[str, Recognizer],
+              args: argparse.Namespace) -> tuple[dict, dict[str, np.ndarray]]:
+    """Every attack on one run; `public`: the attacker's public faces at the run's input size, in [0, 1].
+    Returns (report, sample reconstructions by inversion)."""
     load = lambda s: to_input(s.load(truth.size, truth.crop)).numpy()  # noqa: E731
-    private, public = load(truth.private), load(truth.public)
+    private = load(truth.private)
     ids = truth.private.labels
     wanted = np.isin(truth.photos.labels, ids)          # the attacker looks for the people it trained on
     photos, photo_ids = load(truth.photos.subset(np.flatnonzero(wanted))), truth.photos.labels[wanted]
@@ -205,19 +206,22 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # fail on a bad run before spending time on the others
         views = [load_run(r, args.published_weights) for r in args.runs]
-        truths = [ground_truth(view, root, args.public_images) for view in views]
+        faces = public_faces(root, args.public_images)
+        truths = [ground_truth(view, root, faces) for view in views]
     except (FileNotFoundError, ValueError, KeyError) as exc:
         raise SystemExit(f"splitface-audit: {exc}")
     args.out.mkdir(parents=True, exist_ok=True)
-    rows, samples, reports, recognizers = [], {}, {}, {}
+    public: dict[tuple[int, int], np.ndarray] = {}   # decoded once per input size and crop, for all runs
+    for truth in truths:
+        if (truth.size, truth.crop) not in public:
+            public[truth.size, truth.crop] = to_input(faces.load(truth.size, truth.crop)).numpy()
+    recognizers: dict[str, Recognizer] = {"eigenfaces": Eigenfaces().fit(next(iter(public.values())))}
+    if args.recognizer_weights:
+        recognizers["public_backbone"] = PublicBackbone(args.recognizer_weights)
+    rows, samples, reports = [], {}, {}
     for view, truth in zip(views, truths):
         started = time.time()
-        if not recognizers:
-            public = to_input(truth.public.load(truth.size, truth.crop)).numpy()
-            recognizers["eigenfaces"] = Eigenfaces().fit(public)
-            if args.recognizer_weights:
-                recognizers["public_backbone"] = PublicBackbone(args.recognizer_weights)
-        report, samples[view.name] = audit_run(view, truth, recognizers, args)
+        report, samples[view.name] = audit_run(view, truth, public[truth.size, truth.crop], recognizers, args)
         report["config"] = {"public_images": args.public_images, "image_size": args.image_size,
                             "recognizers": list(recognizers), "seconds": round(time.time() - started, 1)}
         (args.out / f"{view.name}.json").write_text(json.dumps(report, indent=2))

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .metrics import linkage_rate
+
 
 def pooled(activations: np.ndarray, pool: int) -> np.ndarray:
     x = torch.from_numpy(np.asarray(activations, dtype=np.float32))
@@ -58,8 +60,6 @@ def tuned_inversion(public_releases: np.ndarray, public_images: np.ndarray, imag
                     ) -> tuple[RidgeInversion, dict]:
     """What an attacker can do without private data: choose pool and ridge by image linkage on a
     held-out quarter of the public faces, then refit on all of them."""
-    from .metrics import linkage_rate
-
     n = len(public_images) * 3 // 4
     held = resized(public_images[n:], image_size).reshape(len(public_images) - n, -1)
     best, best_score = (pools[0], ridges[0]), -1.0

@@ -44,9 +44,16 @@ class AttackerView:
     tail: nn.Module
     classifier: nn.Module | None
     recordings: dict[str, dict[str, np.ndarray]]
-    test_accuracy: float        # of the run itself, for the privacy-utility chart
-    epsilon_image: float
-    results: dict
+    results: dict               # the run's results.json: its published privacy setting and its accuracy
+
+    @property
+    def test_accuracy(self) -> float:
+        """Of the run itself, for the privacy-utility chart."""
+        return self.results["epochs"][-1]["test_acc"]
+
+    @property
+    def epsilon_image(self) -> float:
+        return self.results["epochs"][-1]["epsilon_image_max"]
 
     def releases(self, images: np.ndarray, seed: int) -> np.ndarray:
         """Images in [0, 1] through the attacker's layer and the published mechanism, with noise of its
@@ -116,9 +123,8 @@ def load_run(run_dir: Path, published_weights: Path | None = None) -> AttackerVi
     if config["head"] == "server":
         classifier = build_classifier(spec, config["num_classes"])
         classifier.load_state_dict(state["trainer"]["classifier"])
-    last = results["epochs"][-1]
     return AttackerView(run_dir.name, spec, config["split"], config["head"], mechanism, layer, knowledge, tail,
-                        classifier, recordings, last["test_acc"], last["epsilon_image_max"], results)
+                        classifier, recordings, results)
 
 
 @dataclass
@@ -126,12 +132,20 @@ class GroundTruth:
     """The private images behind the recorded releases (row for row) and the attacker's other photos."""
     private: FaceSet           # row i: the source of recorded release i
     photos: FaceSet            # held-out photos of the same people (the run's test images)
-    public: FaceSet            # LFW people disjoint from the private ones (3..9 images each)
     size: int
     crop: int
 
 
-def ground_truth(view: AttackerView, lfw_root: Path, public_images: int, seed: int = 0) -> GroundTruth:
+def public_faces(lfw_root: Path, count: int, seed: int = 0) -> FaceSet:
+    """The attacker's public faces: `count` images of LFW people with 3..9 images each."""
+    split = load_lfw(lfw_root, min_images=3, max_images=9, seed=0)
+    faces = FaceSet([*split.train.paths, *split.test.paths], np.concatenate([split.train.labels, split.test.labels]),
+                    split.class_names)
+    return faces.subset(np.random.default_rng(seed).permutation(len(faces))[:count])
+
+
+def ground_truth(view: AttackerView, lfw_root: Path, public: FaceSet) -> GroundTruth:
+    """Refused when `public` shares a person with the run's private set."""
     config = view.results["config"]
     selection = config.get("data")
     if not selection:
@@ -152,11 +166,8 @@ def ground_truth(view: AttackerView, lfw_root: Path, public_images: int, seed: i
     recorded_labels = view.recorded("labels")
     if view.head == "server" and not np.array_equal(recorded_labels, private.labels):
         raise ValueError(f"{view.name}: the recomputed batches do not match the recorded labels")
-    public_all = load_lfw(lfw_root, min_images=3, max_images=9, seed=0)
-    public = FaceSet([*public_all.train.paths, *public_all.test.paths],
-                     np.concatenate([public_all.train.labels, public_all.test.labels]), public_all.class_names)
-    overlap = set(public.class_names) & {data.class_names[c] for c in np.unique(private.labels)}
+    overlap = {public.class_names[c] for c in np.unique(public.labels)} & \
+        {data.class_names[c] for c in np.unique(private.labels)}
     if overlap:
         raise ValueError(f"public and private people overlap ({len(overlap)}): the run used --min-images below 10")
-    public = public.subset(np.random.default_rng(seed).permutation(len(public))[:public_images])
-    return GroundTruth(private, data.test, public, view.spec.input_size, config.get("crop", 160))
+    return GroundTruth(private, data.test, view.spec.input_size, config.get("crop", 160))
