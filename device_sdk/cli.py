@@ -7,7 +7,7 @@ import json
 import logging
 import math
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -21,6 +21,7 @@ from .privacy.mechanisms import NoNoise, PerActivationGaussian, PerImageGaussian
 from .privacy.planner import plan_per_image
 from .runtimes import BACKENDS
 from .simulator import SimConfig, simulate
+from .transforms import RELEASES
 
 
 def add_data_args(p: argparse.ArgumentParser) -> None:
@@ -39,11 +40,35 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default=DEFAULT_SPLIT, help="last stage that runs on the device (default: conv1)")
     p.add_argument("--release-pool", type=int, default=1,
                    help="average-pool the device's output k x k before release (server upsamples back)")
+    g = p.add_argument_group("release transform (device_sdk/transforms; both sides must agree)")
+    g.add_argument("--release", choices=RELEASES, default="none",
+                   help="bottleneck: 1x1 conv + tanh after the split; dct: the image's 8x8 block DCT instead of "
+                        "the device stages, at the split's spatial size (the server continues after the split)")
+    g.add_argument("--bottleneck-channels", type=int, default=8, help="bottleneck: channels released")
+    g.add_argument("--bottleneck-stride", type=int, default=1, help="bottleneck: stride of its 1x1 conv")
+    g.add_argument("--dct-drop", type=int, default=1,
+                   help="dct: lowest zig-zag frequencies of each colour not released (1: the DC only; 0: none)")
+    g.add_argument("--dct-keep", type=int, default=0,
+                   help="dct: release a random subset of this many channels per image, the others zeroed (0: all)")
+
+
+MODEL_OPTIONS = ("release_pool", "release", "bottleneck_channels", "bottleneck_stride", "dct_drop", "dct_keep")
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
+    """The --model preset or JSON spec, with the release options that differ from their defaults applied."""
     spec = resolve_spec(json.loads(args.model) if args.model.lstrip().startswith("{") else args.model)
-    return replace(spec, release_pool=args.release_pool) if args.release_pool != 1 else spec
+    defaults = {f.name: f.default for f in fields(ModelSpec)}
+    changes = {k: getattr(args, k) for k in MODEL_OPTIONS if getattr(args, k) != defaults[k]}
+    return replace(spec, **changes) if changes else spec
+
+
+def model_argv(args: argparse.Namespace) -> list[str]:
+    """The options of `add_model_args` as command-line arguments again (the demo hands them to both sides)."""
+    argv = ["--model", args.model, "--split", args.split]
+    for k in MODEL_OPTIONS:
+        argv += ["--" + k.replace("_", "-"), str(getattr(args, k))]
+    return argv
 
 
 def add_privacy_args(p: argparse.ArgumentParser) -> None:

@@ -29,6 +29,7 @@ from .privacy.budget import BudgetGuard
 from .privacy.dpsgd import clipped_noisy_grad, dpsgd_event, per_sample_grads
 from .privacy.mechanisms import Mechanism, NoNoise, PerActivationGaussian, noise_generator
 from .runtimes import LayerRuntime
+from .transforms import release_mask
 
 LAYER_TRAINING = ("plain", "frozen", "dpsgd")
 RELEASE_KINDS = {"train": 1, "eval": 2, "dpsgd": 3}
@@ -101,12 +102,25 @@ class DeviceEngine:
         self.privacy = privacy or PrivacyConfig()
         self.layer = initial_layer(spec, split, self.config.seed, device_weights)
         self.mechanism = self.privacy.mechanism
+        if spec.release != "none" and isinstance(self.mechanism, PerActivationGaussian):
+            raise ValueError(f"the per-activation mechanism's sensitivity is the paper's LRN output; a {spec.release} "
+                             f"release ends elsewhere: use the per-image mechanism")
         bound_for(self.mechanism, self.layer)
+        frozen = self.privacy.layer_training == "frozen"
+        if not frozen and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.layer.modules()):
+            # In training mode batch norm normalises each image with its batch's statistics (one image's release
+            # depends on the others') and its running statistics average the training images. A frozen layer runs
+            # in eval mode, where batch norm is a fixed per-channel affine map of each image alone.
+            raise ValueError(f"the device part up to {split!r} holds batch norm, which mixes a batch while it trains: "
+                             f"split before it (e.g. conv1) or use --layer-training frozen")
+        self.trainable = not frozen and any(True for _ in self.layer.parameters())
+        if self.privacy.layer_training == "dpsgd" and not self.trainable:
+            raise ValueError("the device part has no parameters: nothing for DP-SGD to train (use plain or frozen)")
         self.accountant = PrivacyAccountant(self.privacy.delta)
         self.guard = BudgetGuard(self.accountant, self.privacy.budget_epsilon, self.privacy.budget_level)
         self.classifier = build_classifier(spec, num_classes) if head == "device" else None
         params = list(self.classifier.parameters()) if self.classifier else []
-        if self.privacy.layer_training == "frozen":
+        if frozen:
             self.layer.requires_grad_(False)
         else:
             params = list(self.layer.parameters()) + params
@@ -139,12 +153,19 @@ class DeviceEngine:
         """Privatize, and ask the guard before anything can be sent (raises BudgetExceeded)."""
         kind, *numbers = release
         generator = noise_generator(self.privacy.secret, RELEASE_KINDS[kind], *numbers)
+        # dct_keep: the channel subset is drawn first, from the same keyed generator, so a re-sent batch repeats it.
+        mask = release_mask(self.spec, len(x), self.release_shape, generator)
         if self.runtime is None:
-            activations = self.layer(x)
+            activations = self.layer(x) if mask is None else self.layer(x) * mask
             out = {"activations": activations, "released": self.mechanism.privatize(activations, generator)}
         else:
             noise = self.mechanism.additive_noise((len(x), *self.release_shape), generator)
-            out = {"noise": noise, "released": self.runtime.release(x, noise, list(self.layer.parameters()))}
+            params = list(self.layer.parameters())
+            if mask is None:
+                released = self.runtime.release(x, noise, params)
+            else:  # the program adds its noise after the layer; the mask must come between
+                released = self.runtime.release(x, torch.zeros_like(noise), params) * mask + noise
+            out = {"noise": noise, "released": released}
         event = self.mechanism.image_event(math.prod(self.release_shape))
         for rel, ev, joint in [(release, event, False), *extra]:
             self.guard.admit(release_key(rel), list(image_ids), list(identities), ev, joint=joint)
@@ -153,17 +174,16 @@ class DeviceEngine:
     def forward(self, images: np.ndarray, release: Release, image_ids: Sequence[int],
                 identities: Sequence[int]) -> np.ndarray:
         """The training release of a batch; the graph (or the noise, with a runtime) is kept for `commit`."""
-        self.layer.train()
+        self.layer.train(self.trainable)  # a frozen layer is a fixed function: eval mode (see __init__)
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         x = to_input(images)
-        frozen = self.privacy.layer_training == "frozen"
         extra = []
         if self.privacy.layer_training == "dpsgd":
             # The step this batch will take, counted up front. One noise draw covers the whole sum, so an
             # identity with k images in the batch moves it k times as far: recorded jointly.
             extra.append((("dpsgd", *release[1:]), dpsgd_event(self.privacy.dpsgd_noise), True))
-        with torch.set_grad_enabled(not frozen and self.runtime is None):
+        with torch.set_grad_enabled(self.trainable and self.runtime is None):
             out = self._release(x, release, image_ids, identities, extra)
         self._pending = {"x": x, "release": release, **out}
         return out["released"].detach().numpy()
@@ -197,7 +217,7 @@ class DeviceEngine:
             raise RuntimeError("commit without a forward")
         pending, self._pending = self._pending, None
         grad = torch.from_numpy(np.array(activation_grad, dtype=np.float32))
-        mode = self.privacy.layer_training
+        mode = self.privacy.layer_training if self.trainable else "frozen"  # no parameters: nothing to apply
         if mode == "plain" and self.runtime is not None:
             params = list(self.layer.parameters())
             for p, g in zip(params, self.runtime.weight_grads(pending["x"], pending["noise"], grad, params)):

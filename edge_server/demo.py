@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from device_sdk.cli import add_data_args, add_model_args, load_data
+from device_sdk.cli import add_data_args, add_model_args, load_data, model_argv
 
 from .auth import issue_tokens
 
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     per_device = math.ceil(len(data.train) / args.devices / args.batch_size) + 1
     decay_steps = per_device * args.devices * args.epochs
 
-    common = ["--model", args.model, "--split", args.split, "--release-pool", str(args.release_pool)]
+    common = model_argv(args)  # the same model and release options to the server and the devices
     data_args = ["--min-images", str(args.min_images), "--seed", str(args.seed)]
     if args.data:
         data_args += ["--data", str(args.data)]

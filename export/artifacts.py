@@ -7,6 +7,7 @@ Artifacts of one export, all for a batch size fixed at export time:
                     its weights live in the program and are overwritten in place before each call
 - release.onnx      ONNX: (images, noise, *weights) -> released
 - vjp.onnx          ONNX: (images, server_grad, *weights) -> weight gradients
+  (train.pte and vjp.onnx only when the layer has parameters: the dct release has none)
 - manifest.json     shapes, weight names, batch size, how weights are loaded, verification results
 
 Weights: loaded at run time (inputs, or copied into the training program's parameters), so
@@ -90,11 +91,12 @@ def export_all(layer: nn.Module, input_size: int, batch_size: int, out: Path, st
     names = param_names(layer)
     weights = weights_of(layer)
     (out / RELEASE_PTE).write_bytes(export_release_pte(layer, images, noise, static_weights))
-    (out / TRAIN_PTE).write_bytes(export_train_pte(layer, images, noise))
     export_onnx(ReleaseProgram(layer, weights_as_inputs=True), (images, noise, *weights), out / RELEASE_ONNX,
                 ["images", "noise", *names], ["released"])
-    export_onnx(LayerVJP(layer), (images, noise, *weights), out / VJP_ONNX,
-                ["images", "grad", *names], [f"grad:{n}" for n in names])
+    if names:  # a layer without parameters (the dct release) has nothing to train: no backward programs
+        (out / TRAIN_PTE).write_bytes(export_train_pte(layer, images, noise))
+        export_onnx(LayerVJP(layer), (images, noise, *weights), out / VJP_ONNX,
+                    ["images", "grad", *names], [f"grad:{n}" for n in names])
     lrn_max = [m.input_max for m in layer.modules() if hasattr(m, "input_max")]
     manifest = Manifest(batch_size, list(images.shape), list(noise.shape), names, static_weights,
                         lrn_max[0] if lrn_max else None)

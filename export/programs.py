@@ -23,16 +23,20 @@ def param_names(layer: nn.Module) -> list[str]:
     return [name for name, _ in layer.named_parameters()]
 
 
-def layer_parts(layer: nn.Module) -> tuple[nn.Conv2d, PaperLRN]:
-    """The conv and the LRN of a device layer that is exactly conv + ReLU + LRN (what `LayerVJP` covers)."""
-    kinds = [m for m in layer.modules() if not list(m.children())]
-    if [type(m) for m in kinds] != [nn.Conv2d, nn.ReLU, PaperLRN]:
-        raise ValueError("export covers a device layer of exactly conv + ReLU + PaperLRN, found "
-                         + " + ".join(type(m).__name__ for m in kinds))
-    conv, _, lrn = kinds
-    if conv.groups != 1 or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
-        raise ValueError("export needs a plain conv (groups 1, numeric zero padding)")
-    return conv, lrn
+LEAVES = (nn.Conv2d, nn.ReLU, PaperLRN, nn.Tanh)
+
+
+def layer_parts(layer: nn.Module) -> list[nn.Module]:
+    """The layer's leaf modules in order, if it is a chain of what `LayerVJP` covers: plain convs, ReLU,
+    the paper's LRN and tanh (conv1 + ReLU + LRN, optionally followed by the bottleneck's conv + tanh)."""
+    leaves = [m for m in layer.modules() if not list(m.children())]
+    if not leaves or not all(isinstance(m, LEAVES) for m in leaves):
+        raise ValueError("export covers a device layer made of " + ", ".join(t.__name__ for t in LEAVES)
+                         + "; found " + " + ".join(type(m).__name__ for m in leaves))
+    for conv in (m for m in leaves if isinstance(m, nn.Conv2d)):
+        if conv.groups != 1 or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+            raise ValueError("export needs plain convs (groups 1, numeric zero padding)")
+    return leaves
 
 
 class ReleaseProgram(nn.Module):
@@ -62,32 +66,73 @@ class TrainingProgram(nn.Module):
 class LayerVJP(nn.Module):
     """d/d(weights) of sum(layer(images) * grad), by hand: the ONNX backward program.
 
-    With z = conv(x), a = clamp(relu(z), 0, m), s = band * a^2, d = gamma + alpha s, out = a d^-beta:
-      dL/da = g d^-beta - 2 a alpha beta band^T (g a d^(-beta-1)),   dL/dz = dL/da [0 < z] [z <= m],
-      dL/dW = conv of the inputs with dL/dz (batch and channels swapped),  dL/db = sum of dL/dz.
+    The forward pass keeps each leaf's input x; the backward pass walks the leaves in reverse with g,
+    the gradient wrt a leaf's output:
+      conv:  dL/dW = conv of x with g (batch and channels swapped, stride as dilation), dL/db = sum of g,
+             dL/dx = conv_transpose(g, W) (skipped for the first conv: its input is the image);
+      ReLU:  g [x > 0];   tanh: g (1 - tanh(x)^2);
+      LRN:   with a = clamp(x, 0, m), s = band * a^2, d = gamma + alpha s, out = a d^-beta:
+             dL/da = g d^-beta - 2 a alpha beta band^T (g a d^(-beta-1)), times [0 <= x <= m] under a clamp.
     """
 
     def __init__(self, layer: nn.Module):
         super().__init__()
-        self.conv, self.lrn = layer_parts(layer)
-        self.has_bias = self.conv.bias is not None
+        self.leaves = layer_parts(layer)
 
     def forward(self, images: torch.Tensor, grad: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        conv, lrn = self.conv, self.lrn
-        weight, bias = weights[0], (weights[1] if self.has_bias else None)
-        z = F.conv2d(images, weight, bias, conv.stride, conv.padding, conv.dilation)
-        a = torch.relu(z)
-        passes = z > 0
-        if lrn.input_max is not None:
-            passes = passes & (z <= lrn.input_max)
-            a = torch.clamp(a, max=float(lrn.input_max))
-        d = lrn.gamma + lrn.alpha * F.conv2d(a * a, lrn.band)
-        inner = F.conv2d(grad * a * torch.pow(d, -lrn.beta - 1), lrn.band.transpose(0, 1))
-        grad_a = grad * torch.pow(d, -lrn.beta) - 2 * lrn.alpha * lrn.beta * a * inner
-        grad_z = grad_a * passes.to(grad_a.dtype)
-        grad_w = F.conv2d(images.transpose(0, 1), grad_z.transpose(0, 1), padding=conv.padding,
+        params = iter(weights)
+        steps = []  # (leaf, its input, its weight, its bias)
+        x = images
+        for leaf in self.leaves:
+            weight = bias = None
+            if isinstance(leaf, nn.Conv2d):
+                weight = next(params)
+                bias = next(params) if leaf.bias is not None else None
+            steps.append((leaf, x, weight, bias))
+            x = self._forward(leaf, x, weight, bias)
+        g, grads = grad, []
+        for i, (leaf, x, weight, bias) in reversed(list(enumerate(steps))):
+            if isinstance(leaf, nn.Conv2d):
+                grads = [self._conv_weight_grad(leaf, x, g, weight), *([g.sum(dim=(0, 2, 3))] if bias is not None else []),
+                         *grads]
+                if i > 0:
+                    g = self._conv_input_grad(leaf, x, g, weight)
+            elif isinstance(leaf, nn.ReLU):
+                g = g * (x > 0).to(g.dtype)
+            elif isinstance(leaf, nn.Tanh):
+                y = torch.tanh(x)
+                g = g * (1 - y * y)
+            else:
+                g = self._lrn_grad(leaf, x, g)
+        return tuple(grads)
+
+    @staticmethod
+    def _forward(leaf: nn.Module, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(leaf, nn.Conv2d):
+            return F.conv2d(x, weight, bias, leaf.stride, leaf.padding, leaf.dilation)
+        return leaf(x)
+
+    @staticmethod
+    def _conv_weight_grad(conv: nn.Conv2d, x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        grad_w = F.conv2d(x.transpose(0, 1), g.transpose(0, 1), padding=conv.padding,
                           dilation=conv.stride).transpose(0, 1)
-        grad_w = grad_w[:, :, :weight.shape[2], :weight.shape[3]]
-        if self.has_bias:
-            return grad_w, grad_z.sum(dim=(0, 2, 3))
-        return (grad_w,)
+        return grad_w[:, :, :weight.shape[2], :weight.shape[3]]
+
+    @staticmethod
+    def _conv_input_grad(conv: nn.Conv2d, x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # The rows/columns of x that no output reached (a stride that does not divide) get output_padding.
+        extra = [x.shape[2 + d] - ((g.shape[2 + d] - 1) * conv.stride[d] - 2 * conv.padding[d]
+                                   + conv.dilation[d] * (weight.shape[2 + d] - 1) + 1) for d in (0, 1)]
+        return F.conv_transpose2d(g, weight, None, conv.stride, conv.padding, tuple(extra), 1, conv.dilation)
+
+    @staticmethod
+    def _lrn_grad(lrn: PaperLRN, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        a = x
+        if lrn.input_max is not None:
+            a = torch.clamp(x, min=0.0, max=float(lrn.input_max))
+        d = lrn.gamma + lrn.alpha * F.conv2d(a * a, lrn.band)
+        inner = F.conv2d(g * a * torch.pow(d, -lrn.beta - 1), lrn.band.transpose(0, 1))
+        grad_a = g * torch.pow(d, -lrn.beta) - 2 * lrn.alpha * lrn.beta * a * inner
+        if lrn.input_max is not None:
+            grad_a = grad_a * ((x >= 0) & (x <= lrn.input_max)).to(grad_a.dtype)
+        return grad_a

@@ -32,6 +32,8 @@ def reference(layer: nn.Module, images: torch.Tensor, noise: torch.Tensor, grad:
     names = [n for n, _ in layer.named_parameters()]
     leaves = [w.detach().clone().requires_grad_(True) for w in weights]
     released = torch.func.functional_call(layer, dict(zip(names, leaves)), (images,)) + noise
+    if not leaves:  # nothing to differentiate (the dct release)
+        return released.detach(), []
     grads = torch.autograd.grad((released * grad).sum(), leaves)
     return released.detach(), [g.detach() for g in grads]
 
@@ -47,7 +49,8 @@ def check(layer: nn.Module, runtime, images: torch.Tensor, weights: list[torch.T
     got_release = runtime.release(images, noise, weights)
     got_grads = runtime.weight_grads(images, noise, grad, weights)
     release_err = float((got_release - want_release).abs().max())
-    grad_err = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in zip(got_grads, want_grads))
+    grad_err = max((float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in zip(got_grads, want_grads)),
+                   default=0.0)
     result = {"release_max_abs_err": release_err, "grad_max_rel_err": grad_err,
               "ok": release_err <= RELEASE_ATOL and grad_err <= GRAD_RTOL}
     if not result["ok"]:
@@ -68,7 +71,7 @@ def verify(layer: nn.Module, artifacts: Path, real_images: np.ndarray | None = N
         inputs["real"] = to_input(real_images[:n])
     weights = [p.detach().clone() for p in layer.parameters()]
     variants = {"weights": weights}
-    if not manifest.static_weights:
+    if weights and not manifest.static_weights:
         g = torch.Generator().manual_seed(2)
         variants["perturbed weights"] = [w + 0.05 * w.abs().mean() * torch.randn(w.shape, generator=g) for w in weights]
     results = {}

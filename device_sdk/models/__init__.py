@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from ..transforms import RELEASES, TRANSFORMS, dct_channels
 from .iresnet import LAYERS as IRESNET_LAYERS
 from .iresnet import iresnet_stages
 from .lrn import PaperLRN
@@ -34,10 +35,14 @@ __all__ = [
     "stage_names",
     "split_backbone",
     "activation_shape",
+    "split_shape",
+    "RELEASE_KEYS",
     "build_classifier",
 ]
 
 FAMILIES = ("vgg_face", "iresnet")
+# Keys that change only what is released at the cut, not the backbone's own stages (saved weights ignore them).
+RELEASE_KEYS = ("release_pool", "release", "bottleneck_channels", "bottleneck_stride", "dct_drop", "dct_keep")
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,12 @@ class ModelSpec:
     # k > 1: the device average-pools its output k x k before release (k^2 fewer values to clip,
     # noise and send) and the server upsamples it back; applied only where the model is split.
     release_pool: int = 1
+    # A release transform at the cut (device_sdk/transforms): "none", "bottleneck" or "dct".
+    release: str = "none"
+    bottleneck_channels: int = 8  # bottleneck: channels the device releases (1x1 conv, then tanh)
+    bottleneck_stride: int = 1  # bottleneck: stride of that conv (the server upsamples back)
+    dct_drop: int = 1  # dct: lowest zig-zag frequencies of each colour not released (1: the DC only)
+    dct_keep: int = 0  # dct: > 0 releases a random subset of this many channels per image, the rest zeroed
 
     def __post_init__(self) -> None:
         # Fail at spec time (e.g. when a peer sends one) rather than deep in a build.
@@ -70,6 +81,17 @@ class ModelSpec:
             raise ValueError(f"release_pool must be >= 1, got {self.release_pool}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.release not in RELEASES:
+            raise ValueError(f"unknown release {self.release!r}; expected one of {RELEASES}")
+        if self.release != "none" and self.release_pool != 1:
+            raise ValueError("release_pool and a release transform do not combine; use one")
+        if min(self.bottleneck_channels, self.bottleneck_stride) < 1:
+            raise ValueError("bottleneck_channels and bottleneck_stride must be >= 1")
+        if not 0 <= self.dct_drop < 64:
+            raise ValueError(f"dct_drop must be in [0, 64), got {self.dct_drop}")
+        if not 0 <= self.dct_keep <= dct_channels(self) or (self.dct_keep and self.release != "dct"):
+            raise ValueError(f"dct_keep must be 0 or, with release 'dct', at most {dct_channels(self)}; "
+                             f"got {self.dct_keep}")
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict of str/int/float, safe for JSON and msgpack."""
@@ -87,7 +109,7 @@ class ModelSpec:
             raise ValueError(f"ModelSpec dict is missing {sorted(missing)}")
         kwargs: dict[str, Any] = {}
         for k, v in d.items():
-            kwargs[k] = str(v) if k == "family" else float(v) if k == "dropout" else int(v)
+            kwargs[k] = str(v) if k in ("family", "release") else float(v) if k == "dropout" else int(v)
         return cls(**kwargs)
 
     @property
@@ -187,7 +209,10 @@ def split_backbone(backbone: Backbone, split: str) -> tuple[Stages, Stages]:
     """Cut into (device part, server part) sharing the backbone's parameter objects.
 
     Sharing (not copying) means training either part trains the backbone, and
-    ``server(device(x))`` is bit-for-bit ``backbone(x)``.
+    ``server(device(x))`` is bit-for-bit ``backbone(x)``. With a release transform (``spec.release``)
+    or ``release_pool``, the parts also hold the transform's device and server stages at the cut, and
+    the whole model is the two parts in sequence; with ``dct`` the device part is the transform
+    alone and the backbone's stages up to the split are in neither part.
     """
     names = list(backbone.stages.keys())
     if split not in names:
@@ -200,12 +225,35 @@ def split_backbone(backbone: Backbone, split: str) -> tuple[Stages, Stages]:
         )
     device_stages = OrderedDict((n, backbone.stages[n]) for n in names[:cut])
     server_stages = OrderedDict((n, backbone.stages[n]) for n in names[cut:])
-    k = backbone.spec.release_pool
+    spec = backbone.spec
+    if spec.release != "none":
+        # Drawn from the global RNG right after the backbone, so both sides (same seed) get the same stages.
+        transform = TRANSFORMS[spec.release]
+        shape = split_shape(spec, split)
+        device_stage, server_stage = transform.device(spec, shape), transform.server(spec, shape)
+        if transform.replaces_device:
+            device_stages.clear()
+        device_stages[spec.release] = device_stage
+        server_stages = OrderedDict([(f"{spec.release}_server", server_stage), *server_stages.items()])
+    k = spec.release_pool
     if k > 1:
         device_stages["release_pool"] = nn.AvgPool2d(k)
         server_stages = OrderedDict([("release_upsample", nn.Upsample(scale_factor=k, mode="nearest")),
                                      *server_stages.items()])
     return Stages(device_stages), Stages(server_stages)
+
+
+def split_shape(spec: ModelSpec, split: str) -> tuple[int, int, int]:
+    """(C, H, W) of the backbone's own output at `split` (before any release transform), on the meta device."""
+    with torch.device("meta"):
+        x = torch.empty(1, 3, spec.input_size, spec.input_size)
+        for name, stage in _stages(spec).items():
+            x = stage.eval()(x)
+            if name == split:
+                if x.dim() != 4:
+                    raise ValueError(f"split {split!r} has no (C, H, W) output for a release transform")
+                return int(x.shape[1]), int(x.shape[2]), int(x.shape[3])
+    raise ValueError(f"unknown split {split!r}; valid splits: {stage_names(spec)[:-1]}")
 
 
 def activation_shape(spec: ModelSpec, split: str) -> tuple[int, int, int]:

@@ -21,7 +21,8 @@ class ExecuTorchRuntime:
             portable_lib._unsafe_reset_threadpool(threads)
         self.manifest, self.batch_size = manifest, manifest.batch_size
         self._release = portable_lib._load_for_executorch(str(artifacts / RELEASE_PTE))
-        self._train = _load_for_executorch_for_training(str(artifacts / TRAIN_PTE))
+        # A layer without parameters (the dct release) has no training program.
+        self._train = _load_for_executorch_for_training(str(artifacts / TRAIN_PTE)) if manifest.weight_names else None
         self._params: list[torch.Tensor] | None = None
 
     def release(self, images: torch.Tensor, noise: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
@@ -33,6 +34,8 @@ class ExecuTorchRuntime:
 
     def weight_grads(self, images: torch.Tensor, noise: torch.Tensor, grad: torch.Tensor,
                      weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self._train is None:
+            return []
         args = (padded(images, self.batch_size), padded(noise, self.batch_size), padded(grad, self.batch_size))
         if self._params is None:
             # The program's own weight buffers are reachable only after one call.

@@ -24,7 +24,9 @@ class OnnxRuntime:
         self.manifest, self.batch_size = manifest, manifest.batch_size
         providers = ["CPUExecutionProvider"]
         self._release = ort.InferenceSession(str(artifacts / RELEASE_ONNX), options, providers=providers)
-        self._vjp = ort.InferenceSession(str(artifacts / VJP_ONNX), options, providers=providers)
+        # A layer without parameters (the dct release) has no backward program.
+        self._vjp = (ort.InferenceSession(str(artifacts / VJP_ONNX), options, providers=providers)
+                     if manifest.weight_names else None)
 
     def _feed(self, session, tensors: list[torch.Tensor]) -> dict[str, np.ndarray]:
         # The exporter drops inputs a graph does not use (the VJP ignores the noise): feed by name.
@@ -39,5 +41,7 @@ class OnnxRuntime:
 
     def weight_grads(self, images: torch.Tensor, noise: torch.Tensor, grad: torch.Tensor,
                      weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self._vjp is None:
+            return []
         feed = self._feed(self._vjp, [padded(images, self.batch_size), padded(grad, self.batch_size), *weights])
         return [torch.from_numpy(g) for g in self._vjp.run(None, feed)]

@@ -1,0 +1,75 @@
+"""Release transforms: what the device does to its output before anything leaves the phone.
+
+Each transform is a pair of stages that `device_sdk.models.split_backbone` puts at the cut: one
+appended to the device part, its mirror prepended to the server part, so device + server is
+still one model (as with `release_pool`). The name and parameters travel in `ModelSpec`
+(`release`, `bottleneck_*`, `dct_*`), which both sides compare in HELLO.
+
+- `bottleneck`: the device runs the backbone up to the split, then a 1x1 conv to
+  `bottleneck_channels` (stride `bottleneck_stride`) and tanh; the server upsamples and maps back.
+- `dct`: the device runs no backbone stage: it releases the image's 8x8 block DCT, upsampled so
+  that the frequency maps have the split's spatial size; the server maps them with a conv to the
+  split's channels and continues after the split (the backbone's stages up to the split are unused).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import nn
+
+from .bottleneck import Bottleneck, Expand
+from .dct import BLOCK, BlockDCT, FrequencyStem, random_keep_mask
+
+if TYPE_CHECKING:
+    from device_sdk.models import ModelSpec
+
+Shape = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Transform:
+    """`device(spec, split_shape)` and `server(spec, split_shape)` build the two stages; `replaces_device`:
+    the device stage takes the image itself, instead of the backbone's output at the split."""
+    device: Callable[["ModelSpec", Shape], nn.Module]
+    server: Callable[["ModelSpec", Shape], nn.Module]
+    replaces_device: bool
+
+
+def dct_upsample(spec: "ModelSpec", split_shape: Shape) -> int:
+    """The upsampling that gives frequency maps of the split's spatial size: S u / 8 = H."""
+    _, h, w = split_shape
+    if h != w or (BLOCK * h) % spec.input_size:
+        raise ValueError(f"dct: the split's output ({h}x{w}) must be square and (8 x its size) a multiple "
+                         f"of the input size {spec.input_size}")
+    u = BLOCK * h // spec.input_size
+    if u < 1:
+        raise ValueError(f"dct: the split's {h}x{w} maps are smaller than the {spec.input_size // BLOCK}x"
+                         f"{spec.input_size // BLOCK} blocks of the image; split earlier")
+    return u
+
+
+def dct_channels(spec: "ModelSpec") -> int:
+    """Frequency channels the device computes: 3 colours x (64 - dct_drop)."""
+    return 3 * (BLOCK * BLOCK - spec.dct_drop)
+
+
+TRANSFORMS: dict[str, Transform] = {
+    "bottleneck": Transform(
+        device=lambda spec, shape: Bottleneck(shape[0], spec.bottleneck_channels, spec.bottleneck_stride),
+        server=lambda spec, shape: Expand(spec.bottleneck_channels, shape[0], spec.bottleneck_stride),
+        replaces_device=False),
+    "dct": Transform(
+        device=lambda spec, shape: BlockDCT(dct_upsample(spec, shape), spec.dct_drop),
+        server=lambda spec, shape: FrequencyStem(dct_channels(spec), shape[0]),
+        replaces_device=True),
+}
+RELEASES = ("none", *TRANSFORMS)
+
+
+def release_mask(spec: "ModelSpec", n: int, release_shape: Shape, generator: torch.Generator) -> torch.Tensor | None:
+    """The device's per-image random channel subset (dct_keep > 0), or None: multiply the release by it."""
+    if spec.release != "dct" or not spec.dct_keep:
+        return None
+    return random_keep_mask(n, release_shape[0], spec.dct_keep, generator)

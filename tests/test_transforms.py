@@ -1,0 +1,195 @@
+"""Release transforms (device_sdk/transforms): the spec and CLI carry them, the DCT is the orthonormal
+block DCT, dropped frequencies never leave the device, device + server is still one model (trained
+over the real websocket), and the exported device programs match eager PyTorch."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from device_sdk.cli import add_model_args, model_argv, model_spec
+from device_sdk.client import DeviceClient
+from device_sdk.engine import DeviceEngine, PrivacyConfig, to_input
+from device_sdk.models import PRESETS, ModelSpec, activation_shape, build_backbone, build_classifier, split_backbone
+from device_sdk.optim import TrainConfig, exponential_decay, make_sgd
+from device_sdk.privacy.mechanisms import PerActivationGaussian, PerImageGaussian
+from device_sdk.runtimes import load_runtime
+from device_sdk.transforms.dct import BlockDCT, zigzag
+from edge_server.trainer import ServerTrainer
+from export.verify import export_verified
+from tests.conftest import TOKENS, serve_in_thread
+
+SMALL = PRESETS["iresnet_small"]
+BOTTLENECK = replace(SMALL, release="bottleneck", bottleneck_channels=4, bottleneck_stride=2)
+DCT = replace(SMALL, release="dct")
+NUM_CLASSES, LR, DECAY_STEPS, TOL = 5, 0.05, 4, 1e-5
+
+
+def test_spec_keeps_old_keys_and_round_trips_the_new_ones():
+    old = {"family": "iresnet", "input_size": 64, "width": 16, "fc_width": 4096, "depth": 18, "embedding_size": 128,
+           "dropout": 0.0, "release_pool": 1}
+    assert {k: SMALL.to_dict()[k] for k in old} == old and list(SMALL.to_dict())[:len(old)] == list(old)
+    assert ModelSpec.from_dict(old) == SMALL  # a dict without the new keys means no transform
+    for spec in (BOTTLENECK, DCT, replace(DCT, dct_drop=0, dct_keep=100)):
+        assert ModelSpec.from_dict(spec.to_dict()) == spec
+    with pytest.raises(ValueError, match="unknown ModelSpec keys"):
+        ModelSpec.from_dict({**DCT.to_dict(), "dct_upsample": 2})
+    for bad in (dict(release="jpeg"), dict(dct_keep=5), dict(release="dct", dct_keep=190), dict(release="dct", dct_drop=64),
+                dict(release="bottleneck", release_pool=2), dict(release="bottleneck", bottleneck_channels=0)):
+        with pytest.raises(ValueError):
+            replace(SMALL, **bad)
+
+
+def test_cli_builds_the_spec_and_hands_it_on_unchanged():
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    args = p.parse_args(["--model", "iresnet_small", "--split", "layer2", "--release", "dct", "--dct-keep", "60"])
+    assert model_spec(args) == replace(DCT, dct_keep=60)
+    again = p.parse_args(model_argv(args))  # what the demo gives the server and the simulator
+    assert model_spec(again) == model_spec(args) and again.split == "layer2"
+    assert model_spec(p.parse_args(["--model", "iresnet_small"])) == SMALL
+
+
+def test_bottleneck_releases_few_bounded_values():
+    assert activation_shape(BOTTLENECK, "conv1") == (4, 32, 32)
+    assert activation_shape(replace(BOTTLENECK, bottleneck_stride=1), "layer1") == (4, 32, 32)
+    torch.manual_seed(0)
+    device, server = split_backbone(build_backbone(BOTTLENECK), "conv1")
+    assert list(device.stages) == ["conv1", "bottleneck"] and list(server.stages)[:2] == ["bottleneck_server", "layer1"]
+    released = device(torch.rand(2, 3, 64, 64))
+    assert released.shape == (2, 4, 32, 32) and released.abs().max() < 1
+    assert server(released).shape == (2, SMALL.embedding_size)
+
+
+def test_dct_is_the_orthonormal_block_dct_and_inverts_when_nothing_is_dropped():
+    scipy_fft = pytest.importorskip("scipy.fft")
+    x = torch.rand(2, 3, 32, 32, dtype=torch.float64)
+    dct = BlockDCT(upsample=1, drop=0).double()
+    out = dct(x)
+    assert out.shape == (2, 192, 4, 4)
+    for n, c, bi, bj in [(0, 0, 0, 0), (1, 2, 3, 1), (0, 1, 2, 3)]:
+        block = x[n, c, 8 * bi:8 * bi + 8, 8 * bj:8 * bj + 8].numpy()
+        want = scipy_fft.dctn(block, norm="ortho")
+        got = out[n, 64 * c:64 * (c + 1), bi, bj].numpy()
+        assert np.allclose(got, [want[u, v] for u, v in zigzag()], rtol=0, atol=1e-6)  # float32 basis
+    back = F.conv_transpose2d(out, dct.basis, stride=8, groups=3)
+    assert torch.allclose(back, x, rtol=0, atol=1e-6)
+
+
+def test_dct_dropped_frequencies_are_absent_from_the_release():
+    assert activation_shape(DCT, "layer2") == (189, 16, 16)  # 128 px (upsampled 2x) -> 16x16 blocks
+    assert activation_shape(replace(DCT, dct_drop=6), "layer3") == (174, 8, 8)
+    torch.manual_seed(0)
+    device, server = split_backbone(build_backbone(DCT), "layer2")
+    assert list(device.stages) == ["dct"] and list(server.stages) == ["dct_server", "layer3", "layer4", "features"]
+    assert not list(device.parameters()) and not device.state_dict()  # no learned layer on the device
+    # A flat image is pure DC: with the DC dropped, nothing of it is released.
+    flat = torch.full((1, 3, 64, 64), 0.7)
+    assert device(flat).abs().max() < 1e-5
+    assert BlockDCT(upsample=2, drop=0)(flat).abs().max() > 1
+    # Same for the lowest 6 frequencies: a smooth ramp's energy there never leaves the device.
+    ramp = torch.linspace(0, 1, 8).repeat(1, 3, 8, 1)
+    assert BlockDCT(drop=6)(ramp).abs().max() < 0.1 * BlockDCT(drop=0)(ramp).abs().max()
+
+
+def test_dct_keep_releases_a_random_subset_per_image_repeated_on_resend():
+    engine = DeviceEngine(replace(DCT, dct_keep=20), "layer2", "server", NUM_CLASSES)
+    images = np.random.default_rng(0).integers(0, 256, (4, 3, 64, 64), dtype=np.uint8)
+    released = engine.forward(images, ("train", 1), range(4), range(4))
+    kept = np.abs(released).sum(axis=(2, 3)) > 0
+    assert (kept.sum(axis=1) == 20).all() and len({tuple(k) for k in kept}) == 4
+    assert np.array_equal(engine.forward(images, ("train", 1), range(4), range(4)), released)  # a re-sent batch
+    engine.commit(1, np.ones_like(released))  # no device parameters: nothing to step
+    # The per-image mechanism clips each image's kept channels and then noises every channel.
+    noisy = DeviceEngine(replace(DCT, dct_keep=20), "layer2", "server", NUM_CLASSES,
+                         privacy=PrivacyConfig(PerImageGaussian(1.0, 0.5)))
+    released = noisy.forward(images, ("train", 1), range(4), range(4))
+    assert (np.abs(released).sum(axis=(2, 3)) > 0).all()
+
+
+def test_engine_refuses_what_would_break_the_per_image_argument():
+    with pytest.raises(ValueError, match="batch norm"):
+        DeviceEngine(replace(BOTTLENECK, bottleneck_stride=1), "layer1", "server", NUM_CLASSES)
+    DeviceEngine(BOTTLENECK, "layer1", "server", NUM_CLASSES, privacy=PrivacyConfig(layer_training="frozen"))
+    with pytest.raises(ValueError, match="per-image"):
+        DeviceEngine(BOTTLENECK, "conv1", "server", NUM_CLASSES, privacy=PrivacyConfig(PerActivationGaussian(3, 1e-5)))
+    with pytest.raises(ValueError, match="no parameters"):
+        DeviceEngine(DCT, "layer2", "server", NUM_CLASSES, privacy=PrivacyConfig(layer_training="dpsgd"))
+
+
+def _unsplit_steps(spec, split, batches):
+    """The whole model in one process: both parts built from the seed as device and server build them."""
+    torch.manual_seed(0)
+    device, server = split_backbone(build_backbone(spec), split)
+    model = torch.nn.Sequential(device, server)
+    torch.manual_seed(1)
+    classifier = build_classifier(spec, NUM_CLASSES)
+    opt = make_sgd(list(model.parameters()) + list(classifier.parameters()), LR, 0.9)
+    sched = exponential_decay(opt, 0.1, DECAY_STEPS)
+    losses = []
+    for images, labels in batches:
+        model.train()
+        opt.zero_grad()
+        loss = F.cross_entropy(classifier(model(to_input(images))), torch.from_numpy(labels))
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return device, server, classifier, losses
+
+
+@pytest.mark.parametrize("spec,split", [(BOTTLENECK, "conv1"), (DCT, "layer2")])
+def test_split_with_transform_equals_unsplit_model(tmp_path, spec, split):
+    """Two SGD steps of engine + websocket + server trainer, each side building its part from the seed,
+    equal two steps of the whole model in one process."""
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 256, (6, 3, 64, 64), dtype=np.uint8), rng.integers(0, NUM_CLASSES, 6)) for _ in range(2)]
+    ref_device, ref_server, ref_classifier, ref_losses = _unsplit_steps(spec, split, batches)
+    config = TrainConfig(lr=LR, decay_steps=DECAY_STEPS, seed=0)
+    trainer = ServerTrainer(spec, split, NUM_CLASSES, config)
+    torch.manual_seed(1)
+    trainer.classifier.load_state_dict(build_classifier(spec, NUM_CLASSES).state_dict())
+    engine = DeviceEngine(spec, split, "server", NUM_CLASSES, config)
+    with serve_in_thread(trainer, tmp_path) as server:
+        async def run():
+            client = DeviceClient(server.url, "device-0", TOKENS["device-0"], engine, batch_size=8)
+            await client.connect()
+            results = [await client.train_batch(i + 1, images, labels, np.arange(len(labels)) + 100 * i)
+                       for i, (images, labels) in enumerate(batches)]
+            await client.close()
+            return results
+        results = asyncio.run(run())
+    assert [r.loss for r in results] == pytest.approx(ref_losses, abs=TOL)
+    for part, ref in [(engine.layer, ref_device), (trainer.tail, ref_server), (trainer.classifier, ref_classifier)]:
+        for (name, p), (_, q) in zip(part.named_parameters(), ref.named_parameters(), strict=True):
+            assert torch.allclose(p, q, atol=TOL), f"{name} weights differ"
+
+
+def test_exported_bottleneck_matches_eager(tmp_path):
+    torch.manual_seed(0)
+    layer, _ = split_backbone(build_backbone(BOTTLENECK), "conv1")
+    manifest = export_verified(layer, 64, 2, tmp_path)
+    assert manifest.activation_shape == [2, 4, 32, 32]
+    assert all(c["ok"] for c in manifest.verification["checks"].values())
+    assert any("perturbed" in name for name in manifest.verification["checks"])  # weights read at run time
+
+
+def test_exported_dct_matches_eager_and_trains_through_the_engine(tmp_path):
+    spec = replace(DCT, dct_keep=30)
+    engine = DeviceEngine(spec, "layer2", "server", NUM_CLASSES)
+    manifest = export_verified(engine.layer, 64, 2, tmp_path)
+    assert manifest.weight_names == [] and manifest.activation_shape == [2, 189, 16, 16]
+    assert all(c["ok"] for c in manifest.verification["checks"].values())
+    assert not (tmp_path / "train.pte").exists() and not (tmp_path / "vjp.onnx").exists()
+    images = np.random.default_rng(0).integers(0, 256, (2, 3, 64, 64), dtype=np.uint8)
+    eager = engine.forward(images, ("train", 1), [0, 1], [0, 1])
+    engine.attach_runtime(load_runtime("onnxruntime", engine.layer, 64, 2, tmp_path))
+    released = engine.forward(images, ("train", 1), [0, 1], [0, 1])
+    assert np.abs(released - eager).max() < 1e-4  # same keyed channel subset, same values
+    engine.commit(1, np.ones_like(released))
+    assert engine.committed == 1
