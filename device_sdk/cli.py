@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .data import find_lfw_root, load_image_folder, load_lfw
+from .data import LFW_PEOPLE, DataSplit, find_lfw_root, load_image_folder, load_lfw
 from .engine import LAYER_TRAINING, PrivacyConfig
 from .models import DEFAULT_SPLIT, PRESETS, ModelSpec, resolve_spec
 from .optim import TrainConfig
@@ -32,7 +32,25 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-images", type=int, default=10, help="LFW: people with at least this many images")
     p.add_argument("--max-identities", type=int, default=None, help="LFW: keep only the first K identities")
     p.add_argument("--max-images", type=int, default=None, help="LFW: only people with at most this many images")
+    p.add_argument("--people", choices=LFW_PEOPLE, default="all",
+                   help="LFW: everyone, or only View 1's DevTrain people (peopleDevTrain.txt), so that View 1's "
+                        "test pairs are people the model never saw (python -m edge_server.evaluation)")
     p.add_argument("--seed", type=int, default=0)
+
+
+def data_argv(args: argparse.Namespace) -> list[str]:
+    """The data options of `add_data_args` as command-line arguments again: hands the same selection to
+    another program (the demo to the simulator)."""
+    argv = ["--min-images", str(args.min_images), "--seed", str(args.seed), "--people", args.people]
+    if args.data:
+        argv += ["--data", str(args.data)]
+    if args.image_folder:
+        argv.append("--image-folder")
+    if args.max_identities is not None:
+        argv += ["--max-identities", str(args.max_identities)]
+    if args.max_images is not None:
+        argv += ["--max-images", str(args.max_images)]
+    return argv
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -111,16 +129,23 @@ def privacy_config(args: argparse.Namespace, releases_per_image: int) -> Callabl
 def data_selection(args: argparse.Namespace) -> dict:
     """The data arguments, as recorded in a run's results (the audit reloads the same images with them)."""
     return {"image_folder": args.image_folder, "min_images": args.min_images, "max_identities": args.max_identities,
-            "max_images": args.max_images, "seed": args.seed}
+            "max_images": args.max_images, "people": args.people, "seed": args.seed}
 
 
-def load_data(args: argparse.Namespace):
-    if args.image_folder:
-        if not args.data:
-            raise SystemExit("--image-folder needs --data PATH")
-        return load_image_folder(args.data, seed=args.seed)
-    return load_lfw(find_lfw_root(args.data), min_images=args.min_images, seed=args.seed,
-                    max_identities=args.max_identities, max_images=args.max_images)
+def load_selection(root: str | Path | None, selection: dict) -> DataSplit:
+    """The data a run trained on, from its recorded `data_selection` (runs from before --people have no
+    "people": they used everyone)."""
+    if selection["image_folder"]:
+        return load_image_folder(root, seed=selection["seed"])
+    return load_lfw(find_lfw_root(root), min_images=selection["min_images"], seed=selection["seed"],
+                    max_identities=selection["max_identities"], max_images=selection["max_images"],
+                    people=selection.get("people", "all"))
+
+
+def load_data(args: argparse.Namespace) -> DataSplit:
+    if args.image_folder and not args.data:
+        raise SystemExit("--image-folder needs --data PATH")
+    return load_selection(args.data, data_selection(args))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,6 +27,8 @@ LFW_HOWTO = (
     "or set SPLITFACE_DATA=PATH. Default locations tried: $SPLITFACE_DATA, ~/.cache/splitface/lfw, ./data/lfw."
 )
 
+LFW_PEOPLE = ("all", "devtrain")
+
 
 @dataclass
 class FaceSet:
@@ -128,6 +130,28 @@ def find_lfw_root(path: str | Path | None = None) -> Path:
     raise FileNotFoundError(f"{LFW_HOWTO} (looked in: {tried})")
 
 
+def lfw_list(base: Path, name: str) -> Path:
+    """One of LFW's list files (pairsDevTest.txt, peopleDevTrain.txt, ...). They come with LFW and sit
+    next to the per-person folder ``base`` (as found by :func:`find_lfw_root`)."""
+    path = base.parent / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{name} not found: expected {path}, next to the per-person folder {base} "
+                                f"(it comes with LFW: http://vis-www.cs.umass.edu/lfw/{name})")
+    return path
+
+
+def dev_people(base: Path, which: str = "train") -> set[str]:
+    """The people of View 1's development split (peopleDevTrain.txt or peopleDevTest.txt: a count, then
+    `name  n_images` lines). The two lists are disjoint."""
+    if which not in ("train", "test"):
+        raise ValueError(f"which must be 'train' or 'test', not {which!r}")
+    lines = lfw_list(base, f"peopleDev{which.title()}.txt").read_text().splitlines()
+    names = {line.split()[0] for line in lines[1:] if line.strip()}
+    if len(names) != int(lines[0]):
+        raise ValueError(f"peopleDev{which.title()}.txt announces {lines[0]} people but lists {len(names)}")
+    return names
+
+
 def _list_images(folder: Path) -> list[Path]:
     return sorted(
         (p for p in folder.iterdir() if p.is_file() and p.name.lower().endswith(IMAGE_EXTENSIONS)),
@@ -172,11 +196,15 @@ def load_lfw(
     seed: int = 0,
     max_identities: int | None = None,
     max_images: int | None = None,
+    people: str = "all",
 ) -> DataSplit:
     """The source paper's LFW subset: people with >= ``min_images`` images.
 
     ``max_images`` keeps only people with at most that many images: with min_images=3,
     max_images=9 it is a public set disjoint from the paper's (743 identities, 3282 images).
+    ``people="devtrain"`` keeps only the people of View 1's peopleDevTrain.txt, so that View 1's
+    test pairs (edge_server.evaluation) are people the model never saw: with min_images=10 that is
+    111 identities, 3264 images (the other 47 of the 158 are DevTest people, 43 of them in its pairs).
 
     With min_images=10 that is 158 identities / 4324 images. Labels are
     assigned in name order so they are stable across machines.
@@ -185,9 +213,14 @@ def load_lfw(
         raise ValueError(f"min_images must be >= 2 (each identity needs a train and a test image), got {min_images}")
     if max_identities is not None and max_identities < 1:
         raise ValueError(f"max_identities must be >= 1 or None, got {max_identities}")
+    if people not in LFW_PEOPLE:
+        raise ValueError(f"people must be one of {LFW_PEOPLE}, not {people!r}")
     base = find_lfw_root(root)
+    kept = dev_people(base, "train") if people == "devtrain" else None
     per_class: list[tuple[str, list[Path]]] = []
     for person in sorted(p.name for p in base.iterdir() if p.is_dir()):
+        if kept is not None and person not in kept:
+            continue
         files = _list_images(base / person)
         if len(files) >= min_images and (max_images is None or len(files) <= max_images):
             per_class.append((person, files))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from .client import DeviceClient, Rollback
@@ -234,4 +235,14 @@ async def simulate(config: SimConfig, data: DataSplit, tokens: dict[str, str]) -
     if config.results:
         config.results.parent.mkdir(parents=True, exist_ok=True)
         config.results.write_text(json.dumps(results, indent=2))
+        save_device_layers(config.results.parent / "device_layers", devices)
     return results
+
+
+def save_device_layers(folder: Path, devices: list[SimulatedDevice]) -> None:
+    """Each device's final layer, `<folder>/<device id>.pt`, so that the run can be evaluated afterwards
+    (edge_server.evaluation). It is written on the experimenter's machine, beside the results; nothing
+    here goes to the server."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for device in devices:
+        torch.save(device.client.engine.layer.state_dict(), folder / f"{device.client.device_id}.pt")

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from device_sdk.cli import add_data_args, add_model_args, load_data, model_argv
+from device_sdk.cli import add_data_args, add_model_args, data_argv, load_data, model_argv
 
 from .auth import issue_tokens
 
@@ -55,13 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     decay_steps = per_device * args.devices * args.epochs
 
     common = model_argv(args)  # the same model and release options to the server and the devices
-    data_args = ["--min-images", str(args.min_images), "--seed", str(args.seed)]
-    if args.data:
-        data_args += ["--data", str(args.data)]
-    if args.image_folder:
-        data_args.append("--image-folder")
-    if args.max_identities:
-        data_args += ["--max-identities", str(args.max_identities)]
+    data_args = data_argv(args)
     server_cmd = [sys.executable, "-m", "edge_server", "serve", *common, "--num-classes", str(len(data.class_names)),
                   "--tokens", str(run_dir / "server" / "tokens.json"), "--port", str(args.port),
                   "--run-dir", str(run_dir / "server"), "--lr", str(args.lr), "--decay-steps", str(decay_steps),

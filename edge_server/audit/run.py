@@ -153,7 +153,8 @@ def ground_truth(view: AttackerView, lfw_root: Path, public: FaceSet) -> GroundT
     if selection["image_folder"]:
         raise ValueError("the audit needs LFW: its public faces must be disjoint from the private ones")
     data = load_lfw(lfw_root, min_images=selection["min_images"], seed=selection["seed"],
-                    max_identities=selection["max_identities"], max_images=selection["max_images"])
+                    max_identities=selection["max_identities"], max_images=selection["max_images"],
+                    people=selection.get("people", "all"))
     device_index = {d["device_id"]: i for i, d in enumerate(view.results["devices"])}
     rows = []
     for device_id, rec in sorted(view.recordings.items()):

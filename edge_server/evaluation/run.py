@@ -1,0 +1,75 @@
+"""A finished split run on View 1: the embedding is the server tail's output on the device layer's release.
+
+The tail comes from the server's checkpoint, the device layer from the simulator's saved copy
+(`<run>/device_layers/<device id>.pt`, on the experimenter's machine). The layer is device 0's:
+each device trains its own, and the report names the one used.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from device_sdk.cli import load_selection
+from device_sdk.engine import bound_for
+from device_sdk.models import ModelSpec, build_backbone, split_backbone
+from device_sdk.privacy.mechanisms import from_description
+
+from ..checkpoint import load_checkpoint
+from .verification import evaluate_embedder, view1_pairs
+
+
+def load_split_model(run_dir: Path) -> tuple[nn.Module, nn.Module, dict]:
+    """(device 0's layer, the server's tail, the run's results), both in eval mode."""
+    results_file = run_dir / "results.json"
+    if not results_file.exists():
+        raise FileNotFoundError(f"{run_dir} has no results.json: not a finished splitface-demo run")
+    results = json.loads(results_file.read_text())
+    state = load_checkpoint(run_dir / "server" / "checkpoint.pt")
+    if state is None:
+        raise FileNotFoundError(f"{run_dir / 'server' / 'checkpoint.pt'} is missing")
+    device = results["devices"][0]
+    layer_file = run_dir / "device_layers" / f"{device['device_id']}.pt"
+    if not layer_file.exists():
+        raise FileNotFoundError(f"{layer_file} is missing: the run predates the simulator saving device layers")
+    config = results["config"]
+    layer, tail = split_backbone(build_backbone(ModelSpec.from_dict(config["model"])), config["split"])
+    layer.load_state_dict(torch.load(layer_file, map_location="cpu", weights_only=True))
+    tail.load_state_dict(state["trainer"]["tail"])
+    bound_for(from_description(device["privacy"]["mechanism"]), layer)  # the device's own forward (DP clamps)
+    return layer.eval(), tail.eval(), results
+
+
+def seen_people(lfw_root: str | Path | None, results: dict, limit: int | None = None) -> dict:
+    """How many DevTest people and pairs the run trained on (none with --people devtrain)."""
+    selection = results["config"].get("data")
+    if not selection or selection["image_folder"]:
+        return {"trained_people": None, "devtest_people_seen": None, "pairs_with_seen_people": None}
+    trained = set(load_selection(lfw_root, selection).class_names)
+    pairs = view1_pairs(lfw_root, "test", limit)
+    names = np.array(pairs.faces.class_names)[pairs.faces.labels]
+    seen = np.isin(names[pairs.a], list(trained)) | np.isin(names[pairs.b], list(trained))
+    return {"trained_people": selection.get("people", "all"), "devtest_people_seen": len(trained & pairs.people),
+            "pairs_with_seen_people": int(seen.sum())}
+
+
+def evaluate_run(run_dir: str | Path, lfw_root: str | Path | None, limit: int | None = None) -> dict:
+    """View 1 report of a run: DevTest images through device 0's layer, then the server's tail.
+
+    No noise is added to the release, whatever the run's mechanism: the benchmark images are public, so
+    there is nothing to protect, and the score is that of the trained model itself."""
+    run_dir = Path(run_dir)
+    layer, tail, results = load_split_model(run_dir)
+
+    @torch.no_grad()
+    def embed(images: np.ndarray) -> np.ndarray:
+        return tail(layer(torch.from_numpy(images))).numpy()
+
+    spec = ModelSpec.from_dict(results["config"]["model"])
+    report = evaluate_embedder(embed, lfw_root, spec.input_size, results["config"].get("crop", 160), limit)
+    return {"run": run_dir.name, "device_layer": results["devices"][0]["device_id"],
+            "test_acc": results["epochs"][-1]["test_acc"] if results["epochs"] else None,
+            **seen_people(lfw_root, results, limit), **report}
