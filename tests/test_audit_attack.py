@@ -37,8 +37,9 @@ def attack(setting, mechanism) -> dict:
     layer, images, ids, photo_ids = setting
     inversion = RidgeInversion().fit(releases(layer, images["public"], mechanism, seed=1), images["public"])
     recon = inversion.reconstruct(releases(layer, images["private"], mechanism, seed=2))
-    report = reconstruction_report(recon, images["private"], ids, images["photos"], photo_ids,
-                                   {"eigenfaces": Eigenfaces().fit(images["public"])})
+    eigenfaces = Eigenfaces().fit(images["public"])
+    references = {"eigenfaces": (eigenfaces.embed(images["photos"]), eigenfaces.embed(images["private"]))}
+    report = reconstruction_report(recon, images["private"], ids, photo_ids, {"eigenfaces": eigenfaces}, references)
     return {**report, **report["recognizers"]["eigenfaces"]}
 
 

@@ -30,7 +30,8 @@ def test_reduced_sweep_runs_end_to_end(tmp_path, lfw):
     audit = tmp_path / "audit"
     runs = [str(out / "runs" / r["name"]) for r in rows]
     cmd = [sys.executable, "-m", "edge_server.audit.cli", *runs, "--data", str(lfw), "--out", str(audit),
-           "--public-images", "300", "--decoder-epochs", "2"]
+           "--public-images", "300", "--decoder-epochs", "2", "--recognizers", "eigenfaces", "--matcher-epochs", "4",
+           "--cache", str(tmp_path / "cache")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     noisy, clean, device_head = (json.loads((audit / f"{r['name']}.json").read_text()) for r in rows)
@@ -42,11 +43,17 @@ def test_reduced_sweep_runs_end_to_end(tmp_path, lfw):
     assert ridge["recognizers"]["eigenfaces"]["risk@1_clean_upper_bound"] > 2 * ridge["recognizers"]["eigenfaces"]["risk@1_chance"]
     assert noisy["attacks"]["reconstruction_ridge"]["linkage_pixels"] < 0.05   # noise std ~68 per value
     assert clean["attacks"]["label_leakage"]["share_of_recorded_labels_that_are_true"] == 1.0
+    # dlib's identity matching is tested on its own (test_identity_matching.py); here it runs with eigenfaces,
+    # whose clean bound marks every identity figure uninformative
+    matching = clean["attacks"]["identity_matching"]
+    assert matching["recognizer"] == "eigenfaces" and 0 <= matching["risk@1"] <= 1
+    assert "uninformative" in (audit / "table.md").read_text()
     assert 0 <= clean["attacks"]["membership_inference"]["auc"] <= 1
     leakage = device_head["attacks"]["label_leakage"]
     assert not leakage["labels_sent"] and 0 <= leakage["direction_auc"] <= 1
     summary = json.loads((audit / "summary.json").read_text())
     assert [s["run"] for s in summary] == [r["name"] for r in rows]
+    assert all(not s["informative"] and s["identity_r1"] >= s["identity_matching_r1"] for s in summary)
     for figure in ("privacy_utility.png", "reconstructions.png"):
         assert (audit / figure).stat().st_size > 10_000
 

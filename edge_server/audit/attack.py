@@ -2,6 +2,7 @@
 what the same recognizer does on clean photos (the upper bound) and what a guesser gets (chance).
 
 - reconstruction: images back from the releases, then face retrieval on them;
+- identity matching: releases straight to a strong recognizer's embedding (`matcher.py`);
 - server-model linkage: the server's own trained model as the recognizer;
 - label leakage from the embedding gradients a device head returns;
 - membership inference from the server classifier's loss.
@@ -49,20 +50,22 @@ def retrieval_report(queries: np.ndarray, query_ids: np.ndarray, gallery: np.nda
     return out
 
 
-def reconstruction_report(recon: np.ndarray, originals: np.ndarray, identities: np.ndarray, photos: np.ndarray,
+def reconstruction_report(recon: np.ndarray, originals: np.ndarray, identities: np.ndarray,
                           photo_identities: np.ndarray, recognizers: dict[str, Recognizer],
-                          ks: Sequence[int] = (1, 5)) -> dict:
-    """`recon`: reconstructions of `originals` (private training images of `identities`, [0, 1]);
-    `photos`: the attacker's other real photos of those people. Image quality and linkage, then per
-    recognizer: face linkage and R(A, S, K) on the reconstructions and on the clean originals."""
+                          references: dict[str, tuple[np.ndarray, np.ndarray]], ks: Sequence[int] = (1, 5)) -> dict:
+    """`recon`: reconstructions of `originals` (private training images of `identities`, [0, 1]).
+    `references[name]`: recognizer `name`'s embeddings of the attacker's other real photos of those
+    people (`photo_identities`) and of the clean originals, computed once per run. Image quality and
+    linkage, then per recognizer: face linkage and R(A, S, K) on the reconstructions and on the clean
+    originals (the upper bound)."""
     target = resized(originals, recon.shape[-1])
     flat = lambda a: a.reshape(len(a), -1)  # noqa: E731
-    report = {"images": len(originals), "identities": int(len(np.unique(identities))), "queries": len(photos),
-              "psnr_db": float(np.mean(psnr(recon, target))), "ssim": float(np.mean(ssim(recon, target))),
-              "linkage_pixels": linkage_rate(flat(recon), flat(target)),
+    report = {"images": len(originals), "identities": int(len(np.unique(identities))),
+              "queries": len(photo_identities), "psnr_db": float(np.mean(psnr(recon, target))),
+              "ssim": float(np.mean(ssim(recon, target))), "linkage_pixels": linkage_rate(flat(recon), flat(target)),
               "linkage_pixels_chance": 1 / len(originals), "recognizers": {}}
     for name, recognizer in recognizers.items():
-        queries, gallery, clean = recognizer.embed(photos), recognizer.embed(recon), recognizer.embed(originals)
+        (queries, clean), gallery = references[name], recognizer.embed(recon)
         r = {"linkage_face": linkage_rate(gallery, clean), **retrieval_report(queries, photo_identities, gallery,
                                                                                 identities, ks)}
         for k in ks:

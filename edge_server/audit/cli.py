@@ -5,8 +5,9 @@
 
 Each RUN_DIR is a `splitface-demo --record-max N` run (the epsilon sweep records every run). Per
 run: reconstructions (ridge and decoder, fitted on public faces) scored by PSNR, SSIM, linkage and
-re-identification risk; linkage through the server's own model; label leakage; membership
-inference. Writes <out>/<run>.json, and for all runs together summary.json, table.md, reconstructions.png
+re-identification risk; identity matching straight from the releases to dlib's embedding; linkage
+through the server's own model; label leakage; membership inference. Every attacker knows the
+release transform and its parameters and trains on releases made by it. Writes <out>/<run>.json, and for all runs together summary.json, table.md, reconstructions.png
 and privacy_utility.png. See docs/audit.md for the threat model.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -27,39 +29,61 @@ import torch  # noqa: E402
 from device_sdk.data import find_lfw_root  # noqa: E402
 from device_sdk.engine import to_input  # noqa: E402
 
+from device_sdk.data import FaceSet  # noqa: E402
+
 from .attack import label_leakage, membership_inference, reconstruction_report, retrieval_report  # noqa: E402
 from .decoder import DecoderInversion  # noqa: E402
 from .inversion import resized, tuned_inversion  # noqa: E402
-from .recognizer import Eigenfaces, PublicBackbone, Recognizer  # noqa: E402
+from .matcher import IdentityMatcher  # noqa: E402
+from .metrics import reidentification_risk  # noqa: E402
+from .recognizer import CachedFaces, DlibResNet, Eigenfaces, PublicBackbone  # noqa: E402
 from .run import AttackerView, GroundTruth, ground_truth, load_run, public_faces  # noqa: E402
 
 SAMPLES = 6  # reconstructions shown per run
+STRONG = "dlib"  # the strong recognizer: identity matching targets its embedding
+INFORMATIVE = 0.9  # a risk is informative only where the recognizer finds people on clean photos this often
 
 
-def audit_run(view: AttackerView, truth: GroundTruth, public: np.ndarray, recognizers: dict[str, Recognizer],
+def audit_run(view: AttackerView, truth: GroundTruth, public: PublicFaces, recognizers: dict[str, CachedFaces],
               args: argparse.Namespace) -> tuple[dict, dict[str, np.ndarray]]:
-    """Every attack on one run; `public`: the attacker's public faces at the run's input size, in [0, 1].
+    """Every attack on one run; `public`: the attacker's public faces at the run's input size.
     Returns (report, sample reconstructions by inversion)."""
-    load = lambda s: to_input(s.load(truth.size, truth.crop)).numpy()  # noqa: E731
-    private = load(truth.private)
-    ids = truth.private.labels
-    wanted = np.isin(truth.photos.labels, ids)          # the attacker looks for the people it trained on
-    photos, photo_ids = load(truth.photos.subset(np.flatnonzero(wanted))), truth.photos.labels[wanted]
+    wanted = np.isin(truth.photos.labels, truth.private.labels)   # the attacker looks for the people it trained on
+    photo_set = truth.photos.subset(np.flatnonzero(wanted))
+    private, photos = (to_input(s.load(truth.size, truth.crop)).numpy() for s in (truth.private, photo_set))
+    ids, photo_ids = truth.private.labels, photo_set.labels
+    # each recognizer's view of the attacker's photos and of the clean originals: the queries and the upper bound
+    references = {name: (r.embed_faces(photo_set, truth.size, truth.crop, photos),
+                         r.embed_faces(truth.private, truth.size, truth.crop, private))
+                  for name, r in recognizers.items()}
     received = view.recorded("activations").astype(np.float32)
     report: dict = {"run": view.name, "head": view.head, "mechanism": view.mechanism.describe(),
                     "device_layer": view.layer_knowledge, "test_accuracy": view.test_accuracy,
                     "epsilon_image_accountant": view.epsilon_image, "recorded_releases": len(received),
-                    "public_images": len(public), "attacks": {}}
+                    "public_images": len(public.images), "attacks": {}}
     samples = {"original": resized(private[:SAMPLES], args.image_size)}
 
-    sample = view.release_sampler(public)
-    ridge, chosen = tuned_inversion(sample(1), public, args.image_size)
-    decoder = DecoderInversion(args.image_size, epochs=args.decoder_epochs).fit(sample, public)
+    sample = view.release_sampler(public.images)
+    ridge, chosen = tuned_inversion(sample(1), public.images, args.image_size)
+    decoder = DecoderInversion(args.image_size, epochs=args.decoder_epochs).fit(sample, public.images)
+    plain = {name: r.recognizer for name, r in recognizers.items()}
     for name, inversion, extra in (("ridge", ridge, chosen), ("decoder", decoder, {"epochs": args.decoder_epochs})):
         recon = inversion.reconstruct(received)
         report["attacks"][f"reconstruction_{name}"] = {
-            **extra, **reconstruction_report(recon, private, ids, photos, photo_ids, recognizers)}
+            **extra, **reconstruction_report(recon, private, ids, photo_ids, plain, references)}
         samples[name] = recon[:SAMPLES]
+
+    # identity matching: releases straight to the strongest recognizer's embedding of the clean face
+    strong = STRONG if STRONG in recognizers else next(iter(recognizers))
+    targets = recognizers[strong].embed_faces(public.faces, truth.size, truth.crop, public.images)
+    matcher = IdentityMatcher(epochs=args.matcher_epochs).fit(sample, targets)
+    queries, clean = references[strong]
+    report["attacks"]["identity_matching"] = {
+        "recognizer": strong, "epochs": args.matcher_epochs,
+        **retrieval_report(queries, photo_ids, matcher.embed(received), ids),
+        **{f"risk@{k}_clean_upper_bound": reidentification_risk(queries, photo_ids, clean, ids, k) for k in (1, 5)}}
+    report["strong_recognizer"] = {"name": strong,
+                                   "clean_risk@1": report["attacks"]["identity_matching"]["risk@1_clean_upper_bound"]}
 
     # the server's own model as the recognizer: its embeddings of what it received, and of the attacker's
     # photos sent through the device layer it knows (or its surrogate) and the mechanism
@@ -85,6 +109,15 @@ def audit_run(view: AttackerView, truth: GroundTruth, public: np.ndarray, recogn
     return report, samples
 
 
+def identity_attacks(report: dict) -> list[tuple[str, dict]]:
+    """Every attack that ranks identities for the attacker's photos, with its figures."""
+    attacks = [(f"{name.removeprefix('reconstruction_')} + {rec}", r) for name, a in report["attacks"].items()
+               if name.startswith("reconstruction") for rec, r in a["recognizers"].items()]
+    attacks.append(("identity matching", report["attacks"]["identity_matching"]))
+    attacks.append(("server model", report["attacks"]["server_model_linkage"]))
+    return attacks
+
+
 def strongest(report: dict) -> tuple[str, str, dict]:
     """(inversion, recognizer, figures) of the reconstruction attack with the highest R@1: the upper
     envelope of the four, which favours the attacker (each one's own figures are in the report)."""
@@ -93,15 +126,24 @@ def strongest(report: dict) -> tuple[str, str, dict]:
 
 
 def headline(report: dict) -> dict:
-    """The figures the summary and the chart use."""
+    """The figures the summary and the chart use. `identity_r1`: the strongest of every attack that
+    ranks identities (reconstructions x recognizers, identity matching, the server's model), judged
+    against the strong recognizer's R@1 on clean photos: below INFORMATIVE the figures say little."""
     best = strongest(report)
+    attack, top = max(identity_attacks(report), key=lambda t: t[1]["risk@1"] - t[1]["risk@1_chance"])
     linkage = report["attacks"]["server_model_linkage"]
+    clean = report["strong_recognizer"]["clean_risk@1"]
     return {"run": report["run"], "head": report["head"], "mechanism": report["mechanism"],
             "test_accuracy": report["test_accuracy"], "best_attack": f"{best[0]} + {best[1]}",
             "risk@1": best[2]["risk@1"], "risk@1_chance": best[2]["risk@1_chance"],
             "risk@1_clean_upper_bound": best[2]["risk@1_clean_upper_bound"],
+            "identity_attack": attack, "identity_r1": top["risk@1"], "identity_r1_chance": top["risk@1_chance"],
+            "recognizer": report["strong_recognizer"]["name"], "recognizer_clean_r1": clean,
+            "informative": clean >= INFORMATIVE,
             "linkage_pixels": max(a["linkage_pixels"] for n, a in report["attacks"].items()
                                   if n.startswith("reconstruction")),
+            "linkage_pixels_chance": report["attacks"]["reconstruction_ridge"]["linkage_pixels_chance"],
+            "identity_matching_r1": report["attacks"]["identity_matching"]["risk@1"],
             "server_model_risk@1": linkage["risk@1"],
             "membership_auc": report["attacks"]["membership_inference"].get("auc"),
             "label_direction_auc": report["attacks"]["label_leakage"].get("direction_auc")}
@@ -110,19 +152,23 @@ def headline(report: dict) -> dict:
 def table(reports: list[dict]) -> str:
     """One line per run: the headline figures, each beside its chance level."""
     lines = ["| run | release | head | test acc | per-image eps (accountant) | pixel linkage ridge / decoder "
-             "(chance) | best R@1 (chance; clean) | best R@5 (chance) | server-model R@1 (chance) | "
+             "(chance) | best reconstruction R@1 (chance; clean) | identity matching R@1 (chance) | strongest "
+             "identity attack: R@1 (chance) | strong recognizer clean R@1 | server-model R@1 (chance) | "
              "membership AUC | labels |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
     for report in reports:
-        a, (_, _, best) = report["attacks"], strongest(report)
-        ridge, decoder = a["reconstruction_ridge"], a["reconstruction_decoder"]
+        a, (_, _, best), h = report["attacks"], strongest(report), headline(report)
+        ridge, decoder, match = a["reconstruction_ridge"], a["reconstruction_decoder"], a["identity_matching"]
         leak = a["label_leakage"]
         labels = "sent (total)" if leak["labels_sent"] else f"direction AUC {leak['direction_auc']:.2f}"
+        flag = "" if h["informative"] else " (uninformative: clean bound < 0.9)"
         lines.append(
             f"| {report['run']} | {_label(report['mechanism'])} | {report['head']} | {report['test_accuracy']:.3f} | "
             f"{report['epsilon_image_accountant']:.3g} | {ridge['linkage_pixels']:.3f} / {decoder['linkage_pixels']:.3f} "
             f"({ridge['linkage_pixels_chance']:.3f}) | {best['risk@1']:.3f} ({best['risk@1_chance']:.3f}; "
-            f"{best['risk@1_clean_upper_bound']:.3f}) | {best['risk@5']:.3f} ({best['risk@5_chance']:.3f}) | "
+            f"{best['risk@1_clean_upper_bound']:.3f}) | {match['risk@1']:.3f} ({match['risk@1_chance']:.3f}) | "
+            f"{h['identity_attack']}: {h['identity_r1']:.3f} ({h['identity_r1_chance']:.3f}){flag} | "
+            f"{h['recognizer']} {h['recognizer_clean_r1']:.3f} | "
             f"{a['server_model_linkage']['risk@1']:.3f} ({a['server_model_linkage']['risk@1_chance']:.3f}) | "
             f"{_fmt(a['membership_inference'].get('auc'))} | {labels} |")
     return "\n".join(lines) + "\n"
@@ -181,21 +227,52 @@ def plot_reconstructions(samples: dict[str, dict[str, np.ndarray]], reports: dic
     plt.close(fig)
 
 
+@dataclass
+class PublicFaces:
+    faces: FaceSet
+    images: np.ndarray        # decoded at one input size and crop, in [0, 1]
+
+
+def add_attacker_args(p: argparse.ArgumentParser) -> None:
+    """The attacker's resources and effort; shared with the frontier runner."""
+    p.add_argument("--recognizers", nargs="+", choices=("dlib", "eigenfaces"), default=["dlib", "eigenfaces"],
+                   help="face recognizers for re-identification; dlib (the audit extra) is the strong one")
+    p.add_argument("--recognizer-weights", type=Path, default=None,
+                   help="also a backbone pre-trained on public faces (splitface-server pretrain) as a recognizer")
+    p.add_argument("--public-images", type=int, default=1200, help="public faces the attacker fits on")
+    p.add_argument("--image-size", type=int, default=32, help="reconstruction size")
+    p.add_argument("--decoder-epochs", type=int, default=12)
+    p.add_argument("--matcher-epochs", type=int, default=24, help="epochs of the identity-matching network")
+    p.add_argument("--cache", type=Path, default=Path("runs") / "audit-cache",
+                   help="where the strong recognizer's embeddings of clean photos are kept between audits")
+
+
+def make_recognizers(args: argparse.Namespace, public: np.ndarray) -> dict[str, CachedFaces]:
+    recognizers: dict[str, CachedFaces] = {}
+    for name in args.recognizers:
+        if name == "dlib":
+            try:
+                recognizers[name] = CachedFaces(DlibResNet(), name, args.cache)
+            except ImportError as exc:
+                raise SystemExit(f"splitface-audit: {exc} (or pass --recognizers eigenfaces)")
+        else:
+            recognizers[name] = CachedFaces(Eigenfaces().fit(public), name, None)
+    if args.recognizer_weights:
+        recognizers["public_backbone"] = CachedFaces(PublicBackbone(args.recognizer_weights), "public_backbone", None)
+    return recognizers
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="splitface-audit", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", type=Path, help="splitface-demo run directories recorded with --record-max")
     p.add_argument("--data", default=None, help="LFW root (the private images' ground truth and the public faces)")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--recognizer-weights", type=Path, default=None,
-                   help="a backbone pre-trained on public faces (splitface-server pretrain) as the stronger "
-                        "recognizer; eigenfaces alone without it")
     p.add_argument("--published-weights", type=Path, default=None,
                    help="the frozen device layer's published weights, if not at the path the run recorded")
-    p.add_argument("--public-images", type=int, default=1200, help="public faces the attacker fits on")
-    p.add_argument("--image-size", type=int, default=32, help="reconstruction size")
-    p.add_argument("--decoder-epochs", type=int, default=12)
+    p.add_argument("--resume", action="store_true", help="keep the reports of runs already audited into --out")
     p.add_argument("--threads", type=int, default=0)
+    add_attacker_args(p)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -211,27 +288,34 @@ def main(argv: list[str] | None = None) -> None:
     except (FileNotFoundError, ValueError, KeyError) as exc:
         raise SystemExit(f"splitface-audit: {exc}")
     args.out.mkdir(parents=True, exist_ok=True)
-    public: dict[tuple[int, int], np.ndarray] = {}   # decoded once per input size and crop, for all runs
+    public: dict[tuple[int, int], PublicFaces] = {}   # decoded once per input size and crop, for all runs
     for truth in truths:
         if (truth.size, truth.crop) not in public:
-            public[truth.size, truth.crop] = to_input(faces.load(truth.size, truth.crop)).numpy()
-    recognizers: dict[str, Recognizer] = {"eigenfaces": Eigenfaces().fit(next(iter(public.values())))}
-    if args.recognizer_weights:
-        recognizers["public_backbone"] = PublicBackbone(args.recognizer_weights)
+            public[truth.size, truth.crop] = PublicFaces(faces, to_input(faces.load(truth.size, truth.crop)).numpy())
+    recognizers = make_recognizers(args, next(iter(public.values())).images)
     rows, samples, reports = [], {}, {}
     for view, truth in zip(views, truths):
         started = time.time()
-        report, samples[view.name] = audit_run(view, truth, public[truth.size, truth.crop], recognizers, args)
-        report["config"] = {"public_images": args.public_images, "image_size": args.image_size,
-                            "recognizers": list(recognizers), "seconds": round(time.time() - started, 1)}
-        (args.out / f"{view.name}.json").write_text(json.dumps(report, indent=2))
+        saved, saved_samples = args.out / f"{view.name}.json", args.out / f"{view.name}.samples.npz"
+        if args.resume and saved.exists() and saved_samples.exists():
+            report = json.loads(saved.read_text())
+            with np.load(saved_samples) as z:
+                samples[view.name] = dict(z)
+        else:
+            report, samples[view.name] = audit_run(view, truth, public[truth.size, truth.crop], recognizers, args)
+            report["config"] = {"public_images": args.public_images, "image_size": args.image_size,
+                                "recognizers": list(recognizers), "matcher_epochs": args.matcher_epochs,
+                                "seconds": round(time.time() - started, 1)}
+            saved.write_text(json.dumps(report, indent=2))
+            np.savez_compressed(saved_samples, **samples[view.name])
         rows.append(headline(report))
         reports[view.name] = report
         r = rows[-1]
-        print(f"{view.name}: test acc {r['test_accuracy']:.3f} | R@1 {r['risk@1']:.3f} (chance {r['risk@1_chance']:.3f}, "
-              f"clean {r['risk@1_clean_upper_bound']:.3f}; {r['best_attack']}) | pixel linkage {r['linkage_pixels']:.3f} "
-              f"| server-model R@1 {r['server_model_risk@1']:.3f} | MI AUC {_fmt(r['membership_auc'])} "
-              f"| label AUC {_fmt(r['label_direction_auc'])} | {time.time() - started:.0f}s", flush=True)
+        print(f"{view.name}: test acc {r['test_accuracy']:.3f} | identity R@1 {r['identity_r1']:.3f} (chance "
+              f"{r['identity_r1_chance']:.3f}, {r['identity_attack']}; {r['recognizer']} clean {r['recognizer_clean_r1']:.3f}) "
+              f"| pixel linkage {r['linkage_pixels']:.3f} | server-model R@1 {r['server_model_risk@1']:.3f} "
+              f"| MI AUC {_fmt(r['membership_auc'])} | label AUC {_fmt(r['label_direction_auc'])} "
+              f"| {time.time() - started:.0f}s", flush=True)
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
     (args.out / "table.md").write_text(table(list(reports.values())))
     plot_privacy_utility(rows, args.out / "privacy_utility.png")
