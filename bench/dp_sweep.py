@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import matplotlib
@@ -33,6 +31,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
+
+from edge_server.demo import run_recorded  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,23 +66,9 @@ def runs(args: argparse.Namespace) -> list[dict]:
 
 
 def run_one(run: dict, args: argparse.Namespace) -> dict:
-    run_dir = args.out / "runs" / run["name"]
-    results = run_dir / "results.json"
-    if results.exists() and not args.force:
-        return json.loads(results.read_text())
-    # a fresh run: the server would otherwise resume from the old run's checkpoint and refuse the devices
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "edge_server.demo", "--data", str(args.data), "--run-dir", str(run_dir),
-           "--no-progress", "--threads", "1", "--record-max", str(args.record_max), *run["args"],
-           *args.demo_args.split()]
-    started = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    (run_dir / "demo.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise SystemExit(f"{run['name']} failed; see {run_dir / 'demo.log'}")
-    print(f"{run['name']}: {time.time() - started:.0f}s", flush=True)
-    return json.loads(results.read_text())
+    return run_recorded(args.out / "runs" / run["name"],
+                        ["--data", str(args.data), "--threads", "1", "--record-max", str(args.record_max), *run["args"],
+                         *args.demo_args.split()], args.force)
 
 
 def summarize(plan: list[dict], outcomes: list[dict]) -> list[dict]:

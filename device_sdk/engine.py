@@ -77,6 +77,14 @@ def initial_layer(spec: ModelSpec, split: str, seed: int, weights: Path | None =
     return layer
 
 
+def privatize(spec: ModelSpec, mechanism: Mechanism, outputs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """What the device releases for its part's outputs: the transform's random channel subset (dct_keep),
+    then the mechanism. Both draw from `generator`, in that order, so a re-sent batch repeats both; an
+    auditor or evaluator that simulates the device passes a generator of its own."""
+    mask = release_mask(spec, len(outputs), tuple(outputs.shape[1:]), generator)
+    return mechanism.privatize(outputs if mask is None else outputs * mask, generator)
+
+
 def bound_for(mechanism: Mechanism, layer: nn.Module) -> None:
     """The paper's per-activation sensitivity needs LRN inputs in [0, 1]: clamp them (in place)."""
     if not isinstance(mechanism, PerActivationGaussian):
@@ -153,12 +161,12 @@ class DeviceEngine:
         """Privatize, and ask the guard before anything can be sent (raises BudgetExceeded)."""
         kind, *numbers = release
         generator = noise_generator(self.privacy.secret, RELEASE_KINDS[kind], *numbers)
-        # dct_keep: the channel subset is drawn first, from the same keyed generator, so a re-sent batch repeats it.
-        mask = release_mask(self.spec, len(x), self.release_shape, generator)
         if self.runtime is None:
-            activations = self.layer(x) if mask is None else self.layer(x) * mask
-            out = {"activations": activations, "released": self.mechanism.privatize(activations, generator)}
+            activations = self.layer(x)
+            out = {"activations": activations, "released": privatize(self.spec, self.mechanism, activations, generator)}
         else:
+            # dct_keep: the channel subset is drawn first, from the same keyed generator, as `privatize` does
+            mask = release_mask(self.spec, len(x), self.release_shape, generator)
             noise = self.mechanism.additive_noise((len(x), *self.release_shape), generator)
             params = list(self.layer.parameters())
             if mask is None:

@@ -91,6 +91,27 @@ def main(argv: list[str] | None = None) -> None:
     _report(run_dir, data)
 
 
+def run_recorded(run_dir: Path, demo_args: list[str], force: bool = False) -> dict:
+    """One experiment run in fresh processes (the sweep's and the frontier's unit), logged to
+    `run_dir/demo.log`. Resumable: a finished run (its results.json) is read back, not re-run, unless
+    `force`; an unfinished one is removed first (the server would otherwise resume its checkpoint)."""
+    import shutil
+
+    results = run_dir / "results.json"
+    if results.exists() and not force:
+        return json.loads(results.read_text())
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "edge_server.demo", "--run-dir", str(run_dir), "--no-progress", *demo_args]
+    started = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    (run_dir / "demo.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise SystemExit(f"{run_dir.name} failed; see {run_dir / 'demo.log'}")
+    print(f"{run_dir.name}: trained in {time.time() - started:.0f}s", flush=True)
+    return json.loads(results.read_text())
+
+
 def _wait_ready(server: subprocess.Popen, log: TextIO) -> int:
     """The port from the server's READY line (copying what it prints before that to the log)."""
     assert server.stdout is not None

@@ -20,7 +20,9 @@ TOKENS = {"device-0": "token-zero", "device-1": "token-one", "device-2": "token-
 @pytest.fixture(scope="session")
 def lfw() -> Path:
     if not (LFW / "images").is_dir():
-        pytest.skip(f"LFW not found at {LFW}")
+        # never a silent skip: most of the suite trains and attacks on real faces
+        pytest.fail(f"LFW (deep-funneled, with View 1's pairs and people files) not found at {LFW}: put it there "
+                    f"(images/<Person>/<Person>_NNNN.jpg), i.e. in shared/data/lfw beside this checkout", pytrace=False)
     return LFW
 
 

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from device_sdk.engine import privatize
+from device_sdk.models import ModelSpec
 from device_sdk.privacy.mechanisms import Mechanism, noise_generator
 
 from .inversion import resized
@@ -29,15 +31,18 @@ def layer_outputs(layer: nn.Module, images: np.ndarray, batch: int = 128) -> np.
 
 
 @torch.no_grad()
-def privatized(outputs: np.ndarray, mechanism: Mechanism, seed: int) -> np.ndarray:
-    """The device SDK's own mechanism on layer outputs, with noise of the attacker's own (it lacks the
-    device's secret); a fresh seed is a fresh draw."""
-    return mechanism.privatize(torch.from_numpy(outputs), noise_generator(seed, 1)).numpy()
+def privatized(outputs: np.ndarray, mechanism: Mechanism, seed: int, spec: ModelSpec | None = None) -> np.ndarray:
+    """The device SDK's own release (the transform's random subset where `spec` has one, then the
+    mechanism) on layer outputs, with randomness of the attacker's own (it lacks the device's secret);
+    a fresh seed is a fresh draw."""
+    x, generator = torch.from_numpy(outputs), noise_generator(seed, 1)
+    return (mechanism.privatize(x, generator) if spec is None else privatize(spec, mechanism, x, generator)).numpy()
 
 
-def releases(layer: nn.Module, images: np.ndarray, mechanism: Mechanism, seed: int) -> np.ndarray:
+def releases(layer: nn.Module, images: np.ndarray, mechanism: Mechanism, seed: int,
+             spec: ModelSpec | None = None) -> np.ndarray:
     """What a device would send for these images: how the attacker prepares its public training pairs."""
-    return privatized(layer_outputs(layer, images), mechanism, seed)
+    return privatized(layer_outputs(layer, images), mechanism, seed, spec)
 
 
 def retrieval_report(queries: np.ndarray, query_ids: np.ndarray, gallery: np.ndarray, gallery_ids: np.ndarray,

@@ -37,6 +37,7 @@ from .inversion import resized, tuned_inversion  # noqa: E402
 from .matcher import IdentityMatcher  # noqa: E402
 from .metrics import reidentification_risk  # noqa: E402
 from .recognizer import CachedFaces, DlibResNet, Eigenfaces, PublicBackbone  # noqa: E402
+from .substitute import fit_substitute  # noqa: E402
 from .run import AttackerView, GroundTruth, ground_truth, load_run, public_faces  # noqa: E402
 
 SAMPLES = 6  # reconstructions shown per run
@@ -63,6 +64,12 @@ def audit_run(view: AttackerView, truth: GroundTruth, public: PublicFaces, recog
                     "public_images": len(public.images), "attacks": {}}
     samples = {"original": resized(private[:SAMPLES], args.image_size)}
 
+    if args.substitute and view.layer_knowledge.startswith("surrogate"):
+        substitute, fit = fit_substitute(view.layer, view.spec, view.mechanism, public.images, received)
+        report["substitute_client"] = {**fit, "used": fit.get("mmd_after", 1) < fit.get("mmd_before", 0)}
+        if report["substitute_client"]["used"]:   # the attacker's own criterion: no private data needed
+            view.layer, view.layer_knowledge = substitute, "substitute (fitted to the recorded releases, FORA-style)"
+            report["device_layer"] = view.layer_knowledge
     sample = view.release_sampler(public.images)
     ridge, chosen = tuned_inversion(sample(1), public.images, args.image_size)
     decoder = DecoderInversion(args.image_size, epochs=args.decoder_epochs).fit(sample, public.images)
@@ -243,6 +250,9 @@ def add_attacker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-size", type=int, default=32, help="reconstruction size")
     p.add_argument("--decoder-epochs", type=int, default=12)
     p.add_argument("--matcher-epochs", type=int, default=24, help="epochs of the identity-matching network")
+    p.add_argument("--substitute", action="store_true",
+                   help="where the devices trained their own layer: fit the attacker's copy to the recorded releases "
+                        "(FORA-style substitute client) before the attacks")
     p.add_argument("--cache", type=Path, default=Path("runs") / "audit-cache",
                    help="where the strong recognizer's embeddings of clean photos are kept between audits")
 
@@ -305,6 +315,7 @@ def main(argv: list[str] | None = None) -> None:
             report, samples[view.name] = audit_run(view, truth, public[truth.size, truth.crop], recognizers, args)
             report["config"] = {"public_images": args.public_images, "image_size": args.image_size,
                                 "recognizers": list(recognizers), "matcher_epochs": args.matcher_epochs,
+                                "substitute": args.substitute,
                                 "seconds": round(time.time() - started, 1)}
             saved.write_text(json.dumps(report, indent=2))
             np.savez_compressed(saved_samples, **samples[view.name])

@@ -58,12 +58,12 @@ class AttackerView:
     def releases(self, images: np.ndarray, seed: int) -> np.ndarray:
         """Images in [0, 1] through the attacker's layer and the published mechanism, with noise of its
         own (the device's secret noise is unknown to it)."""
-        return releases(self.layer, images, self.mechanism, seed)
+        return releases(self.layer, images, self.mechanism, seed, self.spec)
 
     def release_sampler(self, images: np.ndarray) -> Callable[[int], np.ndarray]:
         """seed -> fresh releases of the same images (the layer runs once)."""
         outputs = layer_outputs(self.layer, images)
-        return lambda seed: privatized(outputs, self.mechanism, seed)
+        return lambda seed: privatized(outputs, self.mechanism, seed, self.spec)
 
     @torch.no_grad()
     def embed(self, releases: np.ndarray, batch: int = 256) -> np.ndarray:

@@ -14,12 +14,14 @@ import torch
 from torch import nn
 
 from device_sdk.cli import load_selection
-from device_sdk.engine import bound_for
+from device_sdk.engine import bound_for, privatize
 from device_sdk.models import ModelSpec, build_backbone, split_backbone
-from device_sdk.privacy.mechanisms import from_description
+from device_sdk.privacy.mechanisms import from_description, noise_generator
 
 from ..checkpoint import load_checkpoint
 from .verification import evaluate_embedder, view1_pairs
+
+EVALUATION_SEED = 20_221_001  # the evaluator's noise; not any device's secret
 
 
 def load_split_model(run_dir: Path) -> tuple[nn.Module, nn.Module, dict]:
@@ -57,19 +59,22 @@ def seen_people(lfw_root: str | Path | None, results: dict, limit: int | None = 
 
 
 def evaluate_run(run_dir: str | Path, lfw_root: str | Path | None, limit: int | None = None) -> dict:
-    """View 1 report of a run: DevTest images through device 0's layer, then the server's tail.
-
-    No noise is added to the release, whatever the run's mechanism: the benchmark images are public, so
-    there is nothing to protect, and the score is that of the trained model itself."""
+    """View 1 report of a run: DevTest images released as device 0 releases them (its layer, the
+    transform's random subset, the mechanism's noise, drawn here from a fixed seed of the
+    evaluator's own), then the server's tail. That is what enrolling or verifying a face through the
+    deployed system computes; the run's own test accuracy is measured the same way."""
     run_dir = Path(run_dir)
     layer, tail, results = load_split_model(run_dir)
+    spec = ModelSpec.from_dict(results["config"]["model"])
+    mechanism = from_description(results["devices"][0]["privacy"]["mechanism"])
+    generator = noise_generator(EVALUATION_SEED, 2)
 
     @torch.no_grad()
     def embed(images: np.ndarray) -> np.ndarray:
-        return tail(layer(torch.from_numpy(images))).numpy()
+        return tail(privatize(spec, mechanism, layer(torch.from_numpy(images)), generator)).numpy()
 
-    spec = ModelSpec.from_dict(results["config"]["model"])
     report = evaluate_embedder(embed, lfw_root, spec.input_size, results["config"].get("crop", 160), limit)
     return {"run": run_dir.name, "device_layer": results["devices"][0]["device_id"],
+            "release": "as deployed: layer, transform, mechanism (evaluator's own noise)",
             "test_acc": results["epochs"][-1]["test_acc"] if results["epochs"] else None,
             **seen_people(lfw_root, results, limit), **report}

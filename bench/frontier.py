@@ -1,0 +1,174 @@
+"""The privacy frontier: every release transform at several strengths, trained through the product,
+scored on accuracy (LFW classification and View 1 verification of unseen people), attacked by the
+strong audit, and costed on the device.
+
+Each point is one `splitface-demo` run (an edge server and simulated devices in their own
+processes) that trains on View 1's DevTrain people with >= 10 images (111 identities: the source
+paper's LFW-158 set less the people in View 1's test pairs), with the server recording the first
+--record-max releases of each device. Then:
+- View 1: DevTest pairs, released as the device releases them (`python -m edge_server.evaluation`);
+- the audit (`splitface-audit`): reconstructions, identity matching with dlib's recognizer, the
+  server's own model, every attacker trained on releases of the same transform and mechanism.
+
+Resumable: a point with results.json is not re-trained, one with view1.json not re-evaluated, and the
+audit keeps the reports it already wrote (--force starts everything afresh).
+
+Outputs (--out, default results/frontier): runs/<point>/ (results, logs; recordings and checkpoints
+are gitignored), audit/ (per-point reports), summary.json (one row per point), table.md and
+frontier.png (relative accuracy against identity R@1 / chance, one curve per transform).
+
+Reduced configuration (2 CPU cores): IResNet-small at 64 x 64, 3 epochs, 2 devices. The full-size
+configuration is the same command with --model iresnet50 (112 px) and more epochs, and needs a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from edge_server.demo import run_recorded  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (transform, params, splitface-demo arguments): the undefended point first, the reference for relative accuracy
+POINTS: list[tuple[str, dict, list[str]]] = [
+    ("none", {}, []),
+    ("per-activation", {"epsilon": 3}, ["--mechanism", "per-activation", "--epsilon", "3"]),
+    ("per-activation", {"epsilon": 10}, ["--mechanism", "per-activation", "--epsilon", "10"]),
+    ("bottleneck", {"channels": 4, "stride": 2},
+     ["--release", "bottleneck", "--bottleneck-channels", "4", "--bottleneck-stride", "2"]),
+    ("bottleneck", {"channels": 4, "stride": 2, "clip_norm": 16, "noise_multiplier": 0.05},
+     ["--release", "bottleneck", "--bottleneck-channels", "4", "--bottleneck-stride", "2",
+      "--mechanism", "per-image", "--clip-norm", "16", "--noise-multiplier", "0.05"]),
+    ("dct", {"drop": 4}, ["--release", "dct", "--split", "layer2", "--dct-drop", "4"]),
+    ("dct", {"drop": 4, "keep": 36}, ["--release", "dct", "--split", "layer2", "--dct-drop", "4", "--dct-keep", "36"]),
+]
+
+
+def point_name(transform: str, params: dict) -> str:
+    return "-".join([transform, *(f"{k}{v:g}" for k, v in params.items())])
+
+
+def run_point(name: str, demo_args: list[str], args: argparse.Namespace) -> dict:
+    run_dir = args.out / "runs" / name
+    results = run_recorded(run_dir, ["--data", str(args.data), "--model", args.model, "--epochs", str(args.epochs),
+                                     "--people", "devtrain", "--record-max", str(args.record_max), *demo_args,
+                                     *args.demo_args.split()], args.force)
+    view1 = run_dir / "view1.json"
+    if not view1.exists() or args.force:
+        subprocess.run([sys.executable, "-m", "edge_server.evaluation", str(run_dir), "--data", str(args.data)],
+                       check=True)
+    return {"results": results, "view1": json.loads(view1.read_text())}
+
+
+def audit(names: list[str], args: argparse.Namespace) -> dict[str, dict]:
+    out = args.out / "audit"
+    cmd = [sys.executable, "-m", "edge_server.audit.cli", *(str(args.out / "runs" / n) for n in names),
+           "--data", str(args.data), "--out", str(out), *([] if args.force else ["--resume"]), *args.audit_args.split()]
+    subprocess.run(cmd, check=True)
+    headlines = {row["run"]: row for row in json.loads((out / "summary.json").read_text())}
+    return {n: headlines[n] for n in names}
+
+
+def row(transform: str, params: dict, outcome: dict, attack: dict, reference: dict) -> dict:
+    """One point of the frontier, with the keys the issue names."""
+    results, view1 = outcome["results"], outcome["view1"]
+    last = results["epochs"][-1]
+    config = results["config"]
+    samples = config["train_images"]   # training releases per epoch: bytes_sent counts those
+    return {"transform": transform, "params": params, "run": attack["run"],
+            "test_accuracy": last["test_acc"], "relative_accuracy": last["test_acc"] / reference["test_acc"],
+            "view1_accuracy": view1["view1_accuracy"], "view1_std": view1["view1_std"],
+            "relative_view1_accuracy": view1["view1_accuracy"] / reference["view1_accuracy"],
+            "roc_auc": view1["roc_auc"], "tar_at_far_1e-2": view1["tar_at_far_1e-2"],
+            "pixel_linkage": attack["linkage_pixels"], "pixel_linkage_chance": attack["linkage_pixels_chance"],
+            "identity_r1": attack["identity_r1"], "identity_r1_chance": attack["identity_r1_chance"],
+            "recognizer_clean_r1": attack["recognizer_clean_r1"], "informative": attack["informative"],
+            "attack": attack["identity_attack"], "identity_matching_r1": attack["identity_matching_r1"],
+            "per_image_epsilon": None if math.isinf(last["epsilon_image_max"]) else last["epsilon_image_max"],
+            "guarantee_void": results["devices"][0]["privacy"].get("guarantee_void", False),
+            "device_ms": 1e3 * last["device_s_per_batch"], "device_batch_size": config["batch_size"],
+            "wire_bytes": last["bytes_sent"] / samples}
+
+
+def table(rows: list[dict], config: dict) -> str:
+    lines = [f"Reduced configuration: {config['model']['family']} (width {config['model']['width']}) at "
+             f"{config['model']['input_size']}x{config['model']['input_size']}, {config['num_classes']} identities "
+             f"(View 1 DevTrain people with >= 10 images; {config['train_images']} train / {config['test_images']} test "
+             f"images), {config['num_devices']} devices, {config['epochs']} epochs. View 1: 1,000 DevTest pairs of unseen "
+             "people. Identity R@1: the strongest attack's, against chance (shuffled gallery identities).", "",
+             "| transform | params | test acc (rel.) | View 1 acc (rel.) | pixel linkage (chance) | identity R@1 (chance) "
+             "| x chance | strongest attack | dlib clean R@1 | per-image eps | device ms/batch | bytes up/image |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        eps = "-" if r["per_image_epsilon"] is None else f"{r['per_image_epsilon']:.3g}" + (
+            " (void: layer trained without DP)" if r["guarantee_void"] else "")
+        lines.append(
+            f"| {r['transform']} | {json.dumps(r['params'])} | {r['test_accuracy']:.3f} ({r['relative_accuracy']:.2f}) | "
+            f"{r['view1_accuracy']:.3f} ({r['relative_view1_accuracy']:.2f}) | {r['pixel_linkage']:.3f} "
+            f"({r['pixel_linkage_chance']:.3f}) | {r['identity_r1']:.3f} ({r['identity_r1_chance']:.3f}) | "
+            f"{r['identity_r1'] / r['identity_r1_chance']:.1f} | {r['attack']} | {r['recognizer_clean_r1']:.3f} | {eps} | "
+            f"{r['device_ms']:.0f} | {r['wire_bytes']:,.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for transform in dict.fromkeys(r["transform"] for r in rows):
+        points = sorted((r for r in rows if r["transform"] == transform), key=lambda r: r["identity_r1"])
+        x = [r["identity_r1"] / r["identity_r1_chance"] for r in points]
+        ax.plot(x, [r["relative_accuracy"] for r in points], marker="o", label=transform)
+        for r, xi in zip(points, x):
+            ax.annotate(json.dumps(r["params"]).strip("{}").replace('"', ""), (xi, r["relative_accuracy"]),
+                        fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.axvline(2, color="grey", ls="--", lw=1, label="goal: identity R@1 <= 2x chance")
+    ax.axhline(0.9, color="grey", ls=":", lw=1, label="goal: relative accuracy >= 0.9")
+    ax.set_xscale("log")
+    ax.set_xlabel("identity R@1 / chance (strongest attack; lower = more private)")
+    ax.set_ylabel("test accuracy relative to the undefended run")
+    ax.set_title("privacy frontier (reduced: IResNet-small, 64 px, 3 epochs)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", type=Path, required=True, help="LFW root (with View 1's people and pairs files)")
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "frontier")
+    p.add_argument("--model", default="iresnet_small")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--record-max", type=int, default=256, help="releases per device the curious server records")
+    p.add_argument("--only", nargs="*", default=None, help="run only these points (names as in summary.json)")
+    p.add_argument("--force", action="store_true", help="re-train, re-evaluate and re-audit every point")
+    p.add_argument("--demo-args", default="--threads 1", help="more splitface-demo arguments")
+    p.add_argument("--audit-args", default="--threads 2", help="more splitface-audit arguments")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    points = [(t, params, a) for t, params, a in POINTS if args.only is None or point_name(t, params) in args.only
+              or (t, params) == POINTS[0][:2]]
+    names = [point_name(t, params) for t, params, _ in points]
+    outcomes = [run_point(n, a, args) for n, (_, _, a) in zip(names, points)]
+    attacks = audit(names, args)
+    reference = {"test_acc": outcomes[0]["results"]["epochs"][-1]["test_acc"],
+                 "view1_accuracy": outcomes[0]["view1"]["view1_accuracy"]}
+    rows = [row(t, params, o, attacks[n], reference) for (t, params, _), n, o in zip(points, names, outcomes)]
+    (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
+    text = table(rows, outcomes[0]["results"]["config"])
+    (args.out / "table.md").write_text(text)
+    plot(rows, args.out / "frontier.png")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The privacy frontier's command at CI size: real processes train two points (the undefended one and
+the PartialFace-style DCT subset), View 1 scores them, the audit attacks them, and the summary has
+every key the frontier promises. Run again, it resumes: nothing is trained or audited twice."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+KEYS = {"transform", "params", "test_accuracy", "relative_accuracy", "view1_accuracy", "pixel_linkage",
+        "pixel_linkage_chance", "identity_r1", "identity_r1_chance", "recognizer_clean_r1", "attack",
+        "per_image_epsilon", "device_ms", "wire_bytes"}
+
+
+def test_frontier_runs_small_and_resumes(tmp_path, lfw):
+    out = tmp_path / "frontier"
+    cmd = [sys.executable, str(ROOT / "bench" / "frontier.py"), "--data", str(lfw), "--out", str(out),
+           "--only", "dct-drop4-keep36", "--epochs", "1", "--record-max", "32",
+           "--demo-args=--threads 1 --max-identities 8 --devices 1 --batch-size 16",
+           f"--audit-args=--recognizers eigenfaces --public-images 200 --decoder-epochs 1 --matcher-epochs 2 "
+           f"--cache {tmp_path / 'cache'}"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout + first.stderr
+    rows = json.loads((out / "summary.json").read_text())
+    assert [(r["transform"], r["params"]) for r in rows] == [("none", {}), ("dct", {"drop": 4, "keep": 36})]
+    for r in rows:
+        assert KEYS <= set(r), KEYS - set(r)
+        assert 0 <= r["identity_r1"] <= 1 and 0 < r["identity_r1_chance"] < 1 and 0.3 < r["view1_accuracy"] <= 1
+    undefended, dct = rows
+    assert undefended["relative_accuracy"] == 1.0 and undefended["wire_bytes"] >= 16 * 64 * 64 * 4
+    assert dct["wire_bytes"] >= 3 * 60 * 16 * 16 * 4   # the 8x8 DCT of the 2x upsampled image, less 4 of 64 per colour
+    assert (out / "frontier.png").stat().st_size > 10_000 and "identity R@1" in (out / "table.md").read_text()
+
+    stamps = {p: p.stat().st_mtime_ns for p in out.glob("**/*.json") if p.name != "summary.json"}
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "trained in" not in second.stdout
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps   # results, View 1 and audit reports kept
