@@ -18,7 +18,12 @@ are gitignored), audit/ (per-point reports), summary.json (one row per point), t
 frontier.png (relative accuracy against identity R@1 / chance, one curve per transform).
 
 Reduced configuration (2 CPU cores): IResNet-small at 64 x 64, 3 epochs, 2 devices. The full-size
-configuration is the same command with --model iresnet50 (112 px) and more epochs, and needs a GPU.
+configuration is the same command with --model iresnet50 (112 px) and more epochs, and needs a GPU:
+
+    python bench/frontier.py --data LFW --model iresnet50 --epochs 20 --out results/frontier-full \
+        --demo-args "--batch-size 128" --audit-args "--public-images 3000"
+
+(tests/test_frontier.py runs a few steps of it on the CPU.)
 """
 from __future__ import annotations
 
@@ -33,7 +38,11 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
+from device_sdk.engine import initial_layer  # noqa: E402
+from device_sdk.models import ModelSpec  # noqa: E402
 from edge_server.demo import run_recorded  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +73,8 @@ def run_point(name: str, demo_args: list[str], args: argparse.Namespace) -> dict
                                      *args.demo_args.split()], args.force)
     view1 = run_dir / "view1.json"
     if not view1.exists() or args.force:
-        subprocess.run([sys.executable, "-m", "edge_server.evaluation", str(run_dir), "--data", str(args.data)],
+        limit = ["--limit", str(args.view1_limit)] if args.view1_limit else []
+        subprocess.run([sys.executable, "-m", "edge_server.evaluation", str(run_dir), "--data", str(args.data), *limit],
                        check=True)
     return {"results": results, "view1": json.loads(view1.read_text())}
 
@@ -96,7 +106,17 @@ def row(transform: str, params: dict, outcome: dict, attack: dict, reference: di
             "per_image_epsilon": None if math.isinf(last["epsilon_image_max"]) else last["epsilon_image_max"],
             "guarantee_void": results["devices"][0]["privacy"].get("guarantee_void", False),
             "device_ms": 1e3 * last["device_s_per_batch"], "device_batch_size": config["batch_size"],
+            "device_macs": device_macs(config),
             "wire_bytes": last["bytes_sent"] / samples}
+
+
+def device_macs(config: dict) -> int:
+    """Multiply-accumulates of the device part for one image (torch's flop counter: 2 flops per MAC)."""
+    spec = ModelSpec.from_dict(config["model"])
+    layer = initial_layer(spec, config["split"], seed=0).eval()
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        layer(torch.zeros(1, 3, spec.input_size, spec.input_size))
+    return counter.get_total_flops() // 2
 
 
 def table(rows: list[dict], config: dict) -> str:
@@ -106,8 +126,9 @@ def table(rows: list[dict], config: dict) -> str:
              f"images), {config['num_devices']} devices, {config['epochs']} epochs. View 1: 1,000 DevTest pairs of unseen "
              "people. Identity R@1: the strongest attack's, against chance (shuffled gallery identities).", "",
              "| transform | params | test acc (rel.) | View 1 acc (rel.) | pixel linkage (chance) | identity R@1 (chance) "
-             "| x chance | strongest attack | dlib clean R@1 | per-image eps | device ms/batch | bytes up/image |",
-             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+             "| x chance | strongest attack | dlib clean R@1 | per-image eps | device MMAC/image | device ms/batch | "
+             "bytes up/image |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         eps = "-" if r["per_image_epsilon"] is None else f"{r['per_image_epsilon']:.3g}" + (
             " (void: layer trained without DP)" if r["guarantee_void"] else "")
@@ -116,7 +137,7 @@ def table(rows: list[dict], config: dict) -> str:
             f"{r['view1_accuracy']:.3f} ({r['relative_view1_accuracy']:.2f}) | {r['pixel_linkage']:.3f} "
             f"({r['pixel_linkage_chance']:.3f}) | {r['identity_r1']:.3f} ({r['identity_r1_chance']:.3f}) | "
             f"{r['identity_r1'] / r['identity_r1_chance']:.1f} | {r['attack']} | {r['recognizer_clean_r1']:.3f} | {eps} | "
-            f"{r['device_ms']:.0f} | {r['wire_bytes']:,.0f} |")
+            f"{r['device_macs'] / 1e6:.1f} | {r['device_ms']:.0f} | {r['wire_bytes']:,.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -149,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="iresnet_small")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--record-max", type=int, default=256, help="releases per device the curious server records")
+    p.add_argument("--view1-limit", type=int, default=None, help="only this many View 1 pairs (smoke tests)")
     p.add_argument("--only", nargs="*", default=None, help="run only these points (names as in summary.json)")
     p.add_argument("--force", action="store_true", help="re-train, re-evaluate and re-audit every point")
     p.add_argument("--demo-args", default="--threads 1", help="more splitface-demo arguments")

@@ -146,6 +146,34 @@ def _report(run_dir: Path, data) -> None:
     print(f"server: {g['samples']} samples, {g['samples_per_s']:.1f} samples/s, "
           f"{g['bytes_in'] / 1e6:.1f} MB in, {g['bytes_out'] / 1e6:.1f} MB out")
     print(f"results: {run_dir / 'results.json'}  server metrics: {run_dir / 'server' / 'metrics.json'}")
+    print(audit_line(results))
+
+
+FRONTIER = Path(__file__).resolve().parents[1] / "results" / "frontier"
+
+
+def audited_point(results: dict, frontier: Path = FRONTIER) -> dict | None:
+    """The privacy frontier's row for this run's release (same model, split and mechanism), if measured."""
+    summary = frontier / "summary.json"
+    if not summary.exists():
+        return None
+    release = lambda r: (r["config"]["model"], r["config"]["split"], r["devices"][0]["privacy"]["mechanism"])  # noqa: E731
+    for row in json.loads(summary.read_text()):
+        measured = frontier / "runs" / row["run"] / "results.json"
+        if measured.exists() and release(json.loads(measured.read_text())) == release(results):
+            return row
+    return None
+
+
+def audit_line(results: dict) -> str:
+    """What the audit measured for this release: the figures, not a promise."""
+    row = audited_point(results)
+    if row is None:
+        return "privacy: this release setting has not been audited (bench/frontier.py, docs/audit.md)"
+    return (f"privacy of this release, as audited ({FRONTIER.name}/{row['run']}: a curious server with dlib's recognizer "
+            f"and attackers trained on this release): identity R@1 {row['identity_r1']:.3f} against chance "
+            f"{row['identity_r1_chance']:.3f} ({row['attack']}; dlib finds {row['recognizer_clean_r1']:.0%} on clean "
+            f"photos), pixel linkage {row['pixel_linkage']:.3f} (chance {row['pixel_linkage_chance']:.3f})")
 
 
 if __name__ == "__main__":

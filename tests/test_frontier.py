@@ -42,3 +42,19 @@ def test_frontier_runs_small_and_resumes(tmp_path, lfw):
     assert second.returncode == 0, second.stdout + second.stderr
     assert "trained in" not in second.stdout
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps   # results, View 1 and audit reports kept
+
+
+def test_the_full_size_configuration_runs_a_few_steps(tmp_path, lfw):
+    """IResNet-50 at 112 px, the documented full-size command, on two people for one short epoch."""
+    out = tmp_path / "full"
+    cmd = [sys.executable, str(ROOT / "bench" / "frontier.py"), "--data", str(lfw), "--out", str(out),
+           "--model", "iresnet50", "--only", "none", "--epochs", "1", "--record-max", "8", "--view1-limit", "20",
+           "--demo-args=--threads 2 --max-identities 2 --devices 1 --batch-size 8",
+           f"--audit-args=--recognizers eigenfaces --public-images 64 --decoder-epochs 1 --matcher-epochs 1 "
+           f"--cache {tmp_path / 'cache'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [row] = json.loads((out / "summary.json").read_text())
+    results = json.loads((out / "runs" / "none" / "results.json").read_text())
+    assert results["config"]["model"]["depth"] == 50 and results["config"]["model"]["input_size"] == 112
+    assert row["wire_bytes"] >= 64 * 112 * 112 * 4 and 0 <= row["identity_r1"] <= 1
