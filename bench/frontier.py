@@ -4,11 +4,13 @@ strong audit, and costed on the device.
 
 Each point is one `splitface-demo` run (an edge server and simulated devices in their own
 processes) that trains on View 1's DevTrain people with >= 10 images (111 identities: the source
-paper's LFW-158 set less the people in View 1's test pairs), with the server recording the first
+paper's LFW-158 set less its 47 people who are in View 1's DevTest list), with the server recording the first
 --record-max releases of each device. Then:
 - View 1: DevTest pairs, released as the device releases them (`python -m edge_server.evaluation`);
-- the audit (`splitface-audit`): reconstructions, identity matching with dlib's recognizer, the
-  server's own model, every attacker trained on releases of the same transform and mechanism.
+- the audit (`splitface-audit --substitute`): reconstructions, identity matching with dlib's
+  recognizer, the server's own model, every attacker trained on releases of the same transform and
+  mechanism, through a copy of the device part fitted to the recorded releases where the devices
+  trained their own.
 
 Resumable: a point with results.json is not re-trained, one with view1.json not re-evaluated, and the
 audit keeps the reports it already wrote (--force starts everything afresh).
@@ -72,7 +74,8 @@ def run_point(name: str, demo_args: list[str], args: argparse.Namespace) -> dict
                                      "--people", "devtrain", "--record-max", str(args.record_max), *demo_args,
                                      *args.demo_args.split()], args.force)
     view1 = run_dir / "view1.json"
-    if not view1.exists() or args.force:
+    pairs = args.view1_limit or 1000
+    if not view1.exists() or args.force or json.loads(view1.read_text())["pairs"] != pairs:
         limit = ["--limit", str(args.view1_limit)] if args.view1_limit else []
         subprocess.run([sys.executable, "-m", "edge_server.evaluation", str(run_dir), "--data", str(args.data), *limit],
                        check=True)
@@ -96,7 +99,7 @@ def row(transform: str, params: dict, outcome: dict, attack: dict, reference: di
     samples = config["train_images"]   # training releases per epoch: bytes_sent counts those
     return {"transform": transform, "params": params, "run": attack["run"],
             "test_accuracy": last["test_acc"], "relative_accuracy": last["test_acc"] / reference["test_acc"],
-            "view1_accuracy": view1["view1_accuracy"], "view1_std": view1["view1_std"],
+            "view1_accuracy": view1["view1_accuracy"], "view1_std": view1["view1_std"], "view1_pairs": view1["pairs"],
             "relative_view1_accuracy": view1["view1_accuracy"] / reference["view1_accuracy"],
             "roc_auc": view1["roc_auc"], "tar_at_far_1e-2": view1["tar_at_far_1e-2"],
             "pixel_linkage": attack["linkage_pixels"], "pixel_linkage_chance": attack["linkage_pixels_chance"],
@@ -120,10 +123,12 @@ def device_macs(config: dict) -> int:
 
 
 def table(rows: list[dict], config: dict) -> str:
-    lines = [f"Reduced configuration: {config['model']['family']} (width {config['model']['width']}) at "
+    pairs = rows[0]["view1_pairs"]
+    lines = [f"Configuration: {config['model']['family']} (width {config['model']['width']}, depth "
+             f"{config['model']['depth']}) at "
              f"{config['model']['input_size']}x{config['model']['input_size']}, {config['num_classes']} identities "
              f"(View 1 DevTrain people with >= 10 images; {config['train_images']} train / {config['test_images']} test "
-             f"images), {config['num_devices']} devices, {config['epochs']} epochs. View 1: 1,000 DevTest pairs of unseen "
+             f"images), {config['num_devices']} devices, {config['epochs']} epochs. View 1: {pairs:,} DevTest pairs of unseen "
              "people. Identity R@1: the strongest attack's, against chance (shuffled gallery identities).", "",
              "| transform | params | test acc (rel.) | View 1 acc (rel.) | pixel linkage (chance) | identity R@1 (chance) "
              "| x chance | strongest attack | dlib clean R@1 | per-image eps | device MMAC/image | device ms/batch | "
@@ -141,7 +146,7 @@ def table(rows: list[dict], config: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], config: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7.5, 5))
     for transform in dict.fromkeys(r["transform"] for r in rows):
         points = sorted((r for r in rows if r["transform"] == transform), key=lambda r: r["identity_r1"])
@@ -155,7 +160,9 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("identity R@1 / chance (strongest attack; lower = more private)")
     ax.set_ylabel("test accuracy relative to the undefended run")
-    ax.set_title("privacy frontier (reduced: IResNet-small, 64 px, 3 epochs)", fontsize=9)
+    model = config["model"]
+    ax.set_title(f"privacy frontier ({model['family']}-{model['depth']} width {model['width']}, {model['input_size']} px, "
+                 f"{config['epochs']} epochs, {config['num_classes']} identities)", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -174,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--only", nargs="*", default=None, help="run only these points (names as in summary.json)")
     p.add_argument("--force", action="store_true", help="re-train, re-evaluate and re-audit every point")
     p.add_argument("--demo-args", default="--threads 1", help="more splitface-demo arguments")
-    p.add_argument("--audit-args", default="--threads 2", help="more splitface-audit arguments")
+    p.add_argument("--audit-args", default="--threads 2 --substitute", help="more splitface-audit arguments")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     points = [(t, params, a) for t, params, a in POINTS if args.only is None or point_name(t, params) in args.only
@@ -188,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
     text = table(rows, outcomes[0]["results"]["config"])
     (args.out / "table.md").write_text(text)
-    plot(rows, args.out / "frontier.png")
+    plot(rows, outcomes[0]["results"]["config"], args.out / "frontier.png")
     print(text)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from .data import LFW_PEOPLE, DataSplit, find_lfw_root, load_image_folder, load_lfw
 from .engine import LAYER_TRAINING, PrivacyConfig
-from .models import DEFAULT_SPLIT, PRESETS, ModelSpec, resolve_spec
+from .models import DEFAULT_SPLIT, PRESETS, RELEASE_KEYS, ModelSpec, resolve_spec
 from .optim import TrainConfig
 from .privacy.mechanisms import NoNoise, PerActivationGaussian, PerImageGaussian
 from .privacy.planner import plan_per_image
@@ -70,7 +70,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="dct: release a random subset of this many channels per image, the others zeroed (0: all)")
 
 
-MODEL_OPTIONS = ("release_pool", "release", "bottleneck_channels", "bottleneck_stride", "dct_drop", "dct_keep")
+MODEL_OPTIONS = RELEASE_KEYS  # the spec keys set by options of their own
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:

@@ -260,7 +260,8 @@ class DeviceEngine:
         report = self.accountant.report()
         report["mechanism"] = self.mechanism.describe()
         report["layer_training"] = self.privacy.layer_training
-        report["guarantee_void"] = self.privacy.layer_training == "plain" and not isinstance(self.mechanism, NoNoise)
+        report["guarantee_void"] = (self.trainable and self.privacy.layer_training == "plain"
+                                    and not isinstance(self.mechanism, NoNoise))
         if report["guarantee_void"]:
             report["note"] = ("the device layer trained without DP: its weights carry other images, so the per-image "
                               "figures hold only for the first release; treat the guarantee as void")

@@ -93,15 +93,18 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_recorded(run_dir: Path, demo_args: list[str], force: bool = False) -> dict:
     """One experiment run in fresh processes (the sweep's and the frontier's unit), logged to
-    `run_dir/demo.log`. Resumable: a finished run (its results.json) is read back, not re-run, unless
-    `force`; an unfinished one is removed first (the server would otherwise resume its checkpoint)."""
+    `run_dir/demo.log`. Resumable: a run that finished with the same arguments (its results.json and
+    demo_args.json) is read back, not re-run, unless `force`; any other is removed first (the server
+    would otherwise resume its checkpoint)."""
     import shutil
 
-    results = run_dir / "results.json"
-    if results.exists() and not force:
+    results, recorded_args = run_dir / "results.json", run_dir / "demo_args.json"
+    if results.exists() and recorded_args.exists() and not force \
+            and json.loads(recorded_args.read_text()) == demo_args:
         return json.loads(results.read_text())
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
+    recorded_args.write_text(json.dumps(demo_args))
     cmd = [sys.executable, "-m", "edge_server.demo", "--run-dir", str(run_dir), "--no-progress", *demo_args]
     started = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -153,11 +156,16 @@ FRONTIER = Path(__file__).resolve().parents[1] / "results" / "frontier"
 
 
 def audited_point(results: dict, frontier: Path = FRONTIER) -> dict | None:
-    """The privacy frontier's row for this run's release (same model, split and mechanism), if measured."""
+    """The privacy frontier's row for this run's release (same model, split, head, device weights, layer
+    training and mechanism), if measured."""
     summary = frontier / "summary.json"
     if not summary.exists():
         return None
-    release = lambda r: (r["config"]["model"], r["config"]["split"], r["devices"][0]["privacy"]["mechanism"])  # noqa: E731
+    def release(r: dict) -> tuple:
+        privacy = r["devices"][0]["privacy"]
+        return (r["config"]["model"], r["config"]["split"], r["config"]["head"], r["config"].get("device_weights"),
+                privacy["mechanism"], privacy["layer_training"])
+
     for row in json.loads(summary.read_text()):
         measured = frontier / "runs" / row["run"] / "results.json"
         if measured.exists() and release(json.loads(measured.read_text())) == release(results):

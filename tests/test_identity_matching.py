@@ -6,6 +6,8 @@ Private: 4 training images each of 40 LFW people with >= 10 images; the attacker
 images each. Public: 300 faces of people with 3..9 images (disjoint)."""
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -49,6 +51,7 @@ def test_the_strong_recognizer_finds_people_on_clean_photos(setting):
 
 def match(setting, mechanism, epochs: int) -> dict:
     images, embeddings, ids, photo_ids, layer = setting
+    layer = copy.deepcopy(layer)   # bound_for clamps in place: keep the shared fixture's layer as it was
     bound_for(mechanism, layer)
     public = layer_outputs(layer, images["public"])
     torch.manual_seed(0)

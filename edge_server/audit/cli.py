@@ -13,10 +13,11 @@ and privacy_utility.png. See docs/audit.md for the threat model.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import matplotlib
@@ -68,7 +69,8 @@ def audit_run(view: AttackerView, truth: GroundTruth, public: PublicFaces, recog
         substitute, fit = fit_substitute(view.layer, view.spec, view.mechanism, public.images, received)
         report["substitute_client"] = {**fit, "used": fit.get("mmd_after", 1) < fit.get("mmd_before", 0)}
         if report["substitute_client"]["used"]:   # the attacker's own criterion: no private data needed
-            view.layer, view.layer_knowledge = substitute, "substitute (fitted to the recorded releases, FORA-style)"
+            view = replace(view, layer=substitute,
+                           layer_knowledge="substitute (fitted to the recorded releases, FORA-style)")
             report["device_layer"] = view.layer_knowledge
     sample = view.release_sampler(public.images)
     ridge, chosen = tuned_inversion(sample(1), public.images, args.image_size)
@@ -191,7 +193,7 @@ def _label(mechanism: dict) -> str:
 
 def plot_privacy_utility(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
-    for ax, key, title in ((axes[0], "risk@1", "reconstruction attack (best of ridge/decoder x recognizers)"),
+    for ax, key, title in ((axes[0], "identity_r1", "strongest identity attack (reconstructions, matching, server model)"),
                            (axes[1], "server_model_risk@1", "linkage through the server's own model")):
         for r in rows:
             marker = {"per_activation": "o", "per_image": "s", "none": "*"}[r["mechanism"]["name"]]
@@ -200,7 +202,7 @@ def plot_privacy_utility(rows: list[dict], path: Path) -> None:
                        facecolors="none" if r["head"] == "device" else color)
             ax.annotate(_label(r["mechanism"]), (r[key], r["test_accuracy"]), fontsize=7, xytext=(4, 3),
                         textcoords="offset points")
-        chance = np.mean([r["risk@1_chance"] for r in rows])
+        chance = np.mean([r["identity_r1_chance"] for r in rows])
         ax.axvline(chance, color="grey", ls="--", lw=1, label=f"chance ({chance:.3f})")
         ax.set_xlabel("re-identification risk R@1 (higher = less private)")
         ax.set_ylabel("test accuracy of the run")
@@ -257,12 +259,21 @@ def add_attacker_args(p: argparse.ArgumentParser) -> None:
                    help="where the strong recognizer's embeddings of clean photos are kept between audits")
 
 
+def attacker_settings(args: argparse.Namespace, recognizers: dict, run_dir: Path) -> dict:
+    """What a kept report must have been made with to be resumed: the same attacker, the same run."""
+    digest = hashlib.sha256((run_dir / "results.json").read_bytes()).hexdigest()
+    return {"public_images": args.public_images, "image_size": args.image_size, "decoder_epochs": args.decoder_epochs,
+            "recognizers": list(recognizers), "matcher_epochs": args.matcher_epochs, "substitute": args.substitute,
+            "run_results_sha256": digest}
+
+
 def make_recognizers(args: argparse.Namespace, public: np.ndarray) -> dict[str, CachedFaces]:
     recognizers: dict[str, CachedFaces] = {}
     for name in args.recognizers:
         if name == "dlib":
             try:
-                recognizers[name] = CachedFaces(DlibResNet(), name, args.cache)
+                dlib = DlibResNet()
+                recognizers[name] = CachedFaces(dlib, f"{name}-{dlib.fingerprint}", args.cache)
             except ImportError as exc:
                 raise SystemExit(f"splitface-audit: {exc} (or pass --recognizers eigenfaces)")
         else:
@@ -304,19 +315,18 @@ def main(argv: list[str] | None = None) -> None:
             public[truth.size, truth.crop] = PublicFaces(faces, to_input(faces.load(truth.size, truth.crop)).numpy())
     recognizers = make_recognizers(args, next(iter(public.values())).images)
     rows, samples, reports = [], {}, {}
-    for view, truth in zip(views, truths):
+    for run_dir, view, truth in zip(args.runs, views, truths):
         started = time.time()
         saved, saved_samples = args.out / f"{view.name}.json", args.out / f"{view.name}.samples.npz"
-        if args.resume and saved.exists() and saved_samples.exists():
-            report = json.loads(saved.read_text())
+        settings = attacker_settings(args, recognizers, run_dir)
+        kept = json.loads(saved.read_text()) if args.resume and saved.exists() and saved_samples.exists() else None
+        if kept is not None and {k: kept["config"].get(k) for k in settings} == settings:
+            report = kept
             with np.load(saved_samples) as z:
                 samples[view.name] = dict(z)
         else:
             report, samples[view.name] = audit_run(view, truth, public[truth.size, truth.crop], recognizers, args)
-            report["config"] = {"public_images": args.public_images, "image_size": args.image_size,
-                                "recognizers": list(recognizers), "matcher_epochs": args.matcher_epochs,
-                                "substitute": args.substitute,
-                                "seconds": round(time.time() - started, 1)}
+            report["config"] = {**settings, "seconds": round(time.time() - started, 1)}
             saved.write_text(json.dumps(report, indent=2))
             np.savez_compressed(saved_samples, **samples[view.name])
         rows.append(headline(report))

@@ -32,7 +32,7 @@ class _Matcher(nn.Module):
         layers, c, s = [_block(channels, width, 1)], width, self.size
         while s > 4:
             layers.append(_block(c, min(2 * c, 4 * width), 2))
-            c, s = min(2 * c, 4 * width), s // 2
+            c, s = min(2 * c, 4 * width), (s + 1) // 2   # stride 2, padding 1: rounds up
         self.body = nn.Sequential(*layers)
         self.fc = nn.Linear(c * s * s, dim)
 

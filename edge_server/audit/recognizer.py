@@ -15,6 +15,7 @@ little either way. Needs the `audit` extra (`pip install -e .[audit]`).
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import Protocol
 
@@ -104,6 +105,7 @@ class DlibResNet:
         self.landmarks = dlib.shape_predictor(str(models / "shape_predictor_5_face_landmarks.dat"))
         self.net = dlib.face_recognition_model_v1(str(models / "dlib_face_recognition_resnet_model_v1.dat"))
         self.work_size = work_size
+        self.fingerprint = f"w{work_size}-chip150-pad0.25"   # names the on-disk cache: other settings, other file
 
     def chip(self, image: np.ndarray) -> np.ndarray:
         """One (3, H, W) image in [0, 1] -> dlib's aligned 150 x 150 uint8 chip."""
@@ -138,7 +140,7 @@ class CachedFaces:
 
     def embed_faces(self, faces, size: int, crop: int | None, images: np.ndarray | None = None) -> np.ndarray:
         """`faces`: a FaceSet; `images`: the same faces already decoded to [0, 1] (else decoded here)."""
-        keys = [f"{p}|{size}|{crop}" for p in faces.paths]
+        keys = [f"{Path(p).resolve()}|{size}|{crop}" for p in faces.paths]
         missing = [i for i, k in enumerate(keys) if k not in self.known]
         if missing:
             if images is None:
@@ -154,6 +156,6 @@ class CachedFaces:
         if self.file is None:
             return
         self.file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.file.with_suffix(".tmp.npz")
+        tmp = self.file.with_suffix(f".{os.getpid()}.tmp.npz")
         np.savez(tmp, keys=np.array(list(self.known)), vectors=np.stack(list(self.known.values())))
         tmp.replace(self.file)

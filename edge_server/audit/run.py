@@ -115,6 +115,8 @@ def load_run(run_dir: Path, published_weights: Path | None = None) -> AttackerVi
     else:
         layer, knowledge = initial_layer(spec, config["split"], config["train"]["seed"], None), \
             "surrogate (the seeded initial layer; the devices trained theirs from it)"
+    if not any(True for _ in layer.parameters()):
+        knowledge = "exact (the device part has no learned weights)"
     bound_for(mechanism, layer)
     layer.eval()
     _, tail = split_backbone(build_backbone(spec), config["split"])

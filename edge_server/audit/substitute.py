@@ -49,6 +49,7 @@ def fit_substitute(layer: nn.Module, spec: ModelSpec, mechanism: Mechanism, publ
     target = torch.from_numpy(np.asarray(recorded, np.float32))
     images = torch.from_numpy(np.asarray(public, np.float32))
     optimizer = torch.optim.Adam(params, lr=lr)
+    batch = min(batch, len(images), len(target))
 
     def discrepancy(step: int) -> torch.Tensor:
         x = images[rng.choice(len(images), batch, replace=False)]
