@@ -25,6 +25,8 @@ from edge_server.checkpoint import load_checkpoint
 from tests.conftest import TOKENS, serve_in_thread, small_trainer
 from tests.test_integration import NUM_CLASSES, _setup, _start_server, _stop
 
+pytestmark = pytest.mark.slow  # real processes or real-face training: the full tier
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "android_demo"
 MODEL = "iresnet_small"

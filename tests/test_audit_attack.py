@@ -18,6 +18,8 @@ from edge_server.audit.attack import reconstruction_report, releases
 from edge_server.audit.inversion import RidgeInversion
 from edge_server.audit.recognizer import Eigenfaces
 
+pytestmark = pytest.mark.slow  # real processes or real-face training: the full tier
+
 
 @pytest.fixture(scope="module")
 def setting(lfw):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import pytest
 import torch
 
 from device_sdk.data import load_lfw
@@ -15,6 +16,8 @@ from device_sdk.privacy.mechanisms import NoNoise
 from edge_server.audit.attack import layer_outputs
 from edge_server.audit.run import public_faces
 from edge_server.audit.substitute import fit_substitute
+
+pytestmark = pytest.mark.slow  # real processes or real-face training: the full tier
 
 
 def test_the_substitute_moves_towards_the_devices_layer(lfw):

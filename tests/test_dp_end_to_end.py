@@ -15,6 +15,8 @@ from device_sdk.privacy.mechanisms import PerImageGaussian
 from edge_server.checkpoint import load_checkpoint
 from tests.test_integration import DATA, MODEL, _setup, _start_server, _stop
 
+pytestmark = pytest.mark.slow  # real processes or real-face training: the full tier
+
 
 def _simulate(port: int, lfw: Path, run_dir: Path, tokens: Path, *extra: str) -> dict:
     cmd = [sys.executable, "-m", "device_sdk", "--server", f"ws://127.0.0.1:{port}", "--tokens", str(tokens),

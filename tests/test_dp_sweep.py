@@ -6,7 +6,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow  # real processes or real-face training: the full tier
 
 
 def test_reduced_sweep_runs_end_to_end(tmp_path, lfw):

@@ -17,6 +17,8 @@ from device_sdk.data import load_lfw
 from edge_server.auth import issue_tokens
 from edge_server.checkpoint import load_checkpoint
 
+pytestmark = pytest.mark.slow  # real processes or real-face training: the full tier
+
 # A reduced configuration so that the test runs in CI time on two cores:
 # the first 20 identities with >= 20 images each, IResNet-small (64x64).
 MODEL = "iresnet_small"

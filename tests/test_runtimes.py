@@ -15,6 +15,8 @@ from device_sdk.privacy.mechanisms import PerActivationGaussian
 from device_sdk.simulator import SimConfig, simulate
 from tests.conftest import TOKENS, serve_in_thread, small_trainer
 
+pytestmark = pytest.mark.slow  # real processes or real-face training: the full tier
+
 MODEL = "iresnet_small"
 
 
