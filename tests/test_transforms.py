@@ -16,6 +16,7 @@ from device_sdk.cli import add_model_args, model_argv, model_spec
 from device_sdk.client import DeviceClient
 from device_sdk.engine import DeviceEngine, PrivacyConfig, to_input
 from device_sdk.models import PRESETS, ModelSpec, activation_shape, build_backbone, build_classifier, split_backbone
+from device_sdk.models.weights import load_into, save_backbone
 from device_sdk.optim import TrainConfig, exponential_decay, make_sgd
 from device_sdk.privacy.mechanisms import PerActivationGaussian, PerImageGaussian
 from device_sdk.runtimes import load_runtime
@@ -193,3 +194,28 @@ def test_exported_dct_matches_eager_and_trains_through_the_engine(tmp_path):
     assert np.abs(released - eager).max() < 1e-4  # same keyed channel subset, same values
     engine.commit(1, np.ones_like(released))
     assert engine.committed == 1
+
+
+def test_a_backbone_file_can_carry_trained_release_stages(tmp_path):
+    """Attacker-aware pre-training trains the bottleneck with the backbone: its file carries both, both
+    sides load them, and a model with another transform refuses the file."""
+    spec = replace(PRESETS["iresnet_small"], release="bottleneck", bottleneck_channels=4, bottleneck_stride=2)
+    torch.manual_seed(0)
+    backbone = build_backbone(spec)
+    device, server = split_backbone(backbone, "conv1")
+    with torch.no_grad():
+        for p in [*device.parameters(), *server.parameters()]:
+            p.add_(0.5)
+    stages = {k: v for part in (device, server) for k, v in part.state_dict().items()
+              if k.split(".")[1] in ("bottleneck", "bottleneck_server")}
+    save_backbone(tmp_path / "w.pt", spec, backbone, {}, stages)
+    torch.manual_seed(1)
+    device2, server2 = split_backbone(build_backbone(spec), "conv1")
+    load_into(device2, tmp_path / "w.pt", spec), load_into(server2, tmp_path / "w.pt", spec)
+    x = torch.rand(2, 3, 64, 64)
+    for part in (device, server, device2, server2):
+        part.eval()
+    assert torch.equal(server(device(x)), server2(device2(x)))
+    other = replace(spec, bottleneck_channels=8)
+    with pytest.raises(ValueError, match="holds"):
+        load_into(split_backbone(build_backbone(other), "conv1")[0], tmp_path / "w.pt", other)

@@ -19,10 +19,20 @@ RELEASE_STAGES = {*TRANSFORMS, *(f"{name}_server" for name in TRANSFORMS)}
 FORMAT = "splitface-backbone-1"
 
 
-def save_backbone(path: Path, spec: ModelSpec, backbone: nn.Module, meta: dict[str, Any] | None = None) -> None:
+def save_backbone(path: Path, spec: ModelSpec, backbone: nn.Module, meta: dict[str, Any] | None = None,
+                  release_stages: dict[str, torch.Tensor] | None = None) -> None:
+    """`release_stages`: the transform's stages at the cut (keys `stages.<transform>[_server].*`, as the
+    parts from `split_backbone` name them), when they were trained with the backbone (attacker-aware
+    pre-training); the file then only loads into a model with the same release transform."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"format": FORMAT, "spec": spec.to_dict(), "state": backbone.state_dict(), "meta": meta or {}}, path)
+    state = dict(backbone.state_dict())
+    if release_stages:
+        strays = [k for k in release_stages if k.split(".")[1] not in RELEASE_STAGES]
+        if strays:
+            raise ValueError(f"not release-stage keys: {strays[:5]}")
+        state.update(release_stages)
+    torch.save({"format": FORMAT, "spec": spec.to_dict(), "state": state, "meta": meta or {}}, path)
 
 
 def load_into(part: nn.Module, path: Path, spec: ModelSpec) -> dict[str, Any]:
@@ -30,14 +40,16 @@ def load_into(part: nn.Module, path: Path, spec: ModelSpec) -> dict[str, Any]:
     saved = torch.load(Path(path), map_location="cpu", weights_only=True)
     if saved.get("format") != FORMAT:
         raise ValueError(f"{path}: not a splitface backbone file")
-    saved_spec = {k: v for k, v in saved["spec"].items() if k not in RELEASE_KEYS}
-    wanted = {k: v for k, v in spec.to_dict().items() if k not in RELEASE_KEYS}
+    has_release = any(k.split(".")[1] in RELEASE_STAGES for k in saved["state"])
+    ignored = () if has_release else RELEASE_KEYS   # trained release stages fit only the same transform
+    saved_spec = {k: v for k, v in saved["spec"].items() if k not in ignored}
+    wanted = {k: v for k, v in spec.to_dict().items() if k not in ignored}
     if saved_spec != wanted:
         raise ValueError(f"{path} holds {saved['spec']}, not {spec.to_dict()}")
     own = part.state_dict()
     state = {k: v for k, v in saved["state"].items() if k in own}
-    # A release transform's stages at the cut are not in a backbone file: they keep their seeded start.
-    missing = {k for k in set(own) - set(state) if k.split(".")[1] not in RELEASE_STAGES}
+    # A plain backbone file has no release stages: the transform's stages at the cut keep their seeded start.
+    missing = {k for k in set(own) - set(state) if has_release or k.split(".")[1] not in RELEASE_STAGES}
     if missing:
         raise ValueError(f"{path} lacks {sorted(missing)[:5]}")
     part.load_state_dict(state, strict=False)  # only release stages can be missing (checked above)
