@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
 
 class ErrorCode(str, Enum):
@@ -48,3 +49,9 @@ class RemoteError(Exception):
         self.code = code
         self.message = message
         self.batch_id = batch_id
+
+
+def brief(value: Any, limit: int = 80) -> str:
+    """repr of a received value, cut short: error messages must not echo a peer's megabytes back."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"

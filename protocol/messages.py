@@ -11,7 +11,7 @@ from typing import Any, Callable
 import msgpack
 import numpy as np
 
-from .errors import ErrorCode, ProtocolError
+from .errors import ErrorCode, ProtocolError, brief
 from .tensor import decode_tensor, encode_tensor
 
 PROTOCOL_VERSION = 1
@@ -132,11 +132,13 @@ def decode(data: bytes, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES) -> dict[st
     mtype = message["type"]
     schema = SCHEMA.get(mtype)
     if schema is None:
-        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {mtype!r}")
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {brief(mtype)}")
     batch_id = message.get("batch_id") if _is_int(message.get("batch_id")) else None
     unexpected = set(message) - set(schema) - {"type"}
     if unexpected:
-        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{mtype}: unexpected fields {sorted(unexpected)}", batch_id)
+        # str() first: msgpack also allows bin keys, and str and bytes do not sort together.
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{mtype}: unexpected fields {brief(sorted(map(str, unexpected)))}",
+                            batch_id)
     for field, (check, required) in schema.items():
         if field not in message:
             if required:

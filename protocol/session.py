@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import messages as m
-from .errors import ErrorCode, ProtocolError, RemoteError
+from .errors import ErrorCode, ProtocolError, RemoteError, brief
 from .tensor import ENCODINGS, encode_tensor
 
 
@@ -136,11 +136,11 @@ class ServerSession:
         if not self._authenticate(hello["device_id"], hello["token"]):
             raise ProtocolError(ErrorCode.UNAUTHORIZED, f"unknown device or wrong token for {hello['device_id']!r}")
         if hello["model"] != info.model:
-            raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"server trains model {info.model}, device asked for {hello['model']}")
+            raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"server trains model {info.model}, device asked for {brief(hello['model'], 400)}")
         if hello["split"] != info.split:
-            raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"server splits at {info.split!r}, device at {hello['split']!r}")
+            raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"server splits at {info.split!r}, device at {brief(hello['split'])}")
         if hello["head"] not in info.heads:
-            raise ProtocolError(ErrorCode.UNSUPPORTED, f"head {hello['head']!r} not offered; choose one of {list(info.heads)}")
+            raise ProtocolError(ErrorCode.UNSUPPORTED, f"head {brief(hello['head'])} not offered; choose one of {list(info.heads)}")
         if hello["batch_size"] > info.max_batch:
             raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"batch size {hello['batch_size']} exceeds the server's {info.max_batch}")
         if hello["head"] == "server" and hello.get("num_classes") != info.num_classes:
@@ -150,7 +150,7 @@ class ServerSession:
         for role in ("activations", "gradients"):
             if encodings.get(role, "f32") not in info.encodings:
                 raise ProtocolError(ErrorCode.UNSUPPORTED,
-                                    f"{role} encoding {encodings.get(role)!r} not offered; choose one of {list(info.encodings)}")
+                                    f"{role} encoding {brief(encodings.get(role))} not offered; choose one of {list(info.encodings)}")
         self.device_id = hello["device_id"]
         self.head = hello["head"]
         self.grad_encoding = encodings.get("gradients", "f32")

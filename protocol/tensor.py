@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ErrorCode, ProtocolError
+from .errors import ErrorCode, ProtocolError, brief
 
 WIRE_DTYPES: dict[str, np.dtype] = {
     "f32": np.dtype("<f4"),
@@ -21,6 +21,10 @@ WIRE_DTYPES: dict[str, np.dtype] = {
 }
 ENCODINGS = tuple(WIRE_DTYPES)
 MAX_RANK = 8
+# Largest dimension, and largest product of the non-zero dimensions: what a 32-bit index (a JVM array)
+# addresses. Without the second bound a zero-size tensor such as [0, 2^62] passes the byte count and
+# then cannot be built (numpy refuses shapes whose non-zero dimensions overflow its index type).
+MAX_DIM = 2**31 - 1
 
 
 def encode_tensor(array: np.ndarray, encoding: str = "f32") -> dict[str, Any]:
@@ -61,39 +65,45 @@ def _bytes_view(a: np.ndarray) -> memoryview:
 
 
 def decode_tensor(obj: Any, *, field: str = "tensor", finite: bool = True) -> np.ndarray:
-    """Float32 array from a wire tensor; raises ProtocolError(BAD_TENSOR) on any mismatch.
+    """Float32 array from a wire tensor; raises ProtocolError(BAD_TENSOR) on any mismatch, never another error.
 
+    Checks follow SPEC.md section 4 in order. `finite` refuses NaN and infinity; message decoding
+    always asks for it (no message may carry a non-finite value). Whether finite values are plausible
+    for a model (e.g. 3e38 activations) is the receiver's business, not the codec's.
     The returned f32 array is a read-only view of the message bytes.
     """
+    def bad(why: str) -> ProtocolError:
+        return ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: {why}")
+
     if not isinstance(obj, dict):
-        raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: expected a map, got {type(obj).__name__}")
+        raise bad(f"expected a map, got {type(obj).__name__}")
     dtype_name, shape, data = obj.get("dtype"), obj.get("shape"), obj.get("data")
-    if dtype_name not in WIRE_DTYPES:
-        raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: dtype {dtype_name!r} is not one of {list(ENCODINGS)}")
+    if not isinstance(dtype_name, str) or dtype_name not in WIRE_DTYPES:
+        raise bad(f"dtype {brief(dtype_name)} is not one of {list(ENCODINGS)}")
     if (not isinstance(shape, list) or len(shape) > MAX_RANK
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-        raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: shape must be a list of at most {MAX_RANK} non-negative ints")
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM for d in shape)):
+        raise bad(f"shape must be a list of at most {MAX_RANK} ints in 0..{MAX_DIM}, got {brief(shape)}")
+    if math.prod(d for d in shape if d) > MAX_DIM:
+        raise bad(f"shape {shape} is too large: its non-zero dimensions multiply to more than {MAX_DIM}")
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: data must be bin")
+        raise bad("data must be bin")
     extra = set(obj) - {"dtype", "shape", "data", "scale"}
     if extra:
-        raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: unexpected keys {sorted(extra)}")
+        raise bad(f"unexpected keys {brief(sorted(map(str, extra)))}")
     dtype = WIRE_DTYPES[dtype_name]
     expected = math.prod(shape) * dtype.itemsize
     if len(data) != expected:
-        raise ProtocolError(
-            ErrorCode.BAD_TENSOR,
-            f"{field}: {len(data)} bytes do not match dtype {dtype_name} x shape {shape} ({expected} bytes)")
+        raise bad(f"{len(data)} bytes do not match dtype {dtype_name} x shape {shape} ({expected} bytes)")
     array = np.frombuffer(data, dtype=dtype).reshape(shape)
     if dtype_name in ("i8", "f16"):
         scale = obj.get("scale")
         if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not (math.isfinite(scale) and scale > 0):
-            raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: {dtype_name} needs a finite positive scale")
+            raise bad(f"{dtype_name} needs a finite positive scale, got {brief(scale)}")
         # Applied as a float32: a scale near or beyond float32's range gives inf, refused below.
         with np.errstate(over="ignore", invalid="ignore"):
             array = array.astype(np.float32) * np.float32(scale)
     elif "scale" in obj:
-        raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: f32 takes no scale")
+        raise bad("f32 takes no scale")
     if finite and array.size and not np.isfinite(array).all():
-        raise ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: contains NaN or infinity")
+        raise bad("contains NaN or infinity")
     return array

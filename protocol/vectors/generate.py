@@ -25,8 +25,12 @@ from ..tensor import decode_tensor
 
 HERE = Path(__file__).resolve().parent
 
-# The toy server every valid vector talks to (not a real ModelSpec: kept tiny on purpose).
-MODEL = {"family": "toy", "input_size": 4, "width": 2, "dropout": 0.5}
+# The toy server every valid vector talks to: tiny shapes on purpose, but the model map carries every
+# key of SPEC.md's model table, with the values of the `vgg_face_small` preset (tests/test_spec_keys.py
+# pins both to device_sdk's ModelSpec; protocol/ itself does not import the device SDK).
+MODEL = {"family": "vgg_face", "input_size": 64, "width": 16, "fc_width": 256, "depth": 50, "embedding_size": 512,
+         "dropout": 0.0, "release_pool": 1, "release": "none", "bottleneck_channels": 8, "bottleneck_stride": 1,
+         "dct_drop": 1, "dct_keep": 0}
 SPLIT = "conv1"
 ACTIVATION_SHAPE = (2, 3)
 EMBEDDING_DIM = 4
@@ -174,6 +178,12 @@ def invalid_cases() -> list[tuple[str, bytes, ErrorCode, str]]:
         ("invalid_f16_infinity", _pack({"type": "backward", "batch_id": 1, "durable_through": 0,
                                         "grad": {"dtype": "f16", "shape": [2], "data": bytes.fromhex("003c007c")}}),
          ErrorCode.BAD_TENSOR, "+inf in an f16 tensor"),
+        ("invalid_negative_dimension", _pack({"type": "forward", "batch_id": 1,
+                                              "activations": {"dtype": "f32", "shape": [-1, 2], "data": bytes(8)}}),
+         ErrorCode.BAD_TENSOR, "a negative dimension"),
+        ("invalid_zero_size_huge_shape", _pack({"type": "forward", "batch_id": 1, "activations": {
+            "dtype": "f32", "shape": [0, 2**31 - 1, 2**31 - 1], "data": b""}}),
+         ErrorCode.BAD_TENSOR, "zero elements and zero bytes, but the non-zero dimensions multiply past 2^31 - 1"),
     ]
 
 

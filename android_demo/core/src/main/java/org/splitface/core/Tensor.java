@@ -81,6 +81,9 @@ public final class Tensor {
             if (!(d instanceof Long) || (Long) d < 0 || (Long) d > Integer.MAX_VALUE) throw bad(field + ": shape must be a list of at most 8 non-negative ints");
             s[i] = (int) (long) (Long) d;
         }
+        long nonZero = 1;                 // SPEC.md section 4: the non-zero dimensions fit a 32-bit index
+        for (int d : s) if (d > 0 && (nonZero *= d) > Integer.MAX_VALUE)
+            throw bad(field + ": shape is too large: its non-zero dimensions multiply to more than " + Integer.MAX_VALUE);
         if (!(data instanceof byte[])) throw bad(field + ": data must be bin");
         for (Object k : m.keySet())
             if (!List.of("dtype", "shape", "data", "scale").contains(k)) throw bad(field + ": unexpected key " + k);
