@@ -221,3 +221,39 @@ def test_release_pool_shrinks_what_the_device_sends():
     assert server(released).shape == (2, spec.embedding_dim)
     with pytest.raises(ValueError):
         replace(spec, release_pool=0)
+
+
+def test_iresnet_trains_on_a_batch_of_one() -> None:
+    """The spec allows N = 1: batch norm then uses (and keeps) its running statistics; larger batches are torch's."""
+    spec = ModelSpec("iresnet", 16, width=4, depth=18, embedding_size=8)  # layer4 ends at 1x1: BN2d sees 1 value too
+    torch.manual_seed(0)
+    bb = build_backbone(spec).train()
+    single = set()  # batch norms that saw one value per channel
+    for name, m in bb.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            with torch.no_grad():
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+            m.register_forward_pre_hook(lambda mod, a, name=name: single.add(name) if a[0].numel() == a[0].shape[1]
+                                        else None)
+    before = {k: v.clone() for k, v in bb.state_dict().items()}
+    x = torch.rand(1, 3, 16, 16)
+    out = bb(x)
+    out.sum().backward()
+    assert out.shape == (1, 8) and torch.isfinite(out).all()
+    assert bb.stages["features"].fc.weight.grad.abs().sum() > 0
+    assert "stages.features.features" in single and any(isinstance(bb.get_submodule(n), nn.BatchNorm2d) for n in single)
+    for name in single:
+        for buffer in ("running_mean", "running_var"):
+            assert torch.equal(before[f"{name}.{buffer}"], bb.state_dict()[f"{name}.{buffer}"]), name
+    features = bb.stages["features"].features
+    z1 = torch.randn(1, 8)
+    with torch.no_grad():  # for one value per channel, training mode is eval mode
+        assert torch.equal(features.train()(z1), features.eval()(z1))
+    # Two images: the batch statistics of torch's own batch norm, running statistics updated.
+    ref = nn.BatchNorm1d(8).train()
+    ref.load_state_dict(features.state_dict())
+    z = torch.randn(2, 8)
+    assert torch.equal(features.train()(z), ref(z))
+    assert torch.equal(features.running_mean, ref.running_mean) and not torch.equal(ref.running_mean, before[
+        "stages.features.features.running_mean"])

@@ -12,6 +12,8 @@ of conv + BN + PReLU. The stem is the device layer, and it must be
 
 The stem conv keeps a bias because no BN follows it to absorb one. Convs use
 kaiming-normal init (arcface uses N(0, 0.1)); everything else matches.
+
+Batch norm accepts every batch size the protocol allows, N = 1 included (see `AnyBatchNorm`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .lrn import PaperLRN
@@ -29,6 +32,31 @@ LAYERS: dict[int, tuple[int, int, int, int]] = {
     50: (3, 4, 14, 3),
     100: (3, 13, 30, 3),
 }
+
+
+class AnyBatchNorm:
+    """Batch norm that trains on a batch holding one value per channel (N = 1 after the fc, or N = 1
+    on a 1x1 map), where torch's batch norm raises: a device whose share leaves a last batch of one
+    must not fail.
+
+    The choice: such a batch is normalised with the running statistics, which it leaves unchanged
+    (eval-mode behaviour for that batch only; the affine weights still get their gradients). One
+    value has no variance to estimate, and folding it into the running statistics with a zero
+    variance would corrupt them. Every larger batch behaves exactly as torch's batch norm.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and x.numel() == x.shape[1]:
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        return super().forward(x)
+
+
+class BatchNorm1d(AnyBatchNorm, nn.BatchNorm1d):
+    """`nn.BatchNorm1d` that accepts N = 1 (see `AnyBatchNorm`); same state-dict keys."""
+
+
+class BatchNorm2d(AnyBatchNorm, nn.BatchNorm2d):
+    """`nn.BatchNorm2d` that accepts one value per channel (see `AnyBatchNorm`); same state-dict keys."""
 
 
 def conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
@@ -44,12 +72,12 @@ class IBasicBlock(nn.Module):
 
     def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None) -> None:
         super().__init__()
-        self.bn1 = nn.BatchNorm2d(inplanes, eps=1e-5)
+        self.bn1 = BatchNorm2d(inplanes, eps=1e-5)
         self.conv1 = conv3x3(inplanes, planes)
-        self.bn2 = nn.BatchNorm2d(planes, eps=1e-5)
+        self.bn2 = BatchNorm2d(planes, eps=1e-5)
         self.prelu = nn.PReLU(planes)
         self.conv2 = conv3x3(planes, planes, stride)
-        self.bn3 = nn.BatchNorm2d(planes, eps=1e-5)
+        self.bn3 = BatchNorm2d(planes, eps=1e-5)
         self.downsample = downsample
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,7 +94,7 @@ class IBasicBlock(nn.Module):
 def _make_layer(inplanes: int, planes: int, blocks: int, stride: int) -> nn.Sequential:
     downsample = None
     if stride != 1 or inplanes != planes:
-        downsample = nn.Sequential(conv1x1(inplanes, planes, stride), nn.BatchNorm2d(planes, eps=1e-5))
+        downsample = nn.Sequential(conv1x1(inplanes, planes, stride), BatchNorm2d(planes, eps=1e-5))
     layers = [IBasicBlock(inplanes, planes, stride, downsample)]
     layers += [IBasicBlock(planes, planes) for _ in range(1, blocks)]
     return nn.Sequential(*layers)
@@ -77,10 +105,10 @@ class IResNetHead(nn.Module):
 
     def __init__(self, channels: int, spatial: int, embedding_size: int, dropout: float) -> None:
         super().__init__()
-        self.bn2 = nn.BatchNorm2d(channels, eps=1e-5)
+        self.bn2 = BatchNorm2d(channels, eps=1e-5)
         self.dropout = nn.Dropout(p=dropout)
         self.fc = nn.Linear(channels * spatial * spatial, embedding_size)
-        self.features = nn.BatchNorm1d(embedding_size, eps=1e-5)
+        self.features = BatchNorm1d(embedding_size, eps=1e-5)
         # As in arcface_torch: the embedding BN has a fixed unit scale (only its shift trains).
         nn.init.constant_(self.features.weight, 1.0)
         self.features.weight.requires_grad = False
