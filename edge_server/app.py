@@ -34,10 +34,12 @@ from protocol.session import (
     TrainTail,
 )
 
-from .checkpoint import load_checkpoint, save_checkpoint
+from protocol import messages as m
+
+from .checkpoint import NonFiniteState, load_checkpoint, save_checkpoint
 from .metrics import Metrics
 from .recorder import Recorder
-from .trainer import ServerTrainer
+from .trainer import ServerTrainer, StepRefused
 
 log = logging.getLogger("splitface.server")
 
@@ -82,6 +84,7 @@ class _Connection:
     ws: ServerConnection
     session: ServerSession
     holds_lock: bool = False
+    lock_taken: float = 0.0               # monotonic time the U-turn took the model lock
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -123,7 +126,11 @@ class EdgeServer:
             devices = {d: {"last_applied": r.last_applied, "last_reply": r.last_reply} for d, r in self.records.items()}
             state = {"identity": self._identity(), "trainer": self.trainer.state_dict(), "devices": devices,
                      "saved_at": time.time()}
-            await self._compute(save_checkpoint, self.config.checkpoint_path, state)
+            try:
+                await self._compute(save_checkpoint, self.config.checkpoint_path, state)
+            except NonFiniteState as exc:
+                log.error("%s", exc)
+                return
             if self.recorder:
                 await self._compute(self.recorder.flush)
             self.durable = {d: r["last_applied"] for d, r in devices.items()}
@@ -236,37 +243,42 @@ class EdgeServer:
             if not conn.holds_lock:
                 await self.model_lock.acquire()
                 conn.holds_lock = True
-            reply = await self._run(session, action.batch_id, self._embed, session, action)
-            if reply is None:
+                conn.lock_taken = time.monotonic()
+            reply, ok = await self._run(session, action.batch_id, self._embed, session, action)
+            if not ok:
                 self._release(conn)
         elif isinstance(action, TrainTail):
-            reply = await self._run(session, action.batch_id, self._train_tail, session, action)
+            reply, _ = await self._run(session, action.batch_id, self._train_tail, session, action)
             self._release(conn)
         elif conn.holds_lock:  # an eval batch in the middle of this device's own U-turn
-            reply = await self._run(session, action.batch_id, self._work, session, action)
+            reply, _ = await self._run(session, action.batch_id, self._work, session, action)
         else:
             async with self.model_lock:
-                reply = await self._run(session, action.batch_id, self._work, session, action)
-        return reply if reply is not None else session.failed(
-            action.batch_id, "the server failed on this batch; it was not applied")
+                reply, _ = await self._run(session, action.batch_id, self._work, session, action)
+        return reply
 
     def _release(self, conn: "_Connection") -> None:
         self.trainer.drop_pending()
         conn.holds_lock = False
         self.model_lock.release()
 
-    async def _run(self, session: ServerSession, batch_id: int, fn: Callable, *args: Any) -> bytes | None:
-        """Run compute in the worker thread; None if it raised (logged, nothing applied)."""
+    async def _run(self, session: ServerSession, batch_id: int, fn: Callable, *args: Any) -> tuple[bytes, bool]:
+        """Run compute in the worker thread: (reply, True), or an ERROR and False when it raised (nothing
+        applied): a refused step gets its own code, anything else `server_error` (logged with its trace)."""
         start = time.perf_counter()
         try:
             reply, n, loss, n_correct, train = await self._compute(fn, *args)
+        except StepRefused as exc:
+            log.warning("%s: batch %d refused: %s", session.device_id, batch_id, exc.message)
+            session.failed(batch_id, exc.message)  # forgets a pending device-head batch
+            return m.encode(m.error(exc.code, exc.message, batch_id)), False
         except Exception:
             log.exception("%s: batch %d failed", session.device_id, batch_id)
-            return None
+            return session.failed(batch_id, "the server failed on this batch; it was not applied"), False
         if train:
             self.metrics.batch(session.device_id, n, time.perf_counter() - start, loss, n_correct)
             self._batches_since_checkpoint += 1
-        return reply
+        return reply, True
 
     # Compute, in the worker thread. Each returns (reply, samples, loss, n_correct, was_training); the
     # replies carry server_s, the server's compute time, so a device can split its round trip.

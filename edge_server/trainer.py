@@ -5,7 +5,9 @@ Every device feeds this one model. Calls are made one at a time by the server sh
 """
 from __future__ import annotations
 
+import math
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,27 @@ import torch.nn.functional as F
 from device_sdk.models import ModelSpec, build_backbone, build_classifier, split_backbone
 from device_sdk.models.weights import load_into
 from device_sdk.optim import TrainConfig, exponential_decay, make_sgd
+from protocol.errors import ErrorCode
+
+
+@dataclass(frozen=True)
+class StepGuard:
+    """What a step must look like to reach the shared model. One device's batch must never poison it:
+    a finite but huge tensor (e.g. 3e38) passes the codec's finiteness check and turns the loss into NaN."""
+    max_abs_value: float = field(default=1e6, metadata={
+        "help": "largest |value| accepted in received activations and embedding gradients (0: no bound)"})
+    max_grad_norm: float = field(default=1e6, metadata={
+        "help": "a step whose gradient norm over the server's parameters exceeds this is refused (0: no bound)"})
+
+
+class StepRefused(Exception):
+    """The batch was not applied and the model, its statistics and the optimizer are untouched; `code` and
+    the message go into the ERROR sent to the device."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.BAD_TENSOR):
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 def pick_device(name: str | None = None) -> torch.device:
@@ -26,13 +49,15 @@ def pick_device(name: str | None = None) -> torch.device:
 
 class ServerTrainer:
     def __init__(self, spec: ModelSpec, split: str, num_classes: int, config: TrainConfig | None = None,
-                 device: str | None = None, init: Path | None = None, train_only: str = "all"):
+                 device: str | None = None, init: Path | None = None, train_only: str = "all",
+                 guard: StepGuard | None = None):
         """`init`: start the tail from a saved (e.g. public pre-trained) backbone; `train_only="classifier"`
         freezes the tail and trains only the output layer (the source paper's fine-tuning setting)."""
         if train_only not in ("all", "classifier"):
             raise ValueError(f"train_only must be 'all' or 'classifier', not {train_only!r}")
         self.spec, self.split, self.num_classes, self.train_only = spec, split, num_classes, train_only
         self.config = config or TrainConfig()
+        self.guard = guard or StepGuard()
         torch.manual_seed(self.config.seed)
         _, tail = split_backbone(build_backbone(spec), split)
         if init is not None:
@@ -48,14 +73,20 @@ class ServerTrainer:
         self.optimizer = make_sgd(trained, self.config.lr, self.config.momentum, self.config.weight_decay)
         self.scheduler = exponential_decay(self.optimizer, self.config.lr_decay, self.config.decay_steps)
         self.steps = 0
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._trained = trained
+        self._pending: tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]] | None = None
 
     def _autocast(self):
         # bf16 on a GPU for throughput; exact fp32 on the CPU.
         return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
 
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        """Wrap the message's read-only buffer without a copy; nothing here writes to it."""
+    def _tensor(self, array: np.ndarray, what: str = "activations") -> torch.Tensor:
+        """Wrap the message's read-only buffer without a copy (nothing here writes to it), after the range check."""
+        bound = self.guard.max_abs_value
+        if bound and array.size:
+            peak = float(np.max(np.abs(array)))
+            if not peak <= bound:
+                raise StepRefused(f"{what} reach |{peak:.3g}|, beyond the server's bound of {bound:.3g}; not applied")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             return torch.as_tensor(array, dtype=torch.float32).to(self.device)
@@ -68,16 +99,47 @@ class ServerTrainer:
         self.scheduler.step()
         self.steps += 1
 
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        """Batch-norm statistics change in a training forward: saved so that a refused step leaves no trace."""
+        return {f"{i}.{k}": v.clone() for i, m in enumerate((self.tail, self.classifier))
+                for k, v in m.named_buffers()}
+
+    def _restore(self, saved: dict[str, torch.Tensor]) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for i, m in enumerate((self.tail, self.classifier)):
+                for k, v in m.named_buffers():
+                    v.copy_(saved[f"{i}.{k}"])
+
+    def _check_gradients(self, x: torch.Tensor) -> None:
+        """Refuse a step whose gradients are not finite or beyond the plausible norm."""
+        grads = [p.grad for p in self._trained if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))) \
+            if grads else 0.0
+        if not math.isfinite(norm) or not bool(torch.isfinite(x.grad).all()):
+            raise StepRefused("the batch gives non-finite gradients; not applied")
+        if self.guard.max_grad_norm and norm > self.guard.max_grad_norm:
+            raise StepRefused(f"the batch's gradient norm {norm:.3g} exceeds the server's bound of "
+                              f"{self.guard.max_grad_norm:.3g}; not applied")
+
     def train_server_head(self, activations: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, float, int]:
         """One step on a labelled batch; returns (gradient wrt activations, loss, correct predictions)."""
         self._train_mode(True)
         self.optimizer.zero_grad(set_to_none=True)
         x = self._input(activations)
         y = torch.as_tensor(labels, device=self.device)
-        with self._autocast():
-            logits = self.classifier(self.tail(x))
-        loss = F.cross_entropy(logits.float(), y)
-        loss.backward()
+        saved = self._buffers()
+        try:
+            with self._autocast():
+                logits = self.classifier(self.tail(x))
+            loss = F.cross_entropy(logits.float(), y)
+            if not torch.isfinite(loss):
+                raise StepRefused(f"the batch gives a non-finite loss ({loss.item()}); not applied")
+            loss.backward()
+            self._check_gradients(x)
+        except StepRefused:
+            self._restore(saved)
+            raise
         self._step()
         n_correct = int((logits.argmax(1) == y).sum())
         return _numpy(x.grad), loss.item(), n_correct
@@ -87,28 +149,42 @@ class ServerTrainer:
         with torch.no_grad(), self._autocast():
             logits = self.classifier(self.tail(self._tensor(activations)))
         y = torch.as_tensor(labels, device=self.device)
-        return float(F.cross_entropy(logits.float(), y)), int((logits.argmax(1) == y).sum())
+        loss = float(F.cross_entropy(logits.float(), y))
+        if not math.isfinite(loss):
+            raise StepRefused(f"the batch gives a non-finite loss ({loss})")
+        return loss, int((logits.argmax(1) == y).sum())
 
     def embed(self, activations: np.ndarray, train: bool) -> np.ndarray:
         """Device head: embeddings for the device's classifier; in training the graph waits for `train_tail`."""
         self._train_mode(train)
         if not train:
             with torch.no_grad(), self._autocast():
-                return _numpy(self.tail(self._tensor(activations)).float())
+                return _finite_embeddings(self.tail(self._tensor(activations)).float())
         self.optimizer.zero_grad(set_to_none=True)
         x = self._input(activations)
-        with self._autocast():
-            embeddings = self.tail(x).float()
-        self._pending = (x, embeddings)
-        return _numpy(embeddings.detach())
+        saved = self._buffers()
+        try:
+            with self._autocast():
+                embeddings = self.tail(x).float()
+            out = _finite_embeddings(embeddings.detach())
+        except StepRefused:
+            self._restore(saved)
+            raise
+        self._pending = (x, embeddings, saved)
+        return out
 
     def train_tail(self, embedding_grad: np.ndarray) -> np.ndarray:
         """Device head: backward from the device's embedding gradient, step; gradient wrt activations."""
         if self._pending is None:
             raise RuntimeError("train_tail without a pending embed")
-        x, embeddings = self._pending
+        x, embeddings, saved = self._pending
         self._pending = None
-        embeddings.backward(self._tensor(embedding_grad))
+        try:
+            embeddings.backward(self._tensor(embedding_grad, "embedding gradients"))
+            self._check_gradients(x)
+        except StepRefused:
+            self._restore(saved)
+            raise
         self._step()
         return _numpy(x.grad)
 
@@ -131,6 +207,12 @@ class ServerTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = state["steps"]
         torch.set_rng_state(state["rng"])
+
+
+def _finite_embeddings(embeddings: torch.Tensor) -> np.ndarray:
+    if not bool(torch.isfinite(embeddings).all()):
+        raise StepRefused("the batch gives non-finite embeddings; not applied")
+    return _numpy(embeddings)
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
