@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .models import ModelSpec, activation_shape, build_backbone, build_classifier, split_backbone
+from .models import ModelSpec, activation_shape, build_backbone, build_classifier, split_backbone, to_input
 from .models.lrn import PaperLRN
 from .models.weights import load_into
 from .optim import TrainConfig, exponential_decay, make_sgd
@@ -28,11 +28,12 @@ from .privacy.accountant import PrivacyAccountant
 from .privacy.budget import BudgetGuard
 from .privacy.dpsgd import clipped_noisy_grad, dpsgd_event, per_sample_grads
 from .privacy.mechanisms import Mechanism, NoNoise, PerActivationGaussian, noise_generator
-from .runtimes import LayerRuntime
+from .runtimes.base import LayerRuntime
 from .transforms import release_mask
 
 LAYER_TRAINING = ("plain", "frozen", "dpsgd")
 RELEASE_KINDS = {"train": 1, "eval": 2, "dpsgd": 3}
+__all__ = ["DeviceEngine", "PrivacyConfig", "to_input", "initial_layer", "privatize", "bound_for", "release_key"]
 Release = tuple  # (kind, *ints), e.g. ("train", 12) or ("eval", 3, 0)
 
 
@@ -56,11 +57,6 @@ class PrivacyConfig:
     def __post_init__(self) -> None:
         if self.layer_training not in LAYER_TRAINING:
             raise ValueError(f"layer_training must be one of {LAYER_TRAINING}, not {self.layer_training!r}")
-
-
-def to_input(images: np.ndarray) -> torch.Tensor:
-    """uint8 NCHW images -> float in [0, 1], the scale the device layer's privacy analysis assumes."""
-    return torch.from_numpy(np.ascontiguousarray(images)).float().div_(255.0)
 
 
 def release_key(release: Release) -> str:

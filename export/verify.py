@@ -60,7 +60,7 @@ def check(layer: nn.Module, runtime, images: torch.Tensor, weights: list[torch.T
 
 
 def verify(layer: nn.Module, artifacts: Path, real_images: np.ndarray | None = None) -> dict:
-    from device_sdk.engine import to_input
+    from device_sdk.models import to_input
     from device_sdk.runtimes.executorch_runtime import ExecuTorchRuntime
     from device_sdk.runtimes.onnx_runtime import OnnxRuntime
 

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -38,6 +39,7 @@ __all__ = [
     "split_shape",
     "RELEASE_KEYS",
     "build_classifier",
+    "to_input",
 ]
 
 FAMILIES = ("vgg_face", "iresnet")
@@ -265,6 +267,11 @@ def activation_shape(spec: ModelSpec, split: str) -> tuple[int, int, int]:
     if out.dim() != 4:
         raise ValueError(f"split {split!r} does not produce a (C, H, W) activation (got shape {tuple(out.shape)})")
     return int(out.shape[1]), int(out.shape[2]), int(out.shape[3])
+
+
+def to_input(images: np.ndarray) -> torch.Tensor:
+    """uint8 NCHW images -> float in [0, 1], the scale the device layer's privacy analysis assumes."""
+    return torch.from_numpy(np.ascontiguousarray(images)).float().div_(255.0)
 
 
 def build_classifier(spec: ModelSpec, num_classes: int) -> nn.Linear:

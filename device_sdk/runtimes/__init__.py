@@ -7,34 +7,15 @@ backends differ only in who computes the release and the weight gradient.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
-import torch
 from torch import nn
 
+from .base import LayerRuntime, padded
+
+__all__ = ["BACKENDS", "LayerRuntime", "padded", "load_runtime"]
+
 BACKENDS = ("torch", "executorch", "onnxruntime")
-
-
-class LayerRuntime(Protocol):
-    name: str
-    batch_size: int
-
-    def release(self, images: torch.Tensor, noise: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
-        """layer(images) + noise, for exactly `batch_size` images."""
-
-    def weight_grads(self, images: torch.Tensor, noise: torch.Tensor, grad: torch.Tensor,
-                     weights: list[torch.Tensor]) -> list[torch.Tensor]:
-        """d sum(release * grad) / d weights, in `named_parameters` order."""
-
-
-def padded(x: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """Zero rows up to the exported batch size: zero gradient rows add nothing to the weight gradient."""
-    if len(x) > batch_size:
-        raise ValueError(f"batch of {len(x)} exceeds the exported batch size {batch_size}")
-    if len(x) == batch_size:
-        return x.contiguous()
-    return torch.cat([x, x.new_zeros((batch_size - len(x), *x.shape[1:]))]).contiguous()
 
 
 def load_runtime(backend: str, layer: nn.Module, input_size: int, batch_size: int, artifacts: Path,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from . import padded
+from .base import padded
 
 
 class ExecuTorchRuntime:

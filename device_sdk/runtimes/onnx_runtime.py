@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import padded
+from .base import padded
 
 
 class OnnxRuntime:
