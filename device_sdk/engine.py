@@ -142,13 +142,18 @@ class DeviceEngine:
         """Compute releases and weight gradients with an exported program (ExecuTorch, ONNX Runtime).
 
         Those programs add noise they are given, so only additive mechanisms qualify, and they have no
-        per-sample gradients, so DP-SGD stays on the torch backend.
+        per-sample gradients, so DP-SGD stays on the torch backend. A program with static weights serves
+        only a frozen layer.
         """
         if not hasattr(self.mechanism, "additive_noise"):
             raise ValueError(f"the {runtime.name} backend supports the none and per-activation mechanisms, "
                              f"not {self.mechanism.name} (use --backend torch)")
         if self.privacy.layer_training == "dpsgd":
             raise ValueError(f"the {runtime.name} backend has no per-sample gradients: DP-SGD needs --backend torch")
+        if runtime.static_weights and self.trainable:
+            raise ValueError(f"the {runtime.name} program has the layer's weights baked in (exported with "
+                             f"--static-weights) but this layer trains: its releases would go stale; re-export "
+                             f"without --static-weights or use --layer-training frozen")
         self.runtime = runtime
 
     # ---- releases ----------------------------------------------------------------------

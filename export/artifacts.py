@@ -12,10 +12,13 @@ Artifacts of one export, all for a batch size fixed at export time:
 
 Weights: loaded at run time (inputs, or copied into the training program's parameters), so
 one export serves a layer that trains; `static_weights=True` instead bakes a frozen (public)
-layer's weights into release.pte, which lets XNNPACK run the conv too.
+layer's weights into release.pte, which lets XNNPACK run the conv too. Such an artifact serves
+only a frozen layer: the manifest records the baked weights' digest, and the ExecuTorch runtime
+refuses a layer that trains and any release whose weights are not the baked ones.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,6 +42,7 @@ class Manifest:
     input_max: float | None
     weights: str = "loaded at run time: release programs take them as inputs; train.pte's are overwritten in place"
     verification: dict = field(default_factory=dict)
+    weights_digest: str | None = None  # static_weights: digest of the weights baked into release.pte
 
     def save(self, out: Path) -> None:
         (out / MANIFEST).write_text(json.dumps(asdict(self), indent=2))
@@ -56,6 +60,15 @@ def example_inputs(layer: nn.Module, batch_size: int, input_size: int) -> tuple[
 
 def weights_of(layer: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in layer.parameters()]
+
+
+def weights_digest(weights: list[torch.Tensor]) -> str:
+    """SHA-256 of the weights' float32 bytes, in order: tells a runtime whether baked-in weights are these."""
+    h = hashlib.sha256()
+    for w in weights:
+        h.update(str(tuple(w.shape)).encode())
+        h.update(w.detach().to(torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def export_release_pte(layer: nn.Module, images: torch.Tensor, noise: torch.Tensor, static_weights: bool) -> bytes:
@@ -99,6 +112,7 @@ def export_all(layer: nn.Module, input_size: int, batch_size: int, out: Path, st
                     ["images", "grad", *names], [f"grad:{n}" for n in names])
     lrn_max = [m.input_max for m in layer.modules() if hasattr(m, "input_max")]
     manifest = Manifest(batch_size, list(images.shape), list(noise.shape), names, static_weights,
-                        lrn_max[0] if lrn_max else None)
+                        lrn_max[0] if lrn_max else None,
+                        weights_digest=weights_digest(weights) if static_weights else None)
     manifest.save(out)
     return manifest

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from device_sdk.data import load_lfw
-from device_sdk.engine import DeviceEngine, PrivacyConfig
+from device_sdk.engine import DeviceEngine, PrivacyConfig, to_input
 from device_sdk.models import build_backbone, resolve_spec, split_backbone
 from device_sdk.models.lrn import PaperLRN
 from device_sdk.privacy.mechanisms import PerImageGaussian
@@ -77,6 +77,25 @@ def test_static_weights_put_the_conv_in_xnnpack_and_still_verify(tmp_path):
     manifest = export_verified(layer, 64, 2, tmp_path, static_weights=True)
     assert manifest.static_weights and all(c["ok"] for c in manifest.verification["checks"].values())
     assert not any("perturbed" in name for name in manifest.verification["checks"])
+
+    # ... and serve only a frozen layer: a layer that trains is refused, and so are weights other than the baked ones.
+    spec = resolve_spec("iresnet_small")
+    runtime = load_runtime("executorch", layer, 64, 2, tmp_path)
+    trains = DeviceEngine(spec, "conv1", "server", 3)
+    with pytest.raises(ValueError, match="baked in .* this layer trains"):
+        trains.attach_runtime(runtime)
+    frozen = DeviceEngine(spec, "conv1", "server", 3, privacy=PrivacyConfig(layer_training="frozen"))
+    frozen.layer.load_state_dict(layer.state_dict())
+    frozen.attach_runtime(runtime)
+    images = np.random.default_rng(0).integers(0, 256, (2, 3, 64, 64), dtype=np.uint8)
+    released = frozen.evaluate_release(images, ("eval", 0, 0), [0, 1], [0, 0])
+    np.testing.assert_allclose(released, layer(to_input(images)).detach().numpy(), atol=1e-4)
+    with torch.no_grad():
+        frozen.layer.stages["conv1"][0].weight[0, 0, 0, 0] += 0.1  # weights changed behind the program's back: never a stale release
+    with pytest.raises(ValueError, match="not those"):
+        frozen.evaluate_release(images, ("eval", 0, 1), [0, 1], [0, 0])
+    # ONNX Runtime's programs take the weights as inputs even from a static export: they may train
+    trains.attach_runtime(load_runtime("onnxruntime", layer, 64, 2, tmp_path))
 
 
 def test_runtimes_refuse_what_they_cannot_compute(tmp_path):

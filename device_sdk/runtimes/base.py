@@ -13,6 +13,7 @@ import torch
 class LayerRuntime(Protocol):
     name: str
     batch_size: int
+    static_weights: bool  # computes with weights fixed at export: refused for a layer that trains
 
     def release(self, images: torch.Tensor, noise: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
         """layer(images) + noise, for exactly `batch_size` images."""

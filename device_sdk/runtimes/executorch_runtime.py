@@ -8,6 +8,10 @@ import torch
 from .base import padded
 
 
+class StaleWeights(ValueError):
+    """A static-weight program was handed weights other than those it holds."""
+
+
 class ExecuTorchRuntime:
     name = "executorch"
 
@@ -20,6 +24,8 @@ class ExecuTorchRuntime:
         if threads is not None:
             portable_lib._unsafe_reset_threadpool(threads)
         self.manifest, self.batch_size = manifest, manifest.batch_size
+        # release.pte computes with the weights baked in at export: only a layer that never changes may use it
+        self.static_weights = bool(manifest.static_weights)
         self._release = portable_lib._load_for_executorch(str(artifacts / RELEASE_PTE))
         # A layer without parameters (the dct release) has no training program.
         self._train = _load_for_executorch_for_training(str(artifacts / TRAIN_PTE)) if manifest.weight_names else None
@@ -28,7 +34,13 @@ class ExecuTorchRuntime:
     def release(self, images: torch.Tensor, noise: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
         n = len(images)
         args = [padded(images, self.batch_size), padded(noise, self.batch_size)]
-        if not self.manifest.static_weights:
+        if self.static_weights:
+            from export.artifacts import weights_digest
+
+            if weights_digest(weights) != self.manifest.weights_digest:
+                raise StaleWeights("this release.pte has weights baked in, and the layer's weights are not those: a "
+                                   "static-weight export serves only a frozen layer; re-export without --static-weights")
+        else:
             args += [w.detach().contiguous() for w in weights]
         return self._release.forward(args)[0][:n].clone()
 

@@ -22,6 +22,7 @@ class OnnxRuntime:
             options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1
         self.manifest, self.batch_size = manifest, manifest.batch_size
+        self.static_weights = False  # both ONNX programs take the weights as inputs, whatever the export
         providers = ["CPUExecutionProvider"]
         self._release = ort.InferenceSession(str(artifacts / RELEASE_ONNX), options, providers=providers)
         # A layer without parameters (the dct release) has no backward program.
