@@ -64,8 +64,14 @@ class BatchResult:
 
 class DeviceClient:
     def __init__(self, url: str, device_id: str, token: str, engine: DeviceEngine, batch_size: int,
-                 encodings: dict[str, str] | None = None, reconnect_timeout_s: float = 120.0, server_retries: int = 3):
+                 encodings: dict[str, str] | None = None, reconnect_timeout_s: float = 120.0, server_retries: int = 3,
+                 max_message_bytes: int = m.DEFAULT_MAX_MESSAGE_BYTES):
+        """`max_message_bytes`: the largest server message accepted (the spec's floor is 2^30, raised to the
+        server's announced limit if that is larger); the client never accepts unbounded messages."""
+        if max_message_bytes < 1:
+            raise ValueError(f"max_message_bytes must be positive, not {max_message_bytes}")
         self.url = url
+        self.max_message_bytes = max_message_bytes
         self.engine = engine
         self.session = ClientSession(device_id, token, engine.spec.to_dict(), engine.split, engine.head, batch_size,
                                      engine.num_classes if engine.head == "server" else None,
@@ -88,10 +94,11 @@ class DeviceClient:
         delay = 0.2
         while True:
             try:
-                self._ws = await connect(self.url, max_size=None, compression=None, open_timeout=10,
+                self._ws = await connect(self.url, max_size=self.max_message_bytes, compression=None, open_timeout=10,
                                          ping_interval=30, ping_timeout=120, close_timeout=2, max_queue=4)
                 await self._ws.send(self.session.hello())
                 welcome = self.session.accept_welcome(await self._ws.recv())
+                self._ws.protocol.max_message_size = max(self.max_message_bytes, self.session.max_message_bytes)
                 break
             except RemoteError:
                 await self.close()

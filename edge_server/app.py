@@ -11,6 +11,7 @@ import logging
 import signal
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,7 @@ from protocol.session import (
 
 from protocol import messages as m
 
+from .auth import AuthThrottle, throttled
 from .checkpoint import NonFiniteState, load_checkpoint, save_checkpoint
 from .metrics import Metrics
 from .recorder import Recorder
@@ -44,8 +46,58 @@ from .trainer import ServerTrainer, StepRefused
 log = logging.getLogger("splitface.server")
 
 CLOSE_POLICY = 1008
+CLOSE_TRY_AGAIN = 1013
 CLOSE_REPLACED = 4000
 CLOSE_TIMEOUT = 4001
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Defences against hostile or broken clients, declared once: `splitface-server serve` makes an option of
+    each field (--max-connections, ...) with this default and help."""
+    max_connections: int = field(default=1024, metadata={"help": "open connections in total; more are closed (1013)"})
+    max_connections_per_address: int = field(default=128, metadata={
+        "help": "open connections from one IP address (devices behind one NAT share it)"})
+    pre_auth_max_bytes: int = field(default=16384, metadata={
+        "help": "largest message before HELLO succeeds (closed 1009 beyond); then --max-message-mb applies"})
+    hello_timeout_s: float = field(default=10.0, metadata={
+        "help": "seconds from connect to a successful HELLO, partial frames included; then closed (1008)"})
+    auth_free_per_device: int = field(default=5, metadata={
+        "help": "failed authentications of a device id before it is locked out"})
+    auth_free_per_address: int = field(default=20, metadata={
+        "help": "failed authentications from an address before it is locked out"})
+    auth_lockout_s: float = field(default=1.0, metadata={
+        "help": "first lock-out after the free failures; doubles with each further failure"})
+    auth_lockout_max_s: float = field(default=300.0, metadata={"help": "longest lock-out"})
+    message_rate: float = field(default=100.0, metadata={
+        "help": "messages per second a session may send on average; faster ones are held back (0: no limit)"})
+    message_burst: int = field(default=200, metadata={"help": "messages a session may send at once above the rate"})
+
+    def auth_throttle(self) -> AuthThrottle:
+        return AuthThrottle(self.auth_free_per_device, self.auth_free_per_address, self.auth_lockout_s,
+                            self.auth_lockout_max_s)
+
+
+class RateLimit:
+    """Token bucket for one session: a message beyond the burst waits for its token (back-pressure; an honest
+    device, which waits for each reply, is never slowed at the default rate)."""
+
+    def __init__(self, rate: float, burst: int):
+        self.rate, self.burst = rate, max(burst, 1)
+        self.tokens = float(self.burst)
+        self.at = time.monotonic()
+        self.held = 0  # messages held back so far
+
+    async def take(self) -> None:
+        if not self.rate:
+            return
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        self.tokens -= 1
+        if self.tokens < 0:
+            self.held += 1
+            await asyncio.sleep(-self.tokens / self.rate)
 
 
 @dataclass
@@ -56,8 +108,9 @@ class ServerConfig:
     checkpoint_every_s: float = 30.0
     checkpoint_every_batches: int = 0     # 0: time-based only
     log_every_s: float = 10.0
-    pending_timeout_s: float = 60.0
+    pending_timeout_s: float = 60.0       # device head: the U-turn's hold on the model, from when it took it
     record_max: int = 0                   # > 0: keep up to this many received training samples per device (audit)
+    limits: Limits = field(default_factory=Limits)
 
     @property
     def checkpoint_path(self) -> Path:
@@ -83,6 +136,7 @@ def server_info(trainer: ServerTrainer, max_batch: int, max_message_bytes: int) 
 class _Connection:
     ws: ServerConnection
     session: ServerSession
+    opened: float = field(default_factory=time.monotonic)
     holds_lock: bool = False
     lock_taken: float = 0.0               # monotonic time the U-turn took the model lock
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -98,6 +152,8 @@ class EdgeServer:
         self.model_lock = asyncio.Lock()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="compute")
         self.connections: dict[str, tuple[ServerConnection, asyncio.Event]] = {}
+        self.open_by_address: Counter[str] = Counter()
+        self.auth_throttle = config.limits.auth_throttle()
         self._batches_since_checkpoint = 0
         self._stop = asyncio.Event()
         self.port: int | None = None
@@ -151,9 +207,11 @@ class EdgeServer:
                 loop.add_signal_handler(sig, self._stop.set)
             except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
                 pass
-        async with serve(self.handle, self.config.host, self.config.port, max_size=self.info.max_message_bytes,
+        # Until HELLO succeeds a connection may send only small messages; _perform raises the limit on admission.
+        async with serve(self.handle, self.config.host, self.config.port,
+                         max_size=min(self.config.limits.pre_auth_max_bytes, self.info.max_message_bytes),
                          compression=None, max_queue=4, write_limit=2 ** 24, ping_interval=30,
-                         ping_timeout=120) as server:
+                         ping_timeout=120, close_timeout=2) as server:  # a trickler cannot answer a close
             self.port = next(iter(server.sockets)).getsockname()[1]
             log.info("listening on ws://%s:%d", self.config.host, self.port)
             if on_ready:
@@ -195,19 +253,49 @@ class EdgeServer:
             await old_done.wait()
         self.connections[device_id] = (ws, done)
 
+    def _refusal(self, address: str) -> str | None:
+        limits = self.config.limits
+        if sum(self.open_by_address.values()) >= limits.max_connections:
+            return f"server full ({limits.max_connections} connections)"
+        if self.open_by_address[address] >= limits.max_connections_per_address:
+            return f"too many connections from this address ({limits.max_connections_per_address})"
+        return None
+
+    def _deadline(self, conn: "_Connection") -> tuple[float | None, int, str]:
+        """How long the next message may take: a new connection has until its HELLO deadline; a device holding
+        the model in a U-turn, until its lock timeout counted from when it took the lock (other messages do
+        not re-arm it)."""
+        if conn.session.device_id is None:
+            limit = self.config.limits.hello_timeout_s
+            return limit - (time.monotonic() - conn.opened), CLOSE_POLICY, f"no hello within {limit:g} s"
+        if conn.holds_lock:
+            limit = self.config.pending_timeout_s
+            return (limit - (time.monotonic() - conn.lock_taken), CLOSE_TIMEOUT,
+                    f"embedding gradient not received within {limit:g} s")
+        return None, 0, ""
+
     async def handle(self, ws: ServerConnection) -> None:
-        conn = _Connection(ws, ServerSession(self.info, self.authenticate, self.records, self.durable_through))
+        address = str(ws.remote_address[0]) if ws.remote_address else "?"
+        refusal = self._refusal(address)
+        if refusal:
+            log.warning("refused a connection from %s: %s", address, refusal)
+            await ws.close(CLOSE_TRY_AGAIN, refusal)
+            return
+        self.open_by_address[address] += 1
+        authenticate = throttled(self.authenticate, self.auth_throttle, address)
+        conn = _Connection(ws, ServerSession(self.info, authenticate, self.records, self.durable_through))
         session = conn.session
+        rate = RateLimit(self.config.limits.message_rate, self.config.limits.message_burst)
         try:
             while True:
+                timeout, code, reason = self._deadline(conn)
                 try:
-                    timeout = self.config.pending_timeout_s if conn.holds_lock else None
                     data = await asyncio.wait_for(ws.recv(), timeout)
                 except TimeoutError:
-                    log.warning("%s: no embedding gradient within %.0fs; dropping its batch", session.device_id,
-                                self.config.pending_timeout_s)
-                    await ws.close(CLOSE_TIMEOUT, "embedding gradient not received in time")
+                    log.warning("%s from %s: %s; closing", session.device_id or "connection", address, reason)
+                    await ws.close(code, reason)
                     break
+                await rate.take()
                 action = session.receive(data)
                 if session.device_id:
                     self.metrics.traffic(session.device_id, bytes_in=len(data))
@@ -226,6 +314,11 @@ class EdgeServer:
                 self._release(conn)
             if session.device_id and self.connections.get(session.device_id, (None,))[0] is ws:
                 del self.connections[session.device_id]
+            self.open_by_address[address] -= 1
+            if not self.open_by_address[address]:
+                del self.open_by_address[address]
+            if rate.held:
+                log.info("%s from %s: %d messages held back by the rate limit", session.device_id, address, rate.held)
             conn.done.set()
 
     async def _perform(self, conn: "_Connection", action: Action) -> bytes:
@@ -234,6 +327,7 @@ class EdgeServer:
         if isinstance(action, Reply):
             return action.data
         if isinstance(action, Admit):
+            conn.ws.protocol.max_message_size = self.info.max_message_bytes  # authenticated: the announced limit
             await self._admit(action.device_id, conn.ws, conn.done)
             log.info("%s connected (%s head), resume from batch %d", action.device_id, session.head,
                      session.record.last_applied + 1)

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -14,10 +16,26 @@ from device_sdk.cli import add_data_args, add_model_args, load_data, model_spec
 from device_sdk.optim import TrainConfig
 from protocol.messages import DEFAULT_MAX_MESSAGE_BYTES
 
-from .app import EdgeServer, ServerConfig, server_info
+from .app import EdgeServer, Limits, ServerConfig, server_info
 from .auth import TokenAuthenticator, issue_tokens, load_tokens
 from .pretrain import pretrain
-from .trainer import ServerTrainer
+from .trainer import ServerTrainer, StepGuard
+
+T = TypeVar("T")
+
+
+def add_dataclass_options(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    """One option per field of `cls` (--field-name), its default and help taken from the field: the values
+    are declared once, in the dataclass."""
+    group = parser.add_argument_group(title)
+    for f in dataclasses.fields(cls):
+        group.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
+                           help=f"{f.metadata.get('help', '')} (default: {f.default})")
+
+
+def from_args(cls: type[T], args: argparse.Namespace) -> T:
+    values: dict[str, Any] = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    return cls(**values)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,7 +61,10 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--decay-steps", type=int, default=1000)
     s.add_argument("--max-batch", type=int, default=64)
     s.add_argument("--max-message-mb", type=float, default=DEFAULT_MAX_MESSAGE_BYTES / 2 ** 20)
-    s.add_argument("--pending-timeout", type=float, default=60.0, help="device head: seconds to wait for a gradient")
+    s.add_argument("--pending-timeout", type=float, default=60.0,
+                   help="device head: seconds a device may hold the shared model from its FORWARD to its gradient")
+    add_dataclass_options(s, Limits, "limits against hostile or broken clients (docs/operations.md)")
+    add_dataclass_options(s, StepGuard, "poisoning guard: what a batch must look like to reach the model")
     s.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     s.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     s.add_argument("--seed", type=int, default=0)
@@ -79,12 +100,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     config = TrainConfig(args.lr, args.momentum, args.weight_decay, args.lr_decay, args.decay_steps, args.seed)
     trainer = ServerTrainer(model_spec(args), args.split, args.num_classes, config, args.device, args.init,
-                            args.train_only)
+                            args.train_only, from_args(StepGuard, args))
     info = server_info(trainer, args.max_batch, int(args.max_message_mb * 2 ** 20))
     server = EdgeServer(trainer, info, TokenAuthenticator(load_tokens(args.tokens)),
                         ServerConfig(args.host, args.port, args.run_dir, args.checkpoint_every,
                                      args.checkpoint_every_batches, pending_timeout_s=args.pending_timeout,
-                                     record_max=args.record_max))
+                                     record_max=args.record_max, limits=from_args(Limits, args)))
     logging.getLogger("splitface.server").info("training %s split at %s on %s", args.model, args.split, trainer.device)
     asyncio.run(server.run(on_ready=lambda port: print(f"READY {port}", flush=True)))
 
