@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import msgpack
+from prometheus_client import CollectorRegistry, start_http_server
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
@@ -39,7 +41,7 @@ from protocol import messages as m
 
 from .auth import AuthThrottle, throttled
 from .checkpoint import NonFiniteState, load_checkpoint, save_checkpoint
-from .metrics import Metrics
+from .metrics import Metrics, PrometheusCollector
 from .recorder import Recorder
 from .trainer import ServerTrainer, StepRefused
 
@@ -111,6 +113,8 @@ class ServerConfig:
     pending_timeout_s: float = 60.0       # device head: the U-turn's hold on the model, from when it took it
     record_max: int = 0                   # > 0: keep up to this many received training samples per device (audit)
     limits: Limits = field(default_factory=Limits)
+    metrics_port: int | None = None       # Prometheus endpoint (0: a free port); None: none
+    metrics_host: str = "127.0.0.1"
 
     @property
     def checkpoint_path(self) -> Path:
@@ -157,6 +161,7 @@ class EdgeServer:
         self._batches_since_checkpoint = 0
         self._stop = asyncio.Event()
         self.port: int | None = None
+        self.metrics_port: int | None = None
         self._restore()
 
     # ---- checkpoints -------------------------------------------------------------------
@@ -173,6 +178,8 @@ class EdgeServer:
         self.trainer.load_state_dict(state["trainer"])
         self.records = {d: DeviceRecord(r["last_applied"], r["last_reply"]) for d, r in state["devices"].items()}
         self.durable = {d: r.last_applied for d, r in self.records.items()}
+        if "metrics" in state:  # counted as of the checkpoint, like the batches it holds
+            self.metrics = Metrics.from_state(state["metrics"])
         log.info("resumed from %s at server step %d (%s)", self.config.checkpoint_path, self.trainer.steps,
                  ", ".join(f"{d}@{r.last_applied}" for d, r in sorted(self.records.items())) or "no devices")
 
@@ -181,7 +188,7 @@ class EdgeServer:
         async with self.model_lock:
             devices = {d: {"last_applied": r.last_applied, "last_reply": r.last_reply} for d, r in self.records.items()}
             state = {"identity": self._identity(), "trainer": self.trainer.state_dict(), "devices": devices,
-                     "saved_at": time.time()}
+                     "metrics": self.metrics.state(), "saved_at": time.time()}
             try:
                 await self._compute(save_checkpoint, self.config.checkpoint_path, state)
             except NonFiniteState as exc:
@@ -214,6 +221,7 @@ class EdgeServer:
                          ping_timeout=120, close_timeout=2) as server:  # a trickler cannot answer a close
             self.port = next(iter(server.sockets)).getsockname()[1]
             log.info("listening on ws://%s:%d", self.config.host, self.port)
+            exporter = self._start_exporter()
             if on_ready:
                 on_ready(self.port)
             housekeeping = asyncio.create_task(self._housekeeping())
@@ -221,6 +229,9 @@ class EdgeServer:
             housekeeping.cancel()
             server.close(close_connections=True)
             await server.wait_closed()
+            if exporter is not None:
+                exporter.shutdown()
+                exporter.server_close()
         await self.checkpoint()
         self.metrics.write(self.config.metrics_path)
         log.info("stopped: %s", self.metrics.line())
@@ -228,6 +239,17 @@ class EdgeServer:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def _start_exporter(self) -> Any:
+        """The Prometheus endpoint (HTTP, in its own thread), or None when no --metrics-port is given."""
+        if self.config.metrics_port is None:
+            return None
+        registry = CollectorRegistry(auto_describe=True)
+        registry.register(PrometheusCollector(lambda: self.metrics, lambda: len(self.connections)))
+        httpd, _ = start_http_server(self.config.metrics_port, self.config.metrics_host, registry)
+        self.metrics_port = httpd.server_port
+        log.info("metrics on http://%s:%d/metrics", self.config.metrics_host, self.metrics_port)
+        return httpd
 
     async def _housekeeping(self) -> None:
         last_ckpt = last_log = time.monotonic()
@@ -279,6 +301,7 @@ class EdgeServer:
         refusal = self._refusal(address)
         if refusal:
             log.warning("refused a connection from %s: %s", address, refusal)
+            self.metrics.closed("connection_limit")
             await ws.close(CLOSE_TRY_AGAIN, refusal)
             return
         self.open_by_address[address] += 1
@@ -293,10 +316,13 @@ class EdgeServer:
                     data = await asyncio.wait_for(ws.recv(), timeout)
                 except TimeoutError:
                     log.warning("%s from %s: %s; closing", session.device_id or "connection", address, reason)
+                    self.metrics.closed("hello_timeout" if code == CLOSE_POLICY else "lock_timeout")
                     await ws.close(code, reason)
                     break
                 await rate.take()
                 action = session.receive(data)
+                if isinstance(action, Reply) and (code := _error_code(action.data)):
+                    self.metrics.error(code)
                 if session.device_id:
                     self.metrics.traffic(session.device_id, bytes_in=len(data))
                 reply = await self._perform(conn, action)
@@ -304,6 +330,7 @@ class EdgeServer:
                 if session.device_id:
                     self.metrics.traffic(session.device_id, bytes_out=len(reply))
                 if isinstance(action, Reply) and action.close:
+                    self.metrics.closed("protocol_error")
                     await ws.close(CLOSE_POLICY, "protocol error")
                     break
         except ConnectionClosed:
@@ -329,6 +356,7 @@ class EdgeServer:
         if isinstance(action, Admit):
             conn.ws.protocol.max_message_size = self.info.max_message_bytes  # authenticated: the announced limit
             await self._admit(action.device_id, conn.ws, conn.done)
+            self.metrics.sessions += 1
             log.info("%s connected (%s head), resume from batch %d", action.device_id, session.head,
                      session.record.last_applied + 1)
             return session.welcome()
@@ -365,9 +393,11 @@ class EdgeServer:
         except StepRefused as exc:
             log.warning("%s: batch %d refused: %s", session.device_id, batch_id, exc.message)
             session.failed(batch_id, exc.message)  # forgets a pending device-head batch
+            self.metrics.error(exc.code.value)
             return m.encode(m.error(exc.code, exc.message, batch_id)), False
         except Exception:
             log.exception("%s: batch %d failed", session.device_id, batch_id)
+            self.metrics.error("server_error")
             return session.failed(batch_id, "the server failed on this batch; it was not applied"), False
         if train:
             self.metrics.batch(session.device_id, n, time.perf_counter() - start, loss, n_correct)
@@ -406,6 +436,17 @@ class EdgeServer:
         if self.recorder:
             self.recorder.record_embedding_grad(session.device_id, action.batch_id, action.grad)
         return session.applied(action.batch_id, grad, server_s=time.perf_counter() - start), len(grad), None, None, True
+
+
+def _error_code(reply: bytes) -> str | None:
+    """The code of an ERROR the session built (errors are small: larger replies are not decoded)."""
+    if len(reply) > 4096:
+        return None
+    try:
+        message = msgpack.unpackb(reply)
+    except ValueError:
+        return None
+    return message.get("code") if isinstance(message, dict) and message.get("type") == m.ERROR else None
 
 
 class ServerThread:

@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="device head: seconds a device may hold the shared model from its FORWARD to its gradient")
     add_dataclass_options(s, Limits, "limits against hostile or broken clients (docs/operations.md)")
     add_dataclass_options(s, StepGuard, "poisoning guard: what a batch must look like to reach the model")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (0: a free one; default: none)")
+    s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
     s.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     s.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     s.add_argument("--seed", type=int, default=0)
@@ -105,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     server = EdgeServer(trainer, info, TokenAuthenticator(load_tokens(args.tokens)),
                         ServerConfig(args.host, args.port, args.run_dir, args.checkpoint_every,
                                      args.checkpoint_every_batches, pending_timeout_s=args.pending_timeout,
-                                     record_max=args.record_max, limits=from_args(Limits, args)))
+                                     record_max=args.record_max, limits=from_args(Limits, args),
+                                     metrics_port=args.metrics_port, metrics_host=args.metrics_host))
     logging.getLogger("splitface.server").info("training %s split at %s on %s", args.model, args.split, trainer.device)
     asyncio.run(server.run(on_ready=lambda port: print(f"READY {port}", flush=True)))
 

@@ -1,0 +1,115 @@
+"""Server metrics: restored from the checkpoint on resume (issue #16: 127 of 200 batches counted after a
+kill -9), and scraped from the Prometheus endpoint over HTTP."""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import urllib.request
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from device_sdk.client import DeviceClient, Rollback
+from device_sdk.engine import DeviceEngine
+from protocol.errors import RemoteError
+from tests.conftest import TOKENS, serve_in_thread, small_trainer
+
+NUM_CLASSES = 5
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """Every sample of the endpoint, keyed by (name, sorted labels)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def _train(client: DeviceClient, batch_id: int) -> None:
+    rng = np.random.default_rng(batch_id)
+    await client.train_batch(batch_id, rng.integers(0, 256, (4, 3, 64, 64), dtype=np.uint8),
+                             rng.integers(0, NUM_CLASSES, 4), np.arange(4) + 4 * batch_id)
+
+
+@pytest.mark.slow
+def test_metrics_survive_a_crash_and_are_scraped(tmp_path):
+    """Server A applies batches 1-5 and checkpoints after 3; it 'crashes' (B starts from that checkpoint, as
+    after a kill -9). B's metrics count 3, then 5 once the device has replayed 4 and 5: the count equals the
+    batches applied, never those lost with the crash."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    second.mkdir()
+    client = None
+    with serve_in_thread(small_trainer(NUM_CLASSES), first, max_batch=8, checkpoint_every_s=1e9) as a:
+        async def until_crash() -> DeviceClient:
+            c = DeviceClient(a.url, "device-0", TOKENS["device-0"],
+                             DeviceEngine(a.trainer.spec, "conv1", "server", NUM_CLASSES), batch_size=8)
+            await c.connect()
+            for b in (1, 2, 3):
+                await _train(c, b)
+            with pytest.raises(RemoteError, match="out_of_order"):
+                await _train(c, 9)
+            await c.close()
+            return c
+        client = asyncio.run(until_crash())
+        asyncio.run_coroutine_threadsafe(a.server.checkpoint(), a._loop).result(60)
+        shutil.copy(first / "checkpoint.pt", second / "checkpoint.pt")
+
+        async def after_checkpoint() -> None:
+            await client.reconnect()
+            for b in (4, 5):
+                await _train(client, b)
+            await client.close()
+        asyncio.run(after_checkpoint())
+
+    with serve_in_thread(small_trainer(NUM_CLASSES), second, max_batch=8, metrics_port=0) as b:
+        port = b.server.metrics_port
+        resumed = _scrape(port)
+        assert resumed[("splitface_batches_total", ())] == 3
+        assert resumed[("splitface_device_batches_total", (("device", "device-0"),))] == 3
+        assert resumed[("splitface_errors_total", (("code", "out_of_order"),))] == 1
+        assert resumed[("splitface_step_seconds_count", ())] == 3
+
+        async def replay() -> None:
+            client.url = b.url
+            with pytest.raises(Rollback):
+                await client.reconnect()
+            for batch in (4, 5):
+                await _train(client, batch)
+            await client.close()
+        asyncio.run(replay())
+        b.server.metrics.spent_epsilon("device-0", 1.25)
+        now = _scrape(port)
+        assert now[("splitface_batches_total", ())] == 5 == b.server.records["device-0"].last_applied
+        assert now[("splitface_samples_total", ())] == 20
+        assert now[("splitface_step_seconds_count", ())] == 5
+        assert now[("splitface_step_seconds_bucket", (("le", "+Inf"),))] == 5
+        assert now[("splitface_sessions_total", ())] == 2   # A's before its checkpoint, and B's
+        assert now[("splitface_bytes_total", (("direction", "in"),))] > 5 * 4 * 16 * 64 * 64 * 4
+        assert now[("splitface_spent_epsilon", (("device", "device-0"),))] == 1.25
+        assert ("splitface_sessions_open", ()) in now
+    summary = json.loads((second / "metrics.json").read_text())
+    assert summary["global"]["batches"] == 5 and summary["errors"] == {"out_of_order": 1}
+
+
+def test_metrics_state_round_trips_into_the_exposition():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from edge_server.metrics import Metrics, PrometheusCollector
+    metrics = Metrics()
+    for seconds in (0.003, 0.003, 7.0, 60.0):
+        metrics.batch("d1", 4, seconds, loss=1.0, n_correct=1)
+    metrics.error("bad_tensor")
+    metrics.closed("hello_timeout")
+    restored = Metrics.from_state(json.loads(json.dumps(metrics.state())))  # as a checkpoint would keep it
+    registry = CollectorRegistry()
+    registry.register(PrometheusCollector(lambda: restored, lambda: 0))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+    assert samples[("splitface_step_seconds_bucket", (("le", "0.005"),))] == 2
+    assert samples[("splitface_step_seconds_bucket", (("le", "10.0"),))] == 3
+    assert samples[("splitface_step_seconds_bucket", (("le", "+Inf"),))] == 4
+    assert samples[("splitface_step_seconds_sum", ())] == pytest.approx(67.006)
+    assert samples[("splitface_errors_total", (("code", "bad_tensor"),))] == 1
+    assert samples[("splitface_closes_total", (("reason", "hello_timeout"),))] == 1
+    assert samples[("splitface_device_batches_total", (("device", "d1"),))] == 4
