@@ -8,11 +8,15 @@ restarted from an older checkpoint.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import math
+import ssl
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
@@ -30,6 +34,38 @@ log = logging.getLogger("splitface.device")
 
 class ConnectionLost(Exception):
     pass
+
+
+class UntrustedServer(ConnectionError):
+    """The server's TLS certificate does not verify against the trusted CAs or is for another host name;
+    retrying cannot help."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine only (a plain ws:// connection cannot be read on the network)."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def tls_context(url: str, ca_file: Path | None, insecure: bool) -> ssl.SSLContext | None:
+    """The TLS settings for `url`: wss:// verifies the server's certificate (against `ca_file`, else the system's
+    CAs) with host-name checks on. Plain ws:// sends the token in clear, so it is refused unless the host is
+    loopback or `insecure` is set."""
+    parts = urlsplit(url)
+    if parts.scheme == "wss":
+        return ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+    if parts.scheme != "ws":
+        raise ValueError(f"{url}: the server URL must start with wss:// (or ws:// on loopback)")
+    if ca_file is not None:
+        raise ValueError(f"{url}: a CA file was given for a plain ws:// URL; use wss://")
+    if not insecure and not is_loopback(parts.hostname or ""):
+        raise ValueError(f"{url}: plain ws:// to a non-loopback host would send the device token in clear; "
+                         f"use wss:// (with a CA file), or allow it explicitly (insecure)")
+    return None
 
 
 class Rollback(Exception):
@@ -65,11 +101,14 @@ class BatchResult:
 class DeviceClient:
     def __init__(self, url: str, device_id: str, token: str, engine: DeviceEngine, batch_size: int,
                  encodings: dict[str, str] | None = None, reconnect_timeout_s: float = 120.0, server_retries: int = 3,
-                 max_message_bytes: int = m.DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = m.DEFAULT_MAX_MESSAGE_BYTES, ca_file: Path | None = None,
+                 insecure: bool = False):
         """`max_message_bytes`: the largest server message accepted (the spec's floor is 2^30, raised to the
-        server's announced limit if that is larger); the client never accepts unbounded messages."""
+        server's announced limit if that is larger); the client never accepts unbounded messages. `ca_file`:
+        the CA certificates (PEM) trusted for a wss:// server; `insecure`: allow plain ws:// off loopback."""
         if max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be positive, not {max_message_bytes}")
+        self.ssl = tls_context(url, ca_file, insecure)
         self.url = url
         self.max_message_bytes = max_message_bytes
         self.engine = engine
@@ -95,7 +134,8 @@ class DeviceClient:
         while True:
             try:
                 self._ws = await connect(self.url, max_size=self.max_message_bytes, compression=None, open_timeout=10,
-                                         ping_interval=30, ping_timeout=120, close_timeout=2, max_queue=4)
+                                         ping_interval=30, ping_timeout=120, close_timeout=2, max_queue=4,
+                                         ssl=self.ssl)
                 await self._ws.send(self.session.hello())
                 welcome = self.session.accept_welcome(await self._ws.recv())
                 self._ws.protocol.max_message_size = max(self.max_message_bytes, self.session.max_message_bytes)
@@ -103,6 +143,10 @@ class DeviceClient:
             except RemoteError:
                 await self.close()
                 raise  # unauthorised, wrong model...: retrying cannot help
+            except ssl.SSLCertVerificationError as exc:
+                await self.close()
+                raise UntrustedServer(f"{self.device_id}: TLS certificate of {self.url} not accepted: "
+                                      f"{exc.verify_message or exc}") from exc
             except (OSError, ConnectionClosed, InvalidHandshake, asyncio.TimeoutError) as exc:
                 await self.close()
                 if time.monotonic() > deadline:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import ssl
 import threading
 import time
 from collections import Counter
@@ -22,6 +23,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
+from device_sdk.client import is_loopback
 from device_sdk.models import activation_shape
 from protocol.session import (
     Action,
@@ -115,6 +117,23 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     metrics_port: int | None = None       # Prometheus endpoint (0: a free port); None: none
     metrics_host: str = "127.0.0.1"
+    tls_cert: Path | None = None          # PEM certificate chain: serve wss://
+    tls_key: Path | None = None           # its private key (PEM)
+    insecure: bool = False                # allow plain ws:// on a non-loopback address
+
+    def tls(self) -> ssl.SSLContext | None:
+        """The server's TLS context; plain ws:// only on loopback unless `insecure` (tokens travel in HELLO)."""
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("give both --tls-cert and --tls-key, or neither")
+        if self.tls_cert is None:
+            if not (self.insecure or is_loopback(self.host)):
+                raise ValueError(f"refusing to serve plain ws:// on {self.host}: device tokens would cross the network "
+                                 f"in clear; give --tls-cert/--tls-key, or --insecure (e.g. behind a TLS proxy)")
+            return None
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.tls_cert, self.tls_key)
+        return context
 
     @property
     def checkpoint_path(self) -> Path:
@@ -162,6 +181,7 @@ class EdgeServer:
         self._stop = asyncio.Event()
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.ssl = config.tls()
         self._restore()
 
     # ---- checkpoints -------------------------------------------------------------------
@@ -215,12 +235,12 @@ class EdgeServer:
             except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
                 pass
         # Until HELLO succeeds a connection may send only small messages; _perform raises the limit on admission.
-        async with serve(self.handle, self.config.host, self.config.port,
+        async with serve(self.handle, self.config.host, self.config.port, ssl=self.ssl,
                          max_size=min(self.config.limits.pre_auth_max_bytes, self.info.max_message_bytes),
                          compression=None, max_queue=4, write_limit=2 ** 24, ping_interval=30,
                          ping_timeout=120, close_timeout=2) as server:  # a trickler cannot answer a close
             self.port = next(iter(server.sockets)).getsockname()[1]
-            log.info("listening on ws://%s:%d", self.config.host, self.port)
+            log.info("listening on %s://%s:%d", "wss" if self.ssl else "ws", self.config.host, self.port)
             exporter = self._start_exporter()
             if on_ready:
                 on_ready(self.port)
@@ -471,7 +491,7 @@ class ServerThread:
 
     @property
     def url(self) -> str:
-        return f"ws://{self.server.config.host}:{self.server.port}"
+        return f"{'wss' if self.server.ssl else 'ws'}://{self.server.config.host}:{self.server.port}"
 
     def __enter__(self) -> "ServerThread":
         self._thread.start()

@@ -65,6 +65,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="device head: seconds a device may hold the shared model from its FORWARD to its gradient")
     add_dataclass_options(s, Limits, "limits against hostile or broken clients (docs/operations.md)")
     add_dataclass_options(s, StepGuard, "poisoning guard: what a batch must look like to reach the model")
+    s.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve wss:// (with --tls-key)")
+    s.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    s.add_argument("--insecure", action="store_true",
+                   help="allow plain ws:// on a non-loopback --host (tokens in clear; e.g. behind a TLS proxy)")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (0: a free one; default: none)")
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
@@ -109,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
                         ServerConfig(args.host, args.port, args.run_dir, args.checkpoint_every,
                                      args.checkpoint_every_batches, pending_timeout_s=args.pending_timeout,
                                      record_max=args.record_max, limits=from_args(Limits, args),
-                                     metrics_port=args.metrics_port, metrics_host=args.metrics_host))
+                                     metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                                     tls_cert=args.tls_cert, tls_key=args.tls_key, insecure=args.insecure))
     logging.getLogger("splitface.server").info("training %s split at %s on %s", args.model, args.split, trainer.device)
     asyncio.run(server.run(on_ready=lambda port: print(f"READY {port}", flush=True)))
 
