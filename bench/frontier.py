@@ -44,6 +44,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
+from device_sdk.cli import add_model_args, model_argv  # noqa: E402
 from device_sdk.engine import initial_layer  # noqa: E402
 from device_sdk.models import ModelSpec  # noqa: E402
 from edge_server.demo import run_recorded  # noqa: E402
@@ -65,11 +66,46 @@ POINTS: list[tuple[str, dict, list[str]]] = [
       "--mechanism", "per-image", "--clip-norm", "16", "--noise-multiplier", "0.05"]),
     ("dct", {"drop": 4}, ["--release", "dct", "--split", "layer2", "--dct-drop", "4"]),
     ("dct", {"drop": 4, "keep": 36}, ["--release", "dct", "--split", "layer2", "--dct-drop", "4", "--dct-keep", "36"]),
+    # the bottleneck's device part pre-trained against a decoder and an identity matcher (edge_server/ressfl.py),
+    # then run frozen with those published weights: the audit attacks it white-box with fresh attackers
+    ("ressfl", {"channels": 4, "stride": 2, "lambda_rec": 10, "lambda_id": 2},
+     ["--release", "bottleneck", "--bottleneck-channels", "4", "--bottleneck-stride", "2", "{pretrained}"]),
 ]
+
+# what a point's "{pretrained}" stands for: the devices load the attacker-aware weights, frozen, and the server's
+# tail starts from the same file
+PRETRAINED_ARGS = ["--device-weights", "{weights}", "--layer-training", "frozen", "--server-init", "{weights}"]
 
 
 def point_name(transform: str, params: dict) -> str:
     return "-".join([transform, *(f"{k}{v:g}" for k, v in params.items())])
+
+
+def pretrained_weights(name: str, params: dict, demo_args: list[str], args: argparse.Namespace) -> Path:
+    """The point's attacker-aware device part (`python -m edge_server.ressfl`), made once and kept
+    (re-made when its settings differ or with --force)."""
+    weights = args.out / "pretrained" / f"{name}.pt"
+    recorded = weights.with_suffix(".args.json")
+    lambdas = [f"--{k.replace('_', '-')}={v:g}" for k, v in params.items() if k.startswith("lambda_")]
+    model = argparse.ArgumentParser(add_help=False)
+    add_model_args(model)
+    known, _ = model.parse_known_args(["--model", args.model, *demo_args])
+    cmd = ["--data", str(args.data), *model_argv(known), *lambdas, *args.pretrain_args.split()]
+    if weights.exists() and recorded.exists() and json.loads(recorded.read_text()) == cmd and not args.force:
+        return weights
+    weights.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "edge_server.ressfl", "--out", str(weights), *cmd], check=True)
+    recorded.write_text(json.dumps(cmd))
+    return weights
+
+
+def point_args(name: str, params: dict, demo_args: list[str], args: argparse.Namespace) -> list[str]:
+    """The point's splitface-demo arguments, with "{pretrained}" made real."""
+    if "{pretrained}" not in demo_args:
+        return demo_args
+    weights = str(pretrained_weights(name, params, [a for a in demo_args if a != "{pretrained}"], args).resolve())
+    return [b for a in demo_args for b in ([x.format(weights=weights) for x in PRETRAINED_ARGS]
+                                           if a == "{pretrained}" else [a])]
 
 
 def run_point(name: str, demo_args: list[str], args: argparse.Namespace) -> dict:
@@ -205,19 +241,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--force", action="store_true", help="re-train, re-evaluate and re-audit every point")
     p.add_argument("--demo-args", default="--threads 1", help="more splitface-demo arguments")
     p.add_argument("--audit-args", default="--threads 2 --substitute", help="more splitface-audit arguments")
+    p.add_argument("--pretrain-args", default="--epochs 10 --threads 2",
+                   help="more arguments of the attacker-aware pre-training (python -m edge_server.ressfl)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     points = [(t, params, a) for t, params, a in POINTS if args.only is None or point_name(t, params) in args.only
               or (t, params) == POINTS[0][:2]]
     names = [point_name(t, params) for t, params, _ in points]
-    outcomes = [run_point(n, a, args) for n, (_, _, a) in zip(names, points)]
+    demo_args = [point_args(n, params, a, args) for n, (_, params, a) in zip(names, points)]
+    outcomes = [run_point(n, a, args) for n, a in zip(names, demo_args)]
     attacks = audit(names, args)
     reference = {"test_acc": outcomes[0]["results"]["epochs"][-1]["test_acc"],
                  "view1_accuracy": outcomes[0]["view1"]["view1_accuracy"]}
     rows = [row(t, params, o, attacks[n], reference) for (t, params, _), n, o in zip(points, names, outcomes)]
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
     best = best_point(rows)
-    best["demo_args"] = next(a for (t, params, a), n in zip(points, names) if n == best["run"])
+    best["demo_args"] = demo_args[names.index(best["run"])]
     (args.out / "best.json").write_text(json.dumps(best, indent=2))
     text = table(rows, outcomes[0]["results"]["config"])
     (args.out / "table.md").write_text(text)
