@@ -71,8 +71,9 @@ class LayerVJP(nn.Module):
       conv:  dL/dW = conv of x with g (batch and channels swapped, stride as dilation), dL/db = sum of g,
              dL/dx = conv_transpose(g, W) (skipped for the first conv: its input is the image);
       ReLU:  g [x > 0];   tanh: g (1 - tanh(x)^2);
-      LRN:   with a = clamp(x, 0, m), s = band * a^2, d = gamma + alpha s, out = a d^-beta:
-             dL/da = g d^-beta - 2 a alpha beta band^T (g a d^(-beta-1)), times [0 <= x <= m] under a clamp.
+      LRN:   with a = clamp(x, 0, m), s = W(a^2) (W: the u-channel window sum, its own transpose),
+             d = gamma + alpha s, out = a d^-beta:
+             dL/da = g d^-beta - 2 a alpha beta W(g a d^(-beta-1)), times [0 <= x <= m] under a clamp.
     """
 
     def __init__(self, layer: nn.Module):
@@ -130,8 +131,8 @@ class LayerVJP(nn.Module):
         a = x
         if lrn.input_max is not None:
             a = torch.clamp(x, min=0.0, max=float(lrn.input_max))
-        d = lrn.gamma + lrn.alpha * F.conv2d(a * a, lrn.band)
-        inner = F.conv2d(g * a * torch.pow(d, -lrn.beta - 1), lrn.band.transpose(0, 1))
+        d = lrn.gamma + lrn.alpha * lrn.window_sum(a * a)
+        inner = lrn.window_sum(g * a * torch.pow(d, -lrn.beta - 1))
         grad_a = g * torch.pow(d, -lrn.beta) - 2 * lrn.alpha * lrn.beta * a * inner
         if lrn.input_max is not None:
             grad_a = grad_a * ((x >= 0) & (x <= lrn.input_max)).to(grad_a.dtype)

@@ -56,6 +56,11 @@ def test_every_artifact_verifies_on_random_and_real_faces(tmp_path, faces):
     assert Manifest.load(tmp_path).input_max == 1.0
     for f in ("release.pte", "train.pte", "release.onnx", "vjp.onnx"):
         assert (tmp_path / f).stat().st_size > 0
+    # The LRN runs as its 5-tap window in the ONNX programs too: the convs are conv1's (and its weight gradient's).
+    import onnx
+    for f, convs in (("release.onnx", 1), ("vjp.onnx", 2)):
+        ops = [node.op_type for node in onnx.load(str(tmp_path / f)).graph.node]
+        assert ops.count("Conv") == convs and "Pad" not in ops, (f, ops)
 
     # The same artifacts judged against a different layer (no clamp, other weights) must fail, not pass quietly.
     other = device_layer("iresnet_small", None)
