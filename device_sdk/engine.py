@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .models import ModelSpec, activation_shape, build_backbone, build_classifier, split_backbone, to_input
+from .models import ModelSpec, activation_shape, build_classifier, build_device_part, to_input
 from .models.lrn import PaperLRN
 from .models.weights import load_into
 from .optim import TrainConfig, exponential_decay, make_sgd
@@ -65,9 +65,10 @@ def release_key(release: Release) -> str:
 
 def initial_layer(spec: ModelSpec, split: str, seed: int, weights: Path | None = None) -> nn.Module:
     """The device part as every device starts it: seeded (all devices draw the same layer) or loaded
-    from published weights. An edge server that knows the seed can build the same one."""
+    from published weights. An edge server that knows the seed can build the same one. Only the stages
+    the device runs are built (the server's tail never exists here), with the full build's weights."""
     torch.manual_seed(seed)
-    layer, _ = split_backbone(build_backbone(spec), split)
+    layer = build_device_part(spec, split)
     if weights is not None:
         load_into(layer, weights, spec)
     return layer

@@ -18,7 +18,7 @@ import numpy as np
 
 from device_sdk.cli import add_model_args, model_spec
 from device_sdk.data import find_lfw_root, load_lfw
-from device_sdk.models import build_backbone, split_backbone
+from device_sdk.models import build_device_part
 from device_sdk.models.lrn import PaperLRN
 from device_sdk.models.weights import load_into
 
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     spec = model_spec(args)
     import torch
     torch.manual_seed(args.seed)
-    layer, _ = split_backbone(build_backbone(spec), args.split)
+    layer = build_device_part(spec, args.split)  # the device's stages only, as a device builds them
     if args.weights:
         load_into(layer, args.weights, spec)
     if args.dp_clamp:

@@ -15,6 +15,7 @@ from device_sdk.models import (
     PaperLRN,
     activation_shape,
     build_backbone,
+    build_device_part,
     build_classifier,
     resolve_spec,
     split_backbone,
@@ -82,6 +83,33 @@ def test_lrn_differs_from_torch_lrn_which_divides_alpha_by_size() -> None:
     ours = PaperLRN(12).double()(a)
     assert not torch.allclose(ours, nn.LocalResponseNorm(5, alpha=1.0, beta=0.5, k=2.0)(a), atol=1e-3)
     assert torch.allclose(ours, nn.LocalResponseNorm(5, alpha=5.0, beta=0.5, k=2.0)(a), atol=1e-12)
+
+
+def test_lrn_costs_u_taps_not_a_channel_matrix() -> None:
+    """The window sum is u shifted adds per value: no matrix product or convolution anywhere in it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    a = torch.rand(2, 64, 8, 8).requires_grad_()
+    lrn = PaperLRN(64)
+    with FlopCounterMode(display=False) as counter:  # counts matrix products and convolutions, forward and backward
+        lrn(a).sum().backward()
+    assert counter.get_total_flops() == 0 and a.grad is not None
+    graph = torch.export.export(lrn, (torch.rand(1, 64, 4, 4),)).graph
+    ops = [str(n.target) for n in graph.nodes if n.op == "call_function"]
+    assert not any("conv" in op or "pool" in op or "pad" in op for op in ops), ops
+    assert sum("slice" in op for op in ops) == 5 and sum("cat" in op for op in ops) == 1
+    # edge channels and size 1 (no neighbours)
+    x = torch.rand(1, 3, 2, 2, dtype=torch.float64)
+    assert torch.allclose(PaperLRN(3, size=1)(x), lrn_loop(x, u=1), atol=1e-12)
+    assert torch.allclose(PaperLRN(3, size=7)(x), lrn_loop(x, u=7), atol=1e-12)
+
+
+def test_lrn_loads_files_saved_with_the_banded_kernel() -> None:
+    """Backbones and device layers saved before the 5-tap form hold a "band" buffer: still loadable."""
+    layer = nn.Sequential(nn.Conv2d(3, 6, 3), nn.ReLU(), PaperLRN(6))
+    old = {**layer.state_dict(), "2.band": torch.ones(6, 6, 1, 1)}
+    layer.load_state_dict(old)  # strict
+    assert "2.band" not in layer.state_dict()
 
 
 # --- specs ----------------------------------------------------------------------
@@ -257,3 +285,46 @@ def test_iresnet_trains_on_a_batch_of_one() -> None:
     assert torch.equal(features.train()(z), ref(z))
     assert torch.equal(features.running_mean, ref.running_mean) and not torch.equal(ref.running_mean, before[
         "stages.features.features.running_mean"])
+
+
+def _device_parts_agree(spec: ModelSpec, split: str, run: bool = True) -> None:
+    torch.manual_seed(7)
+    full, _ = split_backbone(build_backbone(spec), split)
+    after_full = torch.get_rng_state()
+    torch.manual_seed(7)
+    alone = build_device_part(spec, split)
+    assert torch.equal(torch.get_rng_state(), after_full), "the RNG is not where the full build leaves it"
+    assert list(alone.stages) == list(full.stages)
+    want, got = full.state_dict(), alone.state_dict()
+    assert list(got) == list(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    assert all(p.device.type == "cpu" for p in alone.parameters())
+    if run:
+        x = torch.rand(2, 3, spec.input_size, spec.input_size)
+        with torch.no_grad():
+            assert torch.equal(alone.eval()(x), full.eval()(x))
+
+
+@pytest.mark.parametrize("name", SMALL)
+def test_device_part_alone_equals_the_full_builds_at_every_split(name: str) -> None:
+    """A device builds only its stages, yet draws the same weights from the same seed as a full build."""
+    spec = PRESETS[name]
+    for split in stage_names(spec)[:-1]:
+        _device_parts_agree(spec, split, run=split == DEFAULT_SPLIT)
+
+
+def test_device_part_alone_with_release_transforms() -> None:
+    from dataclasses import replace
+
+    spec = PRESETS["iresnet_small"]
+    _device_parts_agree(replace(spec, release="bottleneck", bottleneck_channels=4, bottleneck_stride=2), "conv1")
+    _device_parts_agree(replace(spec, release="dct", dct_drop=1), "layer2", run=False)
+    _device_parts_agree(replace(spec, release_pool=4), "conv1", run=False)
+    _device_parts_agree(replace(PRESETS["vgg_face_small"], release="bottleneck"), "conv2_1", run=False)
+
+
+@pytest.mark.slow
+def test_full_size_vgg_face_device_part_alone() -> None:
+    """The full-size model too (fc6 alone is 103M parameters: its draws are replayed in chunks, never stored)."""
+    _device_parts_agree(PRESETS["vgg_face"], "conv1")

@@ -9,10 +9,11 @@ named stages so the split point is a name both sides understand.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -20,9 +21,9 @@ from torch import nn
 
 from ..transforms import RELEASES, TRANSFORMS, dct_channels
 from .iresnet import LAYERS as IRESNET_LAYERS
-from .iresnet import iresnet_stages
+from .iresnet import iter_iresnet_stages
 from .lrn import PaperLRN
-from .vgg_face import vgg_face_stages
+from .vgg_face import iter_vgg_face_stages
 
 __all__ = [
     "ModelSpec",
@@ -33,6 +34,7 @@ __all__ = [
     "PaperLRN",
     "resolve_spec",
     "build_backbone",
+    "build_device_part",
     "stage_names",
     "split_backbone",
     "activation_shape",
@@ -173,25 +175,70 @@ class Backbone(Stages):
         self.spec = spec
 
 
-def _init_weights(module: nn.Module) -> None:
-    # Standard VGG / arcface-style init, so results do not hinge on PyTorch defaults.
+def _init_weights(module: nn.Module, skip: bool = False) -> None:
+    """Standard VGG / arcface-style init, so results do not hinge on PyTorch defaults.
+
+    skip=True draws from the global RNG exactly what the init would, touching nothing (for layers that
+    exist only as shapes on the meta device: see `build_device_part`).
+    """
     for m in module.modules():
         if isinstance(m, nn.Conv2d):
-            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            if m.bias is not None:
+            if skip:
+                _skip_normal(m.weight.numel())
+            else:
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            if m.bias is not None and not skip:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, 0.0, 0.01)
-            nn.init.zeros_(m.bias)
-        elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
+            if skip:
+                _skip_normal(m.weight.numel())
+            else:
+                nn.init.normal_(m.weight, 0.0, 0.01)
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)) and not skip:
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
 
 
-def _stages(spec: ModelSpec) -> "OrderedDict[str, nn.Module]":
+# Draws that layers built on the meta device would have taken from the global (CPU) RNG. torch's CPU kernels take
+# one 32-bit word per value for uniform_ (float32), and for normal_ on n >= 16 values n uniforms plus 16 more when
+# n is not a multiple of 16 (the last 16 are redrawn); fewer than 16 normals are simply drawn. A test holds a
+# device-only build equal to the full one, so a torch that draws differently fails loudly, not silently.
+_SKIP_CHUNK = 1 << 20
+
+
+def _skip_uniform(n: int) -> None:
+    buffer = torch.empty(min(n, _SKIP_CHUNK))
+    while n > 0:
+        buffer[:min(n, _SKIP_CHUNK)].uniform_()
+        n -= _SKIP_CHUNK
+
+
+def _skip_normal(n: int) -> None:
+    if n < 16:
+        torch.empty(n).normal_()
+    else:
+        _skip_uniform(n + (16 if n % 16 else 0))
+
+
+def _skip_construction(module: nn.Module) -> None:
+    """Draw what constructing `module` on the CPU would have drawn (torch's default reset_parameters)."""
+    for m in module.modules():
+        if isinstance(m, (nn.Conv2d, nn.Linear)):  # kaiming_uniform_ weight, uniform_ bias
+            _skip_uniform(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0))
+        elif any(True for _ in m.parameters(recurse=False)) and not isinstance(
+                m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.PReLU)):  # those start from constants
+            raise NotImplementedError(f"cannot replay the initial draws of {type(m).__name__} built on meta")
+
+
+def _iter_stages(spec: ModelSpec) -> Iterator[tuple[str, nn.Module]]:
     if spec.family == "vgg_face":
-        return vgg_face_stages(spec.input_size, spec.width, spec.fc_width, spec.dropout)
-    return iresnet_stages(spec.input_size, spec.depth, spec.width, spec.embedding_size, spec.dropout)
+        return iter_vgg_face_stages(spec.input_size, spec.width, spec.fc_width, spec.dropout)
+    return iter_iresnet_stages(spec.input_size, spec.depth, spec.width, spec.embedding_size, spec.dropout)
+
+
+def _stages(spec: ModelSpec) -> "OrderedDict[str, nn.Module]":
+    return OrderedDict(_iter_stages(spec))
 
 
 def build_backbone(spec: ModelSpec) -> Backbone:
@@ -199,6 +246,32 @@ def build_backbone(spec: ModelSpec) -> Backbone:
     backbone = Backbone(spec, _stages(spec))
     _init_weights(backbone)
     return backbone
+
+
+def build_device_part(spec: ModelSpec, split: str) -> Stages:
+    """The device part of ``split_backbone(build_backbone(spec), split)``, and nothing else of the model.
+
+    Same weights from the same seed, and the global RNG left where the full build leaves it (so a device
+    head built next starts the same too), but every stage the device does not run (the server's tail, the
+    server's stage of a release transform, and with ``dct`` the backbone's own stages) exists only as
+    shapes on the meta device: no memory, and its random draws are replayed without being stored.
+    """
+    names = stage_names(spec)
+    cut = _cut_index(names, split)
+    transform = TRANSFORMS.get(spec.release)
+    real = 0 if transform is not None and transform.replaces_device else cut
+    stages: OrderedDict[str, nn.Module] = OrderedDict()
+    building = _iter_stages(spec)
+    for i in range(len(names)):
+        with torch.device("meta") if i >= real else contextlib.nullcontext():
+            name, stage = next(building)
+        if i >= real:
+            _skip_construction(stage)
+        stages[name] = stage
+    for i, stage in enumerate(stages.values()):
+        _init_weights(stage, skip=i >= real)
+    device, _ = _cut(spec, split, OrderedDict(list(stages.items())[:real]), OrderedDict(), real_server=False)
+    return device
 
 
 def stage_names(spec: ModelSpec) -> list[str]:
@@ -217,6 +290,14 @@ def split_backbone(backbone: Backbone, split: str) -> tuple[Stages, Stages]:
     alone and the backbone's stages up to the split are in neither part.
     """
     names = list(backbone.stages.keys())
+    cut = _cut_index(names, split)
+    device_stages = OrderedDict((n, backbone.stages[n]) for n in names[:cut])
+    server_stages = OrderedDict((n, backbone.stages[n]) for n in names[cut:])
+    return _cut(backbone.spec, split, device_stages, server_stages)
+
+
+def _cut_index(names: list[str], split: str) -> int:
+    """How many stages the device runs when the model is split after `split`."""
     if split not in names:
         raise ValueError(f"unknown split {split!r}; valid splits: {names[:-1]}")
     cut = names.index(split) + 1
@@ -225,14 +306,22 @@ def split_backbone(backbone: Backbone, split: str) -> tuple[Stages, Stages]:
             f"cannot split at the last stage {split!r}: the server needs at least one stage; "
             f"valid splits: {names[:-1]}"
         )
-    device_stages = OrderedDict((n, backbone.stages[n]) for n in names[:cut])
-    server_stages = OrderedDict((n, backbone.stages[n]) for n in names[cut:])
-    spec = backbone.spec
+    return cut
+
+
+def _cut(spec: ModelSpec, split: str, device_stages: "OrderedDict[str, nn.Module]",
+         server_stages: "OrderedDict[str, nn.Module]", real_server: bool = True) -> tuple[Stages, Stages]:
+    """The two parts with what a release transform or release_pool puts at the cut. real_server=False: the
+    server's transform stage is built on meta (its draws replayed), for a device that never runs it."""
     if spec.release != "none":
         # Drawn from the global RNG right after the backbone, so both sides (same seed) get the same stages.
         transform = TRANSFORMS[spec.release]
         shape = split_shape(spec, split)
-        device_stage, server_stage = transform.device(spec, shape), transform.server(spec, shape)
+        device_stage = transform.device(spec, shape)
+        with contextlib.nullcontext() if real_server else torch.device("meta"):
+            server_stage = transform.server(spec, shape)
+        if not real_server:
+            _skip_construction(server_stage)
         if transform.replaces_device:
             device_stages.clear()
         device_stages[spec.release] = device_stage

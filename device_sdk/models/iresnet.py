@@ -19,6 +19,7 @@ Batch norm accepts every batch size the protocol allows, N = 1 included (see `An
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -133,17 +134,20 @@ def iresnet_stages(
         raise ValueError(f"iresnet depth must be one of {sorted(LAYERS)}, got {depth}")
     if input_size < 16 or input_size % 16:
         raise ValueError(f"iresnet input_size must be a positive multiple of 16, got {input_size}")
-    layers = LAYERS[depth]
-    stages: OrderedDict[str, nn.Module] = OrderedDict()
-    stages["conv1"] = nn.Sequential(
+    return OrderedDict(iter_iresnet_stages(input_size, depth, width, embedding_size, dropout))
+
+
+def iter_iresnet_stages(input_size: int, depth: int, width: int, embedding_size: int,
+                        dropout: float) -> Iterator[tuple[str, nn.Module]]:
+    """The stages one at a time, each built only when asked for (a device builds its own, not the server's)."""
+    yield "conv1", nn.Sequential(
         nn.Conv2d(3, width, kernel_size=3, stride=1, padding=1, bias=True),
         nn.ReLU(),
         PaperLRN(width, size=5, alpha=1.0, beta=0.5, gamma=2.0),
     )
     inplanes = width
-    for i, (blocks, mult) in enumerate(zip(layers, (1, 2, 4, 8)), start=1):
+    for i, (blocks, mult) in enumerate(zip(LAYERS[depth], (1, 2, 4, 8)), start=1):
         planes = width * mult
-        stages[f"layer{i}"] = _make_layer(inplanes, planes, blocks, stride=2)
+        yield f"layer{i}", _make_layer(inplanes, planes, blocks, stride=2)
         inplanes = planes
-    stages["features"] = IResNetHead(inplanes, input_size // 16, embedding_size, dropout)
-    return stages
+    yield "features", IResNetHead(inplanes, input_size // 16, embedding_size, dropout)

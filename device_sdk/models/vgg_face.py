@@ -9,6 +9,7 @@ depends on the identities being trained.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Iterator
 
 from torch import nn
 
@@ -35,28 +36,31 @@ def vgg_face_stages(
     """
     if input_size < 32 or input_size % 32:
         raise ValueError(f"vgg_face input_size must be a positive multiple of 32, got {input_size}")
-    stages: OrderedDict[str, nn.Module] = OrderedDict()
+    return OrderedDict(iter_vgg_face_stages(input_size, width, fc_width, dropout))
+
+
+def iter_vgg_face_stages(input_size: int, width: int, fc_width: int, dropout: float) -> Iterator[tuple[str, nn.Module]]:
+    """The stages one at a time, each built only when asked for (a device builds its own, not the server's)."""
     cin = 3
     for b, (n_convs, mult) in enumerate(zip(BLOCKS, MULTIPLIERS), start=1):
         cout = mult * width
         for c in range(1, n_convs + 1):
             if b == 1 and c == 1:
                 # The device layer: LRN bounds the activations that leave the phone.
-                stages["conv1"] = nn.Sequential(
+                yield "conv1", nn.Sequential(
                     nn.Conv2d(cin, cout, kernel_size=3, stride=1, padding=1),
                     nn.ReLU(),
                     PaperLRN(cout, size=5, alpha=1.0, beta=0.5, gamma=2.0),
                 )
             else:
-                stages[f"conv{b}_{c}"] = _conv_relu(cin, cout)
+                yield f"conv{b}_{c}", _conv_relu(cin, cout)
             cin = cout
-        stages[f"pool{b}"] = nn.MaxPool2d(kernel_size=2, stride=2)
+        yield f"pool{b}", nn.MaxPool2d(kernel_size=2, stride=2)
     spatial = input_size // 32
-    stages["fc6"] = nn.Sequential(
+    yield "fc6", nn.Sequential(
         nn.Flatten(1),
         nn.Linear(cin * spatial * spatial, fc_width),
         nn.ReLU(),
         nn.Dropout(dropout),
     )
-    stages["fc7"] = nn.Sequential(nn.Linear(fc_width, fc_width), nn.ReLU(), nn.Dropout(dropout))
-    return stages
+    yield "fc7", nn.Sequential(nn.Linear(fc_width, fc_width), nn.ReLU(), nn.Dropout(dropout))
