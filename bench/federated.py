@@ -1,0 +1,204 @@
+"""Federated experiments (issue 13): DP-FedEmb against its baselines on LFW DevTrain people, scored on View 1
+DevTest pairs. Writes results/federated/{summary.json, table.md, utility_vs_epsilon.png, utility_vs_rounds.png}.
+
+Runs (all from one backbone pre-trained on the public split, see edge_server/federated/population.py):
+public-only (that backbone), centralized (non-private, every private user's photos at once), fedavg and
+fedemb (non-private), dp-fedemb at several noise multipliers (and once with adaptive clipping), dp-fedavg
+at some of the same multipliers; plus extrapolation rows (the seed's: the same noise on the average
+update with 1e5 and 1e6 users, accounted, not trained).
+
+Reduced configuration for a shared 2-core CPU (see CONFIG): IResNet-small at 64 px, a few rounds of a few
+virtual clients. Resumable: a run with result.json is reused, a run with a checkpoint resumes from its last
+round (--force starts afresh).
+
+    python bench/federated.py --data /path/to/lfw
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from device_sdk.models import resolve_spec  # noqa: E402
+from edge_server.federated import FederatedConfig, extrapolate  # noqa: E402
+from edge_server.federated.experiment import (load_shared, run_centralized, run_federated,  # noqa: E402
+                                              run_public_only)
+
+# The reduced configuration: every federated run shares it (CPU budget: ~45 min for everything).
+CONFIG = FederatedConfig(method="fedemb", rounds=10, users_per_client=4, clients_per_round=10.0, local_epochs=2,
+                         batch_size=8, client_lr=0.05, head_lr_scale=10.0, server_lr=1.0, server_momentum=0.9,
+                         clip_norm=1.0, seed=0)
+CENTRALIZED = {"epochs": 1, "lr": 0.05, "batch_size": 32}
+NOISE = (0.3, 1.0, 3.0)  # dp-fedemb; dp-fedavg at the first two
+EXTRAPOLATE_USERS = (100_000, 1_000_000)
+
+
+def runs() -> list[tuple[str, FederatedConfig | None]]:
+    out: list[tuple[str, FederatedConfig | None]] = [("public-only", None), ("centralized", None),
+                                                     ("fedavg", dataclasses.replace(CONFIG, method="fedavg")),
+                                                     ("fedemb", CONFIG)]
+    for z in NOISE:
+        out.append((f"dp-fedemb-z{z:g}", dataclasses.replace(CONFIG, method="dp-fedemb", noise_multiplier=z)))
+    out.append((f"dp-fedemb-z{NOISE[1]:g}-adaptive", dataclasses.replace(
+        CONFIG, method="dp-fedemb", noise_multiplier=NOISE[1], target_quantile=0.5)))
+    for z in NOISE[:2]:
+        out.append((f"dp-fedavg-z{z:g}", dataclasses.replace(CONFIG, method="dp-fedavg", noise_multiplier=z)))
+    return out
+
+
+def extrapolation_rows(row: dict, name: str) -> list[dict]:
+    rows = []
+    for users in EXTRAPOLATE_USERS:
+        e = extrapolate(row["sampling_rate"], row["noise_multiplier"], row["rounds"], row["users"], users)
+        rows.append({"method": f"{row['method']} (extrapolated)", "noise_multiplier": e["noise_multiplier"],
+                     "rounds": row["rounds"], "users_per_round": row["sampling_rate"] * users,
+                     "epsilon": e["epsilon"], "delta": e["delta"], "view1_accuracy": None, "view1_std": None,
+                     "roc_auc": None, "tar_at_far_1e-2": None, "epsilon_rdp": e["epsilon_rdp"], "users": users,
+                     "run": f"extrapolated from {name}",
+                     "note": f"accounted only, not trained: {users} users, the same sampling rate and rounds, z scaled "
+                             f"by {users}/{row['users']} so the noise on the average update equals {name}'s; "
+                             f"utility is assumed, not measured, to be at least {name}'s"})
+    return rows
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}g}" if abs(x) >= 100 or abs(x) < 0.01 else f"{x:.{digits}f}"
+
+
+def table(rows: list[dict], config: dict) -> str:
+    measured = {r["run"]: r for r in rows if "extrapolated" not in r["method"]}
+    lines = ["# Federated face recognition with user-level DP: reduced run", "",
+             "**Reduced**: IResNet-small at 64x64 on a shared 2-core CPU; "
+             f"{config['users']} private users (View 1 DevTrain people with 2-9 photos), the backbone pre-trained "
+             "on the 111 public DevTrain people with >= 10 photos; every federated run "
+             f"{CONFIG.rounds} rounds, {CONFIG.users_per_client} users per virtual client, "
+             f"{CONFIG.clients_per_round:g} virtual clients per round expected (Poisson), {CONFIG.local_epochs} local "
+             f"epochs (batch {CONFIG.batch_size}, client lr {CONFIG.client_lr}, head lr x{CONFIG.head_lr_scale:g}), "
+             f"server SGD lr {CONFIG.server_lr} momentum {CONFIG.server_momentum}, clip norm {CONFIG.clip_norm}; "
+             f"centralized: {CENTRALIZED['epochs']} epoch over all private photos. "
+             "View 1: 1000 DevTest pairs (people never trained on), 10-fold accuracy, TAR at FAR = 1e-2 "
+             "(500 negative pairs: no lower FAR is meaningful). epsilon: user-level, PLD (RDP in summary.json), "
+             "for the Poisson sampling run; delta = 1/users^1.1. Regenerate: `python bench/federated.py`.", "",
+             "| run | method | z | rounds | users/round | epsilon | delta | View 1 acc | std | AUC | TAR@FAR=1e-2 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['run']} | {r['method']} | {fmt(r['noise_multiplier'])} | {r['rounds'] if r['rounds'] is not None else '-'} "
+                     f"| {fmt(r['users_per_round'])} | {fmt(r['epsilon'])} | {fmt(r['delta'], 2)} "
+                     f"| {fmt(r['view1_accuracy'])} | {fmt(r['view1_std'])} | {fmt(r['roc_auc'])} "
+                     f"| {fmt(r['tar_at_far_1e-2'])} |")
+    lines += ["", "Extrapolated rows are accounted, not trained (see their `note` in summary.json).", "",
+              "## As measured"]
+    fedemb, central = measured.get("fedemb"), measured.get("centralized")
+    if fedemb and central:
+        gap = fedemb["view1_accuracy"] - central["view1_accuracy"]
+        lines.append(f"- Non-private FedEmb {'reaches' if gap >= 0 else 'does not reach'} centralized training: "
+                     f"{fedemb['view1_accuracy']:.3f} vs {central['view1_accuracy']:.3f} ({gap:+.3f}; one 10-fold "
+                     f"std is about {central['view1_std']:.3f}). FedEmb trained on {fedemb['client_images_trained']} "
+                     f"client image-steps, centralized on {central['client_images_trained']}.")
+    for z in NOISE:
+        emb, avg = measured.get(f"dp-fedemb-z{z:g}"), measured.get(f"dp-fedavg-z{z:g}")
+        if emb and avg:
+            gap = emb["view1_accuracy"] - avg["view1_accuracy"]
+            lines.append(f"- At z = {z:g}, DP-FedEmb {'beats' if gap > 0 else 'does not beat'} DP-FedAvg: "
+                         f"{emb['view1_accuracy']:.3f} vs {avg['view1_accuracy']:.3f} ({gap:+.3f}).")
+    public = measured.get("public-only")
+    if public:
+        lines.append(f"- The public backbone alone scores {public['view1_accuracy']:.3f}: every run starts there.")
+    return "\n".join(lines) + "\n"
+
+
+def figures(rows: list[dict], out: Path) -> None:
+    measured = [r for r in rows if "extrapolated" not in r["method"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method, marker in (("dp-fedemb", "o"), ("dp-fedavg", "s")):
+        pts = sorted((r["epsilon"], r["view1_accuracy"]) for r in measured
+                     if r["method"] == method and not r.get("adaptive_clipping"))
+        if pts:
+            ax.plot(*zip(*pts), marker=marker, label=method)
+    for r in measured:
+        if r.get("adaptive_clipping"):
+            ax.scatter([r["epsilon"]], [r["view1_accuracy"]], marker="*", s=120, label=f"{r['run']}")
+    for r, style in zip([r for r in measured if r["epsilon"] is None], ("--", ":", "-.", (0, (1, 3)))):
+        ax.axhline(r["view1_accuracy"], linestyle=style, color="gray", label=f"{r['run']} (no DP)")
+    ax.set_xscale("log")
+    ax.set_xlabel("user-level epsilon (PLD)")
+    ax.set_ylabel("View 1 DevTest accuracy")
+    ax.set_title("Utility against user-level epsilon (reduced run)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "utility_vs_epsilon.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in measured:
+        pts = [(h["round"], h["view1_accuracy"]) for h in r.get("history", []) if h.get("view1_accuracy") is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker=".", label=r["run"])
+    ax.set_xlabel("round")
+    ax.set_ylabel(f"View 1 accuracy ({measured[0].get('progress_pairs', '?')} DevTest pairs)")
+    ax.set_title("Utility against rounds (reduced run)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "utility_vs_rounds.png", dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default=None, help="LFW folder (default: $SPLITFACE_DATA, ...)")
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "federated")
+    p.add_argument("--backbone", type=Path, default=ROOT / "runs" / "federated" / "public_backbone.pt",
+                   help="the public backbone (pre-trained there if missing)")
+    p.add_argument("--pretrain-epochs", type=int, default=4)
+    p.add_argument("--max-users", type=int, default=None)
+    p.add_argument("--progress-pairs", type=int, default=200, help="DevTest pairs for the per-round curve")
+    p.add_argument("--eval-every", type=int, default=2)
+    p.add_argument("--only", nargs="*", default=None, help="run only these runs (names as in the table)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--force", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    started = time.time()
+    shared = load_shared(resolve_spec("iresnet_small"), args.data, args.backbone, args.pretrain_epochs,
+                         args.max_users, progress_pairs=args.progress_pairs)
+    rows = []
+    for name, config in runs():
+        run_dir = args.out / "runs" / name
+        if args.force and run_dir.exists():
+            shutil.rmtree(run_dir)
+        result = run_dir / "result.json"
+        if not result.exists() and (args.only is None or name in args.only):
+            print(f"== {name}", flush=True)
+            if name == "public-only":
+                run_public_only(shared, run_dir)
+            elif name == "centralized":
+                run_centralized(shared, run_dir, CENTRALIZED["epochs"], CENTRALIZED["lr"], CENTRALIZED["batch_size"],
+                                CONFIG.head_lr_scale, CONFIG.seed)
+            else:
+                run_federated(shared, config, run_dir, args.eval_every)
+        if result.exists():
+            row = {"run": name, **json.loads(result.read_text()), "progress_pairs": args.progress_pairs}
+            rows.append(row)
+            if row["method"] == "dp-fedemb" and not row.get("adaptive_clipping"):
+                rows.extend({**x, "run": f"{name} @ {x['users']:.0e} users"} for x in extrapolation_rows(row, name))
+    info = {"users": len(shared.population.users)}
+    (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
+    (args.out / "table.md").write_text(table(rows, info))
+    figures(rows, args.out)
+    print(f"{len(rows)} rows -> {args.out} ({time.time() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""python -m edge_server.federated: one federated (or centralized) experiment on LFW DevTrain people,
+scored on View 1 DevTest pairs, printing per-round progress and the user-level epsilon spent.
+
+A small end-to-end run on a CPU (minutes; pre-trains the public backbone first if --init is not given):
+
+    python -m edge_server.federated --data LFW --method dp-fedemb --rounds 5 --max-users 200 \
+        --noise-multiplier 1.0 --out runs/federated/quick
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from device_sdk.models import resolve_spec
+
+from .engine import METHODS, FederatedConfig
+from .experiment import load_shared, run_centralized, run_federated
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m edge_server.federated", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default=None, help="LFW (the folder holding the people and View 1's list files)")
+    p.add_argument("--model", default="iresnet_small", help="model preset (iresnet_small: 64 px, the CPU size) or a ModelSpec as JSON")
+    p.add_argument("--method", choices=(*METHODS, "centralized"), default="dp-fedemb")
+    p.add_argument("--out", type=Path, required=True, help="run folder (holds the checkpoint: a rerun resumes)")
+    p.add_argument("--init", type=Path, default=None,
+                   help="public backbone (default: <out>/public_backbone.pt, pre-trained there if missing)")
+    p.add_argument("--pretrain-epochs", type=int, default=2, help="epochs of public pre-training when it is made")
+    p.add_argument("--max-users", type=int, default=None, help="a seeded random subset of the private users")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--users-per-client", type=int, default=4, help="k: users grouped in one virtual client")
+    p.add_argument("--clients-per-round", type=float, default=10.0,
+                   help="expected virtual clients per round (Poisson rate = this / number of virtual clients)")
+    p.add_argument("--local-epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--client-lr", type=float, default=0.05)
+    p.add_argument("--head-lr-scale", type=float, default=10.0, help="the local (or global) head's lr / client lr")
+    p.add_argument("--server-lr", type=float, default=1.0)
+    p.add_argument("--server-momentum", type=float, default=0.9)
+    p.add_argument("--noise-multiplier", type=float, default=0.0, help="z (dp-* methods): noise std z * C on the sum")
+    p.add_argument("--clip-norm", type=float, default=1.0, help="C (the start value with --target-quantile)")
+    p.add_argument("--target-quantile", type=float, default=None,
+                   help="adaptive clipping (Andrew et al. 2021): the quantile of update norms C tracks")
+    p.add_argument("--clip-lr", type=float, default=0.2)
+    p.add_argument("--count-noise-std", type=float, default=None, help="adaptive clipping's count noise (default: max(expected clients / 20, 2z))")
+    p.add_argument("--delta", type=float, default=None, help="default 1 / users^1.1")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=0, help="score View 1 every N rounds (always after the last)")
+    p.add_argument("--progress-pairs", type=int, default=None,
+                   help="score the every-N-rounds curve on only this many DevTest pairs (the final score uses all)")
+    p.add_argument("--view1-limit", type=int, default=None, help="only this many DevTest pairs (quick checks)")
+    p.add_argument("--centralized-epochs", type=int, default=1)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--crash-in-round", type=int, default=None, help=argparse.SUPPRESS)  # tests: exactly-once rounds
+    return p
+
+
+def config_from(args: argparse.Namespace) -> FederatedConfig:
+    return FederatedConfig(args.method, args.rounds, args.users_per_client, args.clients_per_round, args.local_epochs,
+                           args.batch_size, args.client_lr, args.head_lr_scale, args.server_lr, args.server_momentum,
+                           args.noise_multiplier, args.clip_norm, args.target_quantile, args.clip_lr,
+                           args.count_noise_std, args.delta, args.seed)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = None if args.method == "centralized" else config_from(args)  # bad arguments fail before loading
+    spec = resolve_spec(json.loads(args.model) if args.model.startswith("{") else args.model)
+    shared = load_shared(spec, args.data, args.init or args.out / "public_backbone.pt", args.pretrain_epochs,
+                         args.max_users, view1_limit=args.view1_limit, progress_pairs=args.progress_pairs,
+                         seed=args.seed)
+    if config is None:
+        row = run_centralized(shared, args.out, args.centralized_epochs, args.client_lr, args.batch_size,
+                              args.head_lr_scale, args.seed)
+    else:
+        row = run_federated(shared, config, args.out, args.eval_every, args.crash_in_round)
+    print(json.dumps({k: v for k, v in row.items() if k not in ("history", "config")}))
+    return row
+
+
+if __name__ == "__main__":
+    main()

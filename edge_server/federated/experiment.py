@@ -1,0 +1,130 @@
+"""One experiment end to end: the public backbone, the private users, a federated (or centralized) run,
+View 1 on DevTest pairs, and its summary row. Shared by the CLI and bench/federated.py."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from device_sdk.federated import LocalConfig, train_client
+from device_sdk.models import ModelSpec, build_backbone
+from device_sdk.models.weights import load_into
+
+from ..pretrain import pretrain
+from .engine import FederatedConfig, FederatedRun
+from .evaluate import View1Evaluator
+from .population import Population, load_population, public_split
+
+
+def public_backbone(path: Path, spec: ModelSpec, lfw_root: str | Path | None, epochs: int, seed: int = 0,
+                    log: Callable[[str], None] = print) -> dict[str, torch.Tensor]:
+    """The backbone pre-trained on the public people (`population.public_split`); trained and saved at
+    `path` unless it is there already."""
+    if not path.exists():
+        log(f"pre-training on the public split ({epochs} epochs) -> {path}")
+        pretrain(spec, public_split(lfw_root), path, epochs=epochs, seed=seed, progress=False)
+    backbone = build_backbone(spec)
+    load_into(backbone, path, spec)
+    return backbone.state_dict()
+
+
+@dataclass
+class Shared:
+    """What every run of an experiment reads: decoded once."""
+    spec: ModelSpec
+    init_state: dict[str, torch.Tensor]
+    population: Population
+    evaluator: View1Evaluator  # the final score: all DevTest pairs (or --view1-limit)
+    progress: View1Evaluator | None = None  # the per-round curve: fewer pairs, cheaper
+
+
+def load_shared(spec: ModelSpec, lfw_root: str | Path | None, backbone_path: Path, pretrain_epochs: int,
+                max_users: int | None, calibration_images: int = 256, view1_limit: int | None = None,
+                progress_pairs: int | None = None, seed: int = 0, log: Callable[[str], None] = print) -> Shared:
+    """`progress_pairs`: score the per-round curve on only this many DevTest pairs (half matched)."""
+    init_state = public_backbone(backbone_path, spec, lfw_root, pretrain_epochs, seed, log)
+    public = public_split(lfw_root).train
+    keep = np.sort(np.random.default_rng(seed).permutation(len(public))[:calibration_images])
+    calibration = public.subset(keep).load(spec.input_size)
+    population = load_population(lfw_root, spec.input_size, max_users=max_users, seed=seed)
+    log(f"{len(population.users)} private users, {len(population.labels)} images; "
+        f"{len(calibration)} public images for batch-norm recalibration")
+    evaluator = View1Evaluator(lfw_root, spec.input_size, calibration, limit=view1_limit)
+    progress = None if progress_pairs is None else View1Evaluator(lfw_root, spec.input_size, calibration,
+                                                                  limit=progress_pairs)
+    return Shared(spec, init_state, population, evaluator, progress)
+
+
+def summary_row(method: str, rounds: int | None, users_per_round: float | None, privacy: dict,
+                report: dict, extra: dict) -> dict[str, Any]:
+    return {"method": method, "noise_multiplier": extra.pop("noise_multiplier", None), "rounds": rounds,
+            "users_per_round": users_per_round, "epsilon": privacy.get("epsilon"), "delta": privacy.get("delta"),
+            **{k: report[k] for k in ("view1_accuracy", "view1_std", "roc_auc", "tar_at_far_1e-2")},
+            "epsilon_rdp": privacy.get("epsilon_rdp"), **extra}
+
+
+def run_federated(shared: Shared, config: FederatedConfig, out: Path, eval_every: int = 0,
+                  crash_in_round: int | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """A federated run (resumed from `out` if it has a checkpoint); writes and returns its summary row."""
+    started = time.time()
+    run = FederatedRun(config, shared.spec, shared.population, shared.init_state, out)
+    log(f"{config.method}: {len(run.clients)} virtual clients of {config.users_per_client} users, "
+        f"Poisson rate {run.sampling_rate:.4f} ({config.clients_per_round:g} clients per round expected), "
+        f"{config.rounds} rounds")
+    history = run.run(shared.progress or shared.evaluator, eval_every, crash_in_round, log)
+    final = shared.evaluator(run.backbone)
+    extra = {"noise_multiplier": config.noise_multiplier if config.private else None,
+             "users": len(shared.population.users), "virtual_clients": len(run.clients),
+             "users_per_client": config.users_per_client, "sampling_rate": run.sampling_rate,
+             "adaptive_clipping": config.target_quantile is not None, "config": dataclasses.asdict(config),
+             "history": [{k: row.get(k) for k in ("round", "clients", "users", "loss", "median_norm", "epsilon",
+                                                   "view1_accuracy", "pairs", "clip_norm")} for row in history],
+             "client_images_trained": int(sum(row["images"] for row in history)) * config.local_epochs,
+             "wall_s": time.time() - started}
+    row = summary_row(config.method, config.rounds, run.sampling_rate * len(shared.population.users),
+                      run.privacy(), final, extra)
+    (out / "result.json").write_text(json.dumps(row, indent=2))
+    log(f"{config.method}: View 1 accuracy {row['view1_accuracy']:.3f} +- {row['view1_std']:.3f}, "
+        f"AUC {row['roc_auc']:.3f}, user-level epsilon {row['epsilon']} at delta {row['delta']}")
+    return row
+
+
+def run_centralized(shared: Shared, out: Path, epochs: int, lr: float, batch_size: int = 32,
+                    head_lr_scale: float = 10.0, seed: int = 0, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Non-private training of the same backbone on all private users' photos at once (a head over all
+    of them): the same client function, run once over everyone."""
+    started = time.time()
+    population = shared.population
+    config = LocalConfig(epochs=epochs, batch_size=batch_size, lr=lr, head_lr_scale=head_lr_scale, momentum=0.9)
+    log(f"centralized: {len(population.users)} users, {len(population.labels)} images, {epochs} epochs")
+    result = train_client(shared.spec, shared.init_state, population.images, population.labels, config, seed)
+    backbone = build_backbone(shared.spec)
+    backbone.load_state_dict(shared.init_state)
+    with torch.no_grad():
+        for name, p in backbone.named_parameters():
+            p += result.delta[name]
+    report = shared.evaluator(backbone)
+    extra = {"users": len(population.users), "epochs": epochs, "lr": lr, "batch_size": batch_size,
+             "client_images_trained": epochs * len(population.labels), "train_loss": result.loss,
+             "wall_s": time.time() - started}
+    row = summary_row("centralized", None, None, {}, report, extra)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").write_text(json.dumps(row, indent=2))
+    log(f"centralized: View 1 accuracy {row['view1_accuracy']:.3f} +- {row['view1_std']:.3f}")
+    return row
+
+
+def run_public_only(shared: Shared, out: Path) -> dict[str, Any]:
+    """The public backbone itself, before any private training (where every run starts)."""
+    backbone = build_backbone(shared.spec)
+    backbone.load_state_dict(shared.init_state)
+    row = summary_row("public-only", 0, None, {}, shared.evaluator(backbone), {"users": 0})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").write_text(json.dumps(row, indent=2))
+    return row
