@@ -66,12 +66,13 @@ def attacker_aware_pretrain(spec: ModelSpec, split: str, lfw_root: Path, out: Pa
                             lambda_rec: float = 1.0, lambda_id: float = 1.0, lambda_dcor: float = 0.0,
                             lr: float = 0.1, attacker_lr: float = 2e-3, batch_size: int = 64, image_size: int = 32,
                             seed: int = 0, crop: int = 160, cache: Path | None = Path("runs") / "audit-cache",
-                            progress: bool = True) -> dict[str, Any]:
+                            limit: int | None = None, progress: bool = True) -> dict[str, Any]:
+    """`limit`: only the first N public images (smoke tests)."""
     if spec.release == "none":
         raise ValueError("attacker-aware pre-training trains a release transform with the device part: "
                          "give one (e.g. --release bottleneck)")
     data = load_lfw(lfw_root, min_images=3, max_images=9, people="devtrain", seed=seed)
-    faces = data.train
+    faces = data.train if limit is None else data.train.subset(np.arange(min(limit, len(data.train.labels))))
     images = faces.load(spec.input_size, crop, progress)
     x_all = to_input(images)
     y_all = torch.from_numpy(faces.labels)

@@ -1,0 +1,38 @@
+"""Attacker-aware pre-training (edge_server/ressfl.py): NoPeek's distance correlation, and a tiny
+pre-training whose file carries the trained bottleneck that devices then load frozen."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from device_sdk.engine import initial_layer
+from device_sdk.models import PRESETS
+from edge_server.ressfl import attacker_aware_pretrain, distance_correlation
+
+
+def test_distance_correlation_is_one_for_a_copy_and_small_for_independent_batches():
+    torch.manual_seed(0)
+    x = torch.randn(64, 3, 8, 8)
+    assert distance_correlation(x, 2 * x + 1).item() == pytest.approx(1.0, abs=1e-4)
+    # the sample statistic is biased upwards for independent batches in high dimension, but stays below a
+    # dependent pair's
+    assert distance_correlation(x, torch.randn(64, 5)).item() < 0.8 < distance_correlation(x, torch.tanh(x)).item()
+    x.requires_grad_(True)
+    distance_correlation(x, x.flatten(1)[:, :4] ** 2).backward()   # a penalty: it has a gradient
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+
+
+@pytest.mark.slow
+def test_pretraining_writes_a_bottleneck_the_devices_load(tmp_path, lfw):
+    spec = replace(PRESETS["iresnet_small"], release="bottleneck", bottleneck_channels=4, bottleneck_stride=2)
+    out = tmp_path / "ressfl.pt"
+    meta = attacker_aware_pretrain(spec, "conv1", lfw, out, epochs=1, lambda_id=0, lambda_dcor=0.5, limit=48,
+                                   batch_size=16, progress=False)
+    assert meta["images"] == 48 and meta["history"][0]["rec_mse"] > 0 and meta["lambda_rec"] == 1.0
+    seeded, loaded = initial_layer(spec, "conv1", seed=0), initial_layer(spec, "conv1", seed=0, weights=out)
+    trained = {k: v for k, v in loaded.state_dict().items() if k.startswith("stages.bottleneck.")}
+    assert trained and any(not torch.equal(v, seeded.state_dict()[k]) for k, v in trained.items())
+    with pytest.raises(ValueError, match="give one"):
+        attacker_aware_pretrain(PRESETS["iresnet_small"], "conv1", lfw, out, epochs=1)
