@@ -138,7 +138,7 @@ def _itemsize(t: dict) -> int:
 
 def _nonfinite(t: dict, rng: random.Random) -> None:
     data = bytearray(t["data"])
-    if t["dtype"] == "i8" or len(data) < _itemsize(t):
+    if t.get("dtype") not in ("f32", "f16") or len(data) < _itemsize(t):
         t["scale"] = rng.choice((math.inf, math.nan, 1e300))   # i8 * 1e300 overflows float32
         return
     i = rng.randrange(len(data) // _itemsize(t)) * _itemsize(t)
@@ -202,12 +202,15 @@ def attack_tensor(msg: dict, rng: random.Random, kind: str | None = None) -> str
 
 
 def mutate(data: bytes, rng: random.Random) -> tuple[str, bytes]:
-    """(attack name, damaged bytes) for a valid message `data`: bytes, structure or a tensor, at random."""
+    """(attack name, damaged bytes) for a message `data`: bytes, structure or a tensor, at random."""
     family = rng.random()
-    if family < 0.3:
+    try:
+        msg = msgpack.unpackb(data, raw=False)
+    except Exception:  # noqa: BLE001 - already broken bytes (an invalid vector): damage them further
+        msg = None
+    if family < 0.3 or not isinstance(msg, dict) or not msg:
         kind = rng.choice(sorted(BYTE_ATTACKS))
         return kind, BYTE_ATTACKS[kind](data, rng)
-    msg = msgpack.unpackb(data, raw=False)
     if family < 0.6 or not tensor_paths(msg):
         kind = rng.choice(sorted(STRUCTURE_ATTACKS))
         STRUCTURE_ATTACKS[kind](msg, rng)

@@ -27,11 +27,12 @@ from protocol.vectors import generate as gen
 
 VECTORS = sorted(Path(gen.__file__).parent.glob("*.msgpack"))
 VALID = [p.read_bytes() for p in VECTORS if "_invalid_" not in p.name]
+ALL = [p.read_bytes() for p in VECTORS]
 KNOWN_CODES = set(ErrorCode)
 
 FAST = settings(max_examples=100, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-SLOW = settings(FAST, max_examples=3000)
+SLOW = settings(FAST, max_examples=500)
 
 # msgpack values of every family, nested; keys may be str or bin (msgpack allows both).
 scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
@@ -137,7 +138,7 @@ def test_any_bytes_are_a_message_or_a_known_error(data):
 
 
 @FAST
-@given(vector=st.sampled_from(VALID), rng=st.randoms(use_true_random=False))
+@given(vector=st.sampled_from(ALL), rng=st.randoms(use_true_random=False))
 def test_mutated_vectors_are_messages_or_known_errors(vector, rng):
     kind, data = mutate.mutate(vector, rng)
     decode_or_refuse(data)
@@ -145,7 +146,7 @@ def test_mutated_vectors_are_messages_or_known_errors(vector, rng):
 
 @SLOW
 @pytest.mark.slow
-@given(vector=st.sampled_from(VALID), rng=st.randoms(use_true_random=False), value=values)
+@given(vector=st.sampled_from(ALL), rng=st.randoms(use_true_random=False), value=values)
 def test_mutated_vectors_and_values_many(vector, rng, value):
     decode_or_refuse(mutate.mutate(vector, rng)[1])
     decode_or_refuse(msgpack.packb(value, use_bin_type=True))
@@ -163,9 +164,7 @@ class Shell:
         self.applied: list[int] = []
 
     def connect(self) -> ServerSession:
-        session = ServerSession(gen.INFO, lambda d, t: d == gen.DEVICE_ID and t == gen.TOKEN, self.records, lambda d: 0)
-        self.pending: tuple[int, int] | None = None
-        return session
+        return ServerSession(gen.INFO, lambda d, t: d == gen.DEVICE_ID and t == gen.TOKEN, self.records, lambda d: 0)
 
     def reconnect(self) -> None:
         self.session.close()
@@ -203,7 +202,7 @@ class Shell:
             assert action.device_id == gen.DEVICE_ID
             return s.welcome()
         record = s.record
-        if self.fail_some and rng.random() < 0.1 and not isinstance(action, Admit):
+        if self.fail_some and rng.random() < 0.1:  # the shell's compute failed: server_error, nothing applied
             return s.failed(action.batch_id, "injected failure")
         if isinstance(action, Train):
             assert action.batch_id == record.last_applied + 1 and s.head == "server"
