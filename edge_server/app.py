@@ -235,7 +235,7 @@ class EdgeServer:
             except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
                 pass
         # Until HELLO succeeds a connection may send only small messages; _perform raises the limit on admission.
-        async with serve(self.handle, self.config.host, self.config.port, ssl=self.ssl,
+        async with serve(self.handle, self.config.host, self.config.port, ssl=self.ssl, process_request=self._screen,
                          max_size=min(self.config.limits.pre_auth_max_bytes, self.info.max_message_bytes),
                          compression=None, max_queue=4, write_limit=2 ** 24, ping_interval=30,
                          ping_timeout=120, close_timeout=2) as server:  # a trickler cannot answer a close
@@ -302,6 +302,16 @@ class EdgeServer:
         if self.open_by_address[address] >= limits.max_connections_per_address:
             return f"too many connections from this address ({limits.max_connections_per_address})"
         return None
+
+    def _screen(self, connection: ServerConnection, request: Any) -> Any:
+        """Before the WebSocket upgrade: refuse over the connection limits with HTTP 503, which costs less than
+        upgrading and closing (`handle` checks again: connections upgrading at once all pass here)."""
+        address = str(connection.remote_address[0]) if connection.remote_address else "?"
+        refusal = self._refusal(address)
+        if refusal is None:
+            return None
+        self.metrics.closed("connection_limit")
+        return connection.respond(503, refusal + "\n")
 
     def _deadline(self, conn: "_Connection") -> tuple[float | None, int, str]:
         """How long the next message may take: a new connection has until its HELLO deadline; a device holding

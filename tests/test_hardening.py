@@ -10,7 +10,7 @@ import pytest
 import torch
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import serve
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from device_sdk.client import DeviceClient
 from device_sdk.engine import DeviceEngine
@@ -186,11 +186,13 @@ def test_pre_auth_limits(tmp_path):
             idle = await connect(server.url, compression=None)
             trickle = await connect(server.url, compression=None)
             trickle.transport.write(_frame_header(2000) + b"\x00" * 10)
-            third = await connect(server.url, compression=None)              # a third from 127.0.0.1
-            assert await _close_code(third, 5) == 1013
+            with pytest.raises(InvalidStatus) as third:                     # a third from 127.0.0.1
+                await connect(server.url, compression=None)
+            assert third.value.response.status_code == 503
             other = await connect(server.url, compression=None, local_addr=("127.0.0.2", 0))  # total: 3
-            full = await connect(server.url, compression=None, local_addr=("127.0.0.3", 0))
-            assert await _close_code(full, 5) == 1013
+            with pytest.raises(InvalidStatus, match="503") as full:
+                await connect(server.url, compression=None, local_addr=("127.0.0.3", 0))
+            assert b"server full" in full.value.response.body
             for ws in (idle, other):
                 await asyncio.sleep(0.2)
                 trickle.transport.write(b"\x00")                            # keeps trickling: no extension
