@@ -14,7 +14,7 @@ from device_sdk.models import ModelSpec, build_backbone
 from device_sdk.models.weights import load_into, save_backbone
 from edge_server.checkpoint import load_checkpoint
 from edge_server.federated import FederatedRun, load_population
-from edge_server.federated.__main__ import config_from, main, parser
+from edge_server.federated.__main__ import config_from, parser, run
 from edge_server.federated.engine import CRASH_EXIT_CODE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ def cli_args(lfw: Path, init: Path, out: Path, *extra: str) -> list[str]:
 
 @pytest.mark.slow
 def test_small_experiment_end_to_end(lfw, init_file, tmp_path, capsys):
-    row = main(cli_args(lfw, init_file, tmp_path, "--method", "dp-fedemb", "--rounds", "2", "--noise-multiplier",
+    row = run(cli_args(lfw, init_file, tmp_path, "--method", "dp-fedemb", "--rounds", "2", "--noise-multiplier",
                         "1.0", "--target-quantile", "0.5", "--eval-every", "1"))
     printed = capsys.readouterr().out
     assert "round 1/2" in printed and "round 2/2" in printed and "user-level epsilon" in printed

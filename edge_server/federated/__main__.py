@@ -66,7 +66,8 @@ def config_from(args: argparse.Namespace) -> FederatedConfig:
                            args.count_noise_std, args.delta, args.seed)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def run(argv: list[str] | None = None) -> dict:
+    """Parse, run, print the summary row and return it."""
     args = parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -82,6 +83,11 @@ def main(argv: list[str] | None = None) -> dict:
         row = run_federated(shared, config, args.out, args.eval_every, args.crash_in_round)
     print(json.dumps({k: v for k, v in row.items() if k not in ("history", "config")}))
     return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The console script `splitface-federated` (returns nothing: a returned value would be the exit status)."""
+    run(argv)
 
 
 if __name__ == "__main__":

@@ -111,6 +111,7 @@ def run_centralized(shared: Shared, out: Path, epochs: int, lr: float, batch_siz
             p += result.delta[name]
     report = shared.evaluator(backbone)
     extra = {"users": len(population.users), "epochs": epochs, "lr": lr, "batch_size": batch_size,
+             "head_lr_scale": head_lr_scale,
              "client_images_trained": epochs * len(population.labels), "train_loss": result.loss,
              "wall_s": time.time() - started}
     row = summary_row("centralized", None, None, {}, report, extra)
