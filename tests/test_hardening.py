@@ -297,3 +297,18 @@ def test_client_refuses_oversized_server_messages():
                 await client.connect()
     asyncio.run(scenario())
     assert seen and seen[0] == 1009
+
+
+def test_limits_are_options_declared_once():
+    """Every Limits and StepGuard field is a serve option with the field's default, parsed back into the type."""
+    import argparse
+    import dataclasses
+
+    from edge_server.cli import add_dataclass_options, from_args
+    parser = argparse.ArgumentParser()
+    add_dataclass_options(parser, Limits, "limits")
+    add_dataclass_options(parser, StepGuard, "guard")
+    assert from_args(Limits, parser.parse_args([])) == Limits()
+    args = parser.parse_args(["--max-connections-per-address", "7", "--hello-timeout-s", "2.5", "--max-abs-value", "0"])
+    assert from_args(Limits, args) == dataclasses.replace(Limits(), max_connections_per_address=7, hello_timeout_s=2.5)
+    assert from_args(StepGuard, args) == StepGuard(max_abs_value=0.0)
