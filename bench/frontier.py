@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--force", action="store_true", help="re-train, re-evaluate and re-audit every point")
     p.add_argument("--demo-args", default="--threads 1", help="more splitface-demo arguments")
     p.add_argument("--audit-args", default="--threads 2 --substitute", help="more splitface-audit arguments")
-    p.add_argument("--pretrain-args", default="--epochs 10 --threads 2",
+    p.add_argument("--pretrain-args", default="--epochs 4 --threads 2",
                    help="more arguments of the attacker-aware pre-training (python -m edge_server.ressfl)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
