@@ -88,21 +88,24 @@ class AuthThrottle:
                  if (f := self._get(key, now)) is not None]
         return max([0.0, *waits])
 
-    def failed(self, address: str, device_id: str) -> int:
-        """Count a failure against both keys; returns the device id's recent failures."""
+    def failed(self, address: str, device_id: str) -> tuple[int, dict[str, float]]:
+        """Count a failure against both keys: (the device id's recent failures, {"address"/"device": seconds}
+        for each key this failure locked)."""
         now = self.clock()
+        locked: dict[str, float] = {}
         for key in (("address", address), ("device", device_id)):
             f = self._get(key, now) or _Failures()
             f.count += 1
             f.last = now
             over = f.count - self.free[key[0]]
             if over >= 0:
-                f.locked_until = now + min(self.base_s * 2 ** min(over, 32), self.max_s)
+                locked[key[0]] = min(self.base_s * 2 ** min(over, 32), self.max_s)
+                f.locked_until = now + locked[key[0]]
             self._keys[key] = f
             self._keys.move_to_end(key)
         while len(self._keys) > self.capacity:
             self._keys.popitem(last=False)
-        return self._keys[("device", device_id)].count
+        return self._keys[("device", device_id)].count, locked
 
     def succeeded(self, device_id: str) -> None:
         """A right token clears its device id (not the address: one valid device must not reset a guesser)."""
@@ -111,21 +114,25 @@ class AuthThrottle:
 
 def throttled(authenticate: Callable[[str, str], bool], throttle: AuthThrottle,
               address: str) -> Callable[[str, str], bool]:
-    """`authenticate` for one connection from `address`, behind the throttle; failures are logged (never the
-    token). A locked-out HELLO raises an `unauthorized` ProtocolError whose message says when to retry."""
+    """`authenticate` for one connection from `address`, behind the throttle; failures and lock-outs are logged
+    at WARNING (never the token), attempts during a lock-out only at DEBUG (a guessing flood must not flood
+    the log). A locked-out HELLO raises an `unauthorized` ProtocolError whose message says when to retry."""
     def check(device_id: str, token: str) -> bool:
         shown = repr(device_id[:64])
         wait = throttle.locked_for(address, device_id)
         if wait > 0:
-            log.warning("authentication refused unchecked for device %s from %s: locked out for %.1f s more",
-                        shown, address, wait)
+            log.debug("authentication refused unchecked for device %s from %s: locked out for %.1f s more",
+                      shown, address, wait)
             raise ProtocolError(ErrorCode.UNAUTHORIZED, f"too many failed authentications for this device or "
                                                         f"address; try again in {math.ceil(wait)} s")
         if authenticate(device_id, token):
             throttle.succeeded(device_id)
             return True
-        failures = throttle.failed(address, device_id)
+        failures, locked = throttle.failed(address, device_id)
         log.warning("authentication failed for device %s from %s (%d recent failures for this device)",
                     shown, address, failures)
+        for kind, seconds in locked.items():
+            log.warning("%s %s locked out for %.0f s after repeated failed authentications", kind,
+                        shown if kind == "device" else address, seconds)
         return False
     return check

@@ -220,7 +220,7 @@ def test_failed_authentication_is_throttled_and_logged_without_token(tmp_path, c
             assert (await hello(_session(trainer, "device-0")))["type"] == m.WELCOME  # others are not
         asyncio.run(scenario())
     assert caplog.text.count("authentication failed for device 'device-1' from 127.0.0.1") == 2
-    assert "locked out" in caplog.text and "guess-secret-123" not in caplog.text
+    assert "device 'device-1' locked out for 60 s" in caplog.text and "guess-secret-123" not in caplog.text
 
 
 def test_auth_throttle_backs_off_per_device_and_address():
@@ -233,7 +233,7 @@ def test_auth_throttle_backs_off_per_device_and_address():
     assert throttle.locked_for("a", "d1") == 1.0 and throttle.locked_for("b", "d1") == 1.0  # the device id
     assert throttle.locked_for("a", "d2") == 0                                              # not the address yet
     now[0] = 1.0
-    throttle.failed("a", "d1")                                   # 3rd: device locked 2 s, address 1 s
+    assert throttle.failed("a", "d1") == (3, {"device": 2.0, "address": 1.0})  # 3rd: both keys locked
     assert throttle.locked_for("b", "d1") == 2.0 and throttle.locked_for("a", "d2") == 1.0
     for _ in range(5):
         throttle.failed("b", "d1")
