@@ -29,7 +29,7 @@ EVAL_RESULT = "eval_result"
 HEADS = ("server", "device")
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -38,7 +38,7 @@ def _is_number(v: Any) -> bool:
 
 
 def _is_label_list(v: Any) -> bool:
-    return isinstance(v, list) and all(_is_int(x) for x in v)
+    return isinstance(v, list) and all(is_int(x) for x in v)
 
 
 TENSOR = "tensor"
@@ -46,58 +46,58 @@ TENSOR = "tensor"
 Check = Callable[[Any], bool] | str
 SCHEMA: dict[str, dict[str, tuple[Check, bool]]] = {
     HELLO: {
-        "protocol_version": (_is_int, True),
+        "protocol_version": (is_int, True),
         "device_id": (lambda v: isinstance(v, str) and 0 < len(v) <= 128, True),
         "token": (lambda v: isinstance(v, str) and len(v) <= 256, True),
         "model": (lambda v: isinstance(v, dict), True),
         "split": (lambda v: isinstance(v, str), True),
         "head": (lambda v: isinstance(v, str), True),
         "encodings": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()), True),
-        "batch_size": (lambda v: _is_int(v) and v > 0, True),
-        "num_classes": (lambda v: _is_int(v) and v > 0, False),
+        "batch_size": (lambda v: is_int(v) and v > 0, True),
+        "num_classes": (lambda v: is_int(v) and v > 0, False),
     },
     WELCOME: {
         "session_id": (lambda v: isinstance(v, str), True),
-        "resume_from": (lambda v: _is_int(v) and v >= 1, True),
-        "durable_through": (lambda v: _is_int(v) and v >= 0, True),
-        "activation_shape": (lambda v: isinstance(v, list) and all(_is_int(x) for x in v), True),
-        "embedding_dim": (_is_int, True),
+        "resume_from": (lambda v: is_int(v) and v >= 1, True),
+        "durable_through": (lambda v: is_int(v) and v >= 0, True),
+        "activation_shape": (lambda v: isinstance(v, list) and all(is_int(x) for x in v), True),
+        "embedding_dim": (is_int, True),
         "limits": (lambda v: isinstance(v, dict), True),
     },
     ERROR: {
         "code": (lambda v: isinstance(v, str), True),
         "message": (lambda v: isinstance(v, str), True),
-        "batch_id": (_is_int, False),
+        "batch_id": (is_int, False),
     },
     FORWARD: {
-        "batch_id": (lambda v: _is_int(v) and v >= 0, True),
+        "batch_id": (lambda v: is_int(v) and v >= 0, True),
         "activations": (TENSOR, True),
         "labels": (_is_label_list, False),
         "eval": (lambda v: isinstance(v, bool), False),
     },
     BACKWARD: {
-        "batch_id": (_is_int, True),
+        "batch_id": (is_int, True),
         "grad": (TENSOR, True),
         "loss": (_is_number, False),
-        "n_correct": (_is_int, False),
-        "durable_through": (lambda v: _is_int(v) and v >= 0, True),
+        "n_correct": (is_int, False),
+        "durable_through": (lambda v: is_int(v) and v >= 0, True),
         "server_s": (lambda v: _is_number(v) and v >= 0, False),
     },
     EMBEDDINGS: {
-        "batch_id": (_is_int, True),
+        "batch_id": (is_int, True),
         "embeddings": (TENSOR, True),
         "eval": (lambda v: isinstance(v, bool), False),
         "server_s": (lambda v: _is_number(v) and v >= 0, False),
     },
     EMBEDDING_GRAD: {
-        "batch_id": (lambda v: _is_int(v) and v >= 1, True),
+        "batch_id": (lambda v: is_int(v) and v >= 1, True),
         "grad": (TENSOR, True),
     },
     EVAL_RESULT: {
-        "batch_id": (_is_int, True),
+        "batch_id": (is_int, True),
         "loss": (_is_number, True),
-        "n_correct": (_is_int, True),
-        "n": (_is_int, True),
+        "n_correct": (is_int, True),
+        "n": (is_int, True),
     },
 }
 
@@ -133,7 +133,7 @@ def decode(data: bytes, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES) -> dict[st
     schema = SCHEMA.get(mtype)
     if schema is None:
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {brief(mtype)}")
-    batch_id = message.get("batch_id") if _is_int(message.get("batch_id")) else None
+    batch_id = message.get("batch_id") if is_int(message.get("batch_id")) else None
     unexpected = set(message) - set(schema) - {"type"}
     if unexpected:
         # str() first: msgpack also allows bin keys, and str and bytes do not sort together.

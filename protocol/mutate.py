@@ -158,8 +158,8 @@ def _huge_finite(t: dict, rng: random.Random) -> None:
 TENSOR_ATTACKS: dict[str, Callable[[dict, random.Random], None]] = {
     "huge_dim": lambda t, r: t["shape"].__setitem__(r.randrange(len(t["shape"])), r.choice(HUGE_DIMS))
     if t["shape"] else t.update(shape=[r.choice(HUGE_DIMS)]),
-    "zero_size_huge_shape": lambda t, r: t.update(shape=[0] + [r.choice(HUGE_DIMS[:2] + (2**31 - 1,))] * r.randint(1, 7),
-                                                  data=b""),
+    "zero_size_huge_shape": lambda t, r: t.update(
+        shape=[0] + [r.choice(HUGE_DIMS[:2] + (2**31 - 1,))] * r.randint(1, 7), data=b""),
     "negative_dim": lambda t, r: t.update(shape=[r.choice((-1, -(2**31), INT_MIN))] + list(t["shape"])[1:]),
     "non_int_dim": lambda t, r: t.update(shape=[r.choice((1.0, True, "2", None, [2], b"\x02"))] + list(t["shape"])[1:]),
     "too_many_dims": lambda t, r: t.update(shape=[1] * r.randint(9, 40), data=bytes(_itemsize(t))),

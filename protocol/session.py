@@ -305,8 +305,14 @@ class ClientSession:
         return m.encode(message)
 
     def accept_welcome(self, data: bytes) -> dict[str, Any]:
-        self.welcome = self.receive(data, {m.WELCOME})
-        return self.welcome
+        """The WELCOME, whose limits the device must then obey: refused (bad_message) if it has none usable."""
+        welcome = self.receive(data, {m.WELCOME})
+        limits = welcome["limits"]
+        if not all(m.is_int(limits.get(k)) and limits[k] > 0 for k in ("max_message_bytes", "max_batch")):
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"welcome: limits need int max_message_bytes and max_batch > 0, "
+                                                       f"got {brief(limits)}")
+        self.welcome = welcome
+        return welcome
 
     @property
     def max_message_bytes(self) -> int:

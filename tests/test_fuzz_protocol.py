@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from protocol import messages as m
 from protocol import mutate
-from protocol.errors import FATAL_CODES, ErrorCode, ProtocolError
+from protocol.errors import FATAL_CODES, ErrorCode, ProtocolError, RemoteError
 from protocol.session import Admit, DeviceRecord, Embed, Evaluate, Reply, ServerSession, Train, TrainTail
 from protocol.tensor import MAX_DIM, MAX_RANK, WIRE_DTYPES, decode_tensor, encode_tensor
 from protocol.vectors import generate as gen
@@ -32,7 +32,7 @@ KNOWN_CODES = set(ErrorCode)
 
 FAST = settings(max_examples=100, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-SLOW = settings(FAST, max_examples=500)
+SLOW = settings(FAST, max_examples=300)
 
 # msgpack values of every family, nested; keys may be str or bin (msgpack allows both).
 scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
@@ -82,7 +82,8 @@ def test_codec_answers_any_tensor_map_with_an_array_or_bad_tensor(dtype, shape, 
        rng=st.randoms(use_true_random=False), attack=st.sampled_from(sorted(mutate.TENSOR_ATTACKS)))
 def test_codec_refuses_each_tensor_attack_or_decodes_cleanly(dtype, shape, rng, attack):
     values = np.asarray(rng.random(), np.float32) * np.ones(shape, np.float32)
-    message = {"type": "forward", "t": dict(encode_tensor(values, dtype), data=bytes(encode_tensor(values, dtype)["data"]))}
+    wire = encode_tensor(values, dtype)
+    message = {"type": "forward", "t": dict(wire, data=bytes(wire["data"]))}
     mutate.attack_tensor(message, rng, attack)
     check_tensor(message["t"])
 
@@ -114,7 +115,8 @@ def test_empty_tensor_with_large_but_addressable_dims_decodes():
 
 
 @FAST
-@given(values=st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=32), dtype=st.sampled_from(list(WIRE_DTYPES)))
+@given(values=st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=32),
+       dtype=st.sampled_from(list(WIRE_DTYPES)))
 def test_codec_round_trip_within_its_precision(values, dtype):
     x = np.asarray(values, np.float32)
     wire = msgpack.unpackb(m.encode({"type": "embedding_grad", "batch_id": 1, "grad": encode_tensor(x, dtype)}))["grad"]
@@ -302,3 +304,39 @@ def test_session_fuzz_reaches_training_duplicates_and_out_of_order():
     for data in (honest(("forward", 5, 1, "f32", False), "device"), honest(("grad", 2, 1, "f32", False), "device")):
         codes.append(m.decode(s.receive(data).data).get("code"))
     assert codes == ["out_of_order", "bad_state"]
+
+
+# ---- the sans-I/O client session ------------------------------------------------------------------
+SERVER_VECTORS = [p.read_bytes() for p in VECTORS
+                  if any(t in p.name for t in ("welcome", "error_", "backward", "embeddings", "eval_result"))]
+
+
+def client_receives(data: bytes) -> None:
+    """A device takes any server bytes as a message, a RemoteError (an ERROR) or a ProtocolError; after a
+    WELCOME it knows its limits."""
+    client = gen.client("server")
+    try:
+        message = client.receive(data, set(m.SCHEMA))
+        if message["type"] == m.WELCOME:
+            client.accept_welcome(data)
+            assert client.max_message_bytes > 0
+    except RemoteError as exc:
+        assert isinstance(exc.code, str)
+    except ProtocolError as exc:
+        assert exc.code in KNOWN_CODES
+
+
+@FAST
+@given(vector=st.sampled_from(SERVER_VECTORS), rng=st.randoms(use_true_random=False))
+def test_client_session_takes_any_server_bytes(vector, rng):
+    client_receives(mutate.mutate(vector, rng)[1])
+
+
+@pytest.mark.parametrize("limits", [{}, {"max_message_bytes": "big", "max_batch": 2}, {"max_message_bytes": 0},
+                                    {"max_message_bytes": 1 << 20, "max_batch": -1}])
+def test_client_refuses_a_welcome_without_usable_limits(limits):
+    welcome = msgpack.unpackb((gen.HERE / "03_welcome.msgpack").read_bytes())
+    welcome["limits"] = limits
+    with pytest.raises(ProtocolError) as exc:
+        gen.client("server").accept_welcome(mutate.pack(welcome))
+    assert exc.value.code == ErrorCode.BAD_MESSAGE

@@ -47,7 +47,7 @@ def test_fuzz_a_few_hundred_messages_in_process(tmp_path, caplog, one_torch_thre
         alive = server._thread.is_alive()
     assert alive, "the server's thread died"
     assert tally.messages >= 300 and tally.pre_hello > 20 and tally.post_hello > 200
-    assert tally.hangs == 0
+    assert tally.hangs == 0 and tally.progress_mismatches == []
     assert set(tally.outcomes) <= KNOWN, tally.outcomes
     exceptions = [r for r in caplog.records if r.exc_info]
     assert not exceptions, [r.getMessage() for r in exceptions]
@@ -62,7 +62,7 @@ def test_fuzz_a_few_hundred_messages_in_process(tmp_path, caplog, one_torch_thre
 def test_fuzz_10000_messages_against_a_server_process(tmp_path):
     result = fz.run(10_000, seed=0, deadline=10.0, workdir=tmp_path)
     assert result["messages"] >= 10_000
-    assert result["crashes"] == 0 and result["hangs"] == 0
+    assert result["crashes"] == 0 and result["hangs"] == 0 and result["progress_mismatches"] == []
     assert result["unhandled_exceptions"] == 0 and result["closes_1011"] == 0, result["tracebacks_by_kind"]
     assert set(result["outcomes"]) <= KNOWN, result["outcomes"]
     assert result["honest_client_trains_after"] is True

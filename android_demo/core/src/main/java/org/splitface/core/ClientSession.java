@@ -35,8 +35,16 @@ public final class ClientSession {
         return Messages.encode(m);
     }
 
+    /** The WELCOME, whose limits the device must then obey: refused (bad_message) if it has none usable. */
     public Map<String, Object> acceptWelcome(byte[] data) {
-        welcome = receive(data, Set.of(Messages.WELCOME), null);
+        Map<String, Object> w = receive(data, Set.of(Messages.WELCOME), null);
+        Map<?, ?> limits = (Map<?, ?>) w.get("limits");
+        for (String key : List.of("max_message_bytes", "max_batch")) {
+            Object v = limits.get(key);
+            if (!(v instanceof Long) || (Long) v <= 0)
+                throw new ProtocolException(ProtocolException.BAD_MESSAGE, "welcome: limits need int " + key + " > 0");
+        }
+        welcome = w;
         return welcome;
     }
 
