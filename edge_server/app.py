@@ -211,8 +211,9 @@ class EdgeServer:
                      "metrics": self.metrics.state(), "saved_at": time.time()}
             try:
                 await self._compute(save_checkpoint, self.config.checkpoint_path, state)
-            except NonFiniteState as exc:
+            except NonFiniteState as exc:  # cannot happen through guarded steps; never save it
                 log.error("%s", exc)
+                self._batches_since_checkpoint = 0  # retried at the next interval, not at once
                 return
             if self.recorder:
                 await self._compute(self.recorder.flush)
