@@ -96,7 +96,8 @@ def test_static_weights_put_the_conv_in_xnnpack_and_still_verify(tmp_path):
     released = frozen.evaluate_release(images, ("eval", 0, 0), [0, 1], [0, 0])
     np.testing.assert_allclose(released, layer(to_input(images)).detach().numpy(), atol=1e-4)
     with torch.no_grad():
-        frozen.layer.stages["conv1"][0].weight[0, 0, 0, 0] += 0.1  # weights changed behind the program's back: never a stale release
+        # weights changed behind the program's back: never a stale release
+        frozen.layer.stages["conv1"][0].weight[0, 0, 0, 0] += 0.1
     with pytest.raises(ValueError, match="not those"):
         frozen.evaluate_release(images, ("eval", 0, 1), [0, 1], [0, 0])
     # ONNX Runtime's programs take the weights as inputs even from a static export: they may train

@@ -38,8 +38,9 @@ class ExecuTorchRuntime:
             from export.artifacts import weights_digest
 
             if weights_digest(weights) != self.manifest.weights_digest:
-                raise StaleWeights("this release.pte has weights baked in, and the layer's weights are not those: a "
-                                   "static-weight export serves only a frozen layer; re-export without --static-weights")
+                raise StaleWeights("this release.pte has weights baked in, and the layer's weights are not those: "
+                                   "a static-weight export serves only a frozen layer; re-export without "
+                                   "--static-weights")
         else:
             args += [w.detach().contiguous() for w in weights]
         return self._release.forward(args)[0][:n].clone()
