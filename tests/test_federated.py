@@ -20,8 +20,8 @@ from edge_server.federated.aggregation import aggregate, check_update, poisson_s
 from edge_server.federated.engine import SimulatedCrash
 
 TINY = ModelSpec("iresnet", 16, width=4, depth=18, embedding_size=16, dropout=0.0)
-CONFIG = FederatedConfig(method="dp-fedemb", rounds=3, users_per_client=3, clients_per_round=2.0, batch_size=4,
-                         noise_multiplier=1.0, clip_norm=0.5, seed=0)
+CONFIG = FederatedConfig(method="dp-fedemb", rounds=3, users_per_client=3, clients_per_round=2.0, local_epochs=1,
+                         batch_size=4, client_lr=0.05, noise_multiplier=1.0, clip_norm=0.5, seed=0)
 
 
 @pytest.fixture(scope="module")

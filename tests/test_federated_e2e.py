@@ -32,6 +32,7 @@ def init_file(tmp_path_factory) -> Path:
 def cli_args(lfw: Path, init: Path, out: Path, *extra: str) -> list[str]:
     return ["--data", str(lfw), "--model", json.dumps(TINY.to_dict()), "--init", str(init), "--out", str(out),
             "--max-users", "12", "--users-per-client", "3", "--clients-per-round", "2", "--batch-size", "4",
+            "--local-epochs", "1",
             "--view1-limit", "40", "--threads", "1", *extra]
 
 

@@ -35,14 +35,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--users-per-client", type=int, default=4, help="k: users grouped in one virtual client")
     p.add_argument("--clients-per-round", type=float, default=10.0,
                    help="expected virtual clients per round (Poisson rate = this / number of virtual clients)")
-    p.add_argument("--local-epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--client-lr", type=float, default=0.05)
+    p.add_argument("--local-epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--client-lr", type=float, default=0.01)
     p.add_argument("--head-lr-scale", type=float, default=10.0, help="the local (or global) head's lr / client lr")
     p.add_argument("--server-lr", type=float, default=1.0)
     p.add_argument("--server-momentum", type=float, default=0.9)
     p.add_argument("--noise-multiplier", type=float, default=0.0, help="z (dp-* methods): noise std z * C on the sum")
-    p.add_argument("--clip-norm", type=float, default=1.0, help="C (the start value with --target-quantile)")
+    p.add_argument("--clip-norm", type=float, default=0.05, help="C (the start value with --target-quantile)")
     p.add_argument("--target-quantile", type=float, default=None,
                    help="adaptive clipping (Andrew et al. 2021): the quantile of update norms C tracks")
     p.add_argument("--clip-lr", type=float, default=0.2)
@@ -78,7 +78,7 @@ def run(argv: list[str] | None = None) -> dict:
                          seed=args.seed)
     if config is None:
         row = run_centralized(shared, args.out, args.centralized_epochs, args.client_lr, args.batch_size,
-                              args.head_lr_scale, args.seed)
+                              args.head_lr_scale, seed=args.seed)
     else:
         row = run_federated(shared, config, args.out, args.eval_every, args.crash_in_round)
     print(json.dumps({k: v for k, v in row.items() if k not in ("history", "config")}))

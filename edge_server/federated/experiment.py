@@ -96,12 +96,13 @@ def run_federated(shared: Shared, config: FederatedConfig, out: Path, eval_every
 
 
 def run_centralized(shared: Shared, out: Path, epochs: int, lr: float, batch_size: int = 32,
-                    head_lr_scale: float = 10.0, seed: int = 0, log: Callable[[str], None] = print) -> dict[str, Any]:
+                    head_lr_scale: float = 10.0, momentum: float = 0.0, seed: int = 0,
+                    log: Callable[[str], None] = print) -> dict[str, Any]:
     """Non-private training of the same backbone on all private users' photos at once (a head over all
     of them): the same client function, run once over everyone."""
     started = time.time()
     population = shared.population
-    config = LocalConfig(epochs=epochs, batch_size=batch_size, lr=lr, head_lr_scale=head_lr_scale, momentum=0.9)
+    config = LocalConfig(epochs=epochs, batch_size=batch_size, lr=lr, head_lr_scale=head_lr_scale, momentum=momentum)
     log(f"centralized: {len(population.users)} users, {len(population.labels)} images, {epochs} epochs")
     result = train_client(shared.spec, shared.init_state, population.images, population.labels, config, seed)
     backbone = build_backbone(shared.spec)
@@ -111,7 +112,7 @@ def run_centralized(shared: Shared, out: Path, epochs: int, lr: float, batch_siz
             p += result.delta[name]
     report = shared.evaluator(backbone)
     extra = {"users": len(population.users), "epochs": epochs, "lr": lr, "batch_size": batch_size,
-             "head_lr_scale": head_lr_scale,
+             "head_lr_scale": head_lr_scale, "momentum": momentum,
              "client_images_trained": epochs * len(population.labels), "train_loss": result.loss,
              "wall_s": time.time() - started}
     row = summary_row("centralized", None, None, {}, report, extra)
@@ -125,7 +126,10 @@ def run_public_only(shared: Shared, out: Path) -> dict[str, Any]:
     """The public backbone itself, before any private training (where every run starts)."""
     backbone = build_backbone(shared.spec)
     backbone.load_state_dict(shared.init_state)
-    row = summary_row("public-only", 0, None, {}, shared.evaluator(backbone), {"users": 0})
+    extra = {"users": 0}
+    if shared.progress is not None:  # round 0 of the per-round curves
+        extra["progress_view1_accuracy"] = shared.progress(backbone)["view1_accuracy"]
+    row = summary_row("public-only", 0, None, {}, shared.evaluator(backbone), extra)
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps(row, indent=2))
     return row
