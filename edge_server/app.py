@@ -307,8 +307,7 @@ class EdgeServer:
     def _screen(self, connection: ServerConnection, request: Any) -> Any:
         """Before the WebSocket upgrade: refuse over the connection limits with HTTP 503, which costs less than
         upgrading and closing (`handle` checks again: connections upgrading at once all pass here)."""
-        address = str(connection.remote_address[0]) if connection.remote_address else "?"
-        refusal = self._refusal(address)
+        refusal = self._refusal(_peer(connection))
         if refusal is None:
             return None
         self.metrics.closed("connection_limit")
@@ -328,7 +327,7 @@ class EdgeServer:
         return None, 0, ""
 
     async def handle(self, ws: ServerConnection) -> None:
-        address = str(ws.remote_address[0]) if ws.remote_address else "?"
+        address = _peer(ws)
         refusal = self._refusal(address)
         if refusal:
             log.warning("refused a connection from %s: %s", address, refusal)
@@ -467,6 +466,11 @@ class EdgeServer:
         if self.recorder:
             self.recorder.record_embedding_grad(session.device_id, action.batch_id, action.grad)
         return session.applied(action.batch_id, grad, server_s=time.perf_counter() - start), len(grad), None, None, True
+
+
+def _peer(connection: ServerConnection) -> str:
+    """The peer's IP address: the key of the per-address limits."""
+    return str(connection.remote_address[0]) if connection.remote_address else "?"
 
 
 def _error_code(reply: bytes) -> str | None:

@@ -198,6 +198,10 @@ def test_pre_auth_limits(tmp_path):
                 trickle.transport.write(b"\x00")                            # keeps trickling: no extension
             for ws in (idle, trickle, other):
                 assert await _close_code(ws, 10) == 1008
+            for _ in range(50):                                             # the handlers finish just after
+                if not server.server.open_by_address:
+                    break
+                await asyncio.sleep(0.1)
             assert server.server.open_by_address == {}
         asyncio.run(scenario())
 
