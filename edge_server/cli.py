@@ -105,16 +105,20 @@ def main(argv: list[str] | None = None) -> None:
         meta = pretrain(model_spec(args), data, args.out, args.epochs, args.lr, args.batch_size, args.seed)
         print(json.dumps({k: v for k, v in meta.items() if k != "history"}), "final:", meta["history"][-1])
         return
+    server_config = ServerConfig(args.host, args.port, args.run_dir, args.checkpoint_every,
+                                 args.checkpoint_every_batches, pending_timeout_s=args.pending_timeout,
+                                 record_max=args.record_max, limits=from_args(Limits, args),
+                                 metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                                 tls_cert=args.tls_cert, tls_key=args.tls_key, insecure=args.insecure)
+    try:
+        server_config.tls()  # before building the model: plain ws:// off loopback, a missing or bad certificate
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
     config = TrainConfig(args.lr, args.momentum, args.weight_decay, args.lr_decay, args.decay_steps, args.seed)
     trainer = ServerTrainer(model_spec(args), args.split, args.num_classes, config, args.device, args.init,
                             args.train_only, from_args(StepGuard, args))
     info = server_info(trainer, args.max_batch, int(args.max_message_mb * 2 ** 20))
-    server = EdgeServer(trainer, info, TokenAuthenticator(load_tokens(args.tokens)),
-                        ServerConfig(args.host, args.port, args.run_dir, args.checkpoint_every,
-                                     args.checkpoint_every_batches, pending_timeout_s=args.pending_timeout,
-                                     record_max=args.record_max, limits=from_args(Limits, args),
-                                     metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                                     tls_cert=args.tls_cert, tls_key=args.tls_key, insecure=args.insecure))
+    server = EdgeServer(trainer, info, TokenAuthenticator(load_tokens(args.tokens)), server_config)
     logging.getLogger("splitface.server").info("training %s split at %s on %s", args.model, args.split, trainer.device)
     asyncio.run(server.run(on_ready=lambda port: print(f"READY {port}", flush=True)))
 

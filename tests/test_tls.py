@@ -4,6 +4,11 @@ loopback on both sides unless explicitly allowed."""
 from __future__ import annotations
 
 import asyncio
+import re
+import subprocess
+import sys
+import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -12,7 +17,7 @@ import trustme
 from device_sdk.client import DeviceClient, UntrustedServer
 from device_sdk.engine import DeviceEngine
 from edge_server.app import EdgeServer, ServerConfig, server_info
-from edge_server.auth import TokenAuthenticator
+from edge_server.auth import TokenAuthenticator, issue_tokens
 from tests.conftest import TOKENS, serve_in_thread, small_trainer
 
 NUM_CLASSES = 5
@@ -79,3 +84,44 @@ def test_plain_ws_is_refused_off_loopback(tmp_path, pki):
     assert served.ssl is not None
     with pytest.raises(ValueError, match="both --tls-cert and --tls-key"):
         EdgeServer(trainer, info, auth, ServerConfig(run_dir=tmp_path, tls_cert=pki / "cert.pem"))
+
+
+@pytest.mark.slow
+def test_serve_command_with_tls_and_metrics(tmp_path, pki):
+    """`splitface-server serve` as an operator runs it: wss:// with --tls-cert/--tls-key, the limits as options,
+    the Prometheus endpoint."""
+    tokens = issue_tokens(tmp_path / "tokens.json", ["device-0"])
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "edge_server.cli", "serve", "--model", "vgg_face_small",
+                                 "--num-classes", str(NUM_CLASSES), "--tokens", str(tmp_path / "tokens.json"),
+                                 "--port", "0", "--run-dir", str(tmp_path / "run"), "--max-batch", "8",
+                                 "--threads", "1", "--tls-cert", str(pki / "cert.pem"), "--tls-key",
+                                 str(pki / "key.pem"), "--metrics-port", "0", "--max-connections-per-address", "4",
+                                 "--hello-timeout-s", "3"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not re.search(r"^READY \d+", log.read_text(), re.M):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        text = log.read_text()
+        port = int(re.search(r"^READY (\d+)", text, re.M).group(1))
+        metrics_port = int(re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", text).group(1))
+        trainer = small_trainer(NUM_CLASSES)
+
+        async def scenario():
+            client = DeviceClient(f"wss://localhost:{port}", "device-0", tokens["device-0"],
+                                  DeviceEngine(trainer.spec, "conv1", "server", NUM_CLASSES), batch_size=8,
+                                  ca_file=pki / "ca.pem")
+            await client.connect()
+            rng = np.random.default_rng(0)
+            await client.train_batch(1, rng.integers(0, 256, (4, 3, 64, 64), dtype=np.uint8),
+                                     rng.integers(0, NUM_CLASSES, 4), np.arange(4))
+            await client.close()
+        asyncio.run(scenario())
+        scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        assert re.search(r"^splitface_batches_total 1\.0$", scraped, re.M), scraped
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    assert "listening on wss://" in log.read_text()
