@@ -86,8 +86,9 @@ def test_bad_inputs_are_refused_and_others_keep_training(server, tmp_path):
                 assert reply["code"] == code
                 with pytest.raises(ConnectionClosed):
                     await ws.recv()
-        async with connect(url, compression=None) as ws:     # no hello at all: a forward first
-            await ws.send(_forward(_client_session(), 1))
+        async with connect(url, compression=None) as ws:     # no hello at all: a forward first (a small one:
+            # a large frame before HELLO is closed by the pre-authentication size limit, tests/test_hardening.py)
+            await ws.send(_forward(_client_session(), 1, activations=encode_tensor(np.zeros((1, 4), np.float32))))
             assert m.decode(await ws.recv())["code"] == "bad_state"
             with pytest.raises(ConnectionClosed):
                 await ws.recv()
@@ -162,7 +163,7 @@ def test_bad_inputs_are_refused_and_others_keep_training(server, tmp_path):
 def test_device_head_u_turn_allows_eval_and_times_out(tmp_path):
     """An eval batch inside a device's own U-turn is answered (no deadlock on the model lock); a
     device that never sends its embedding gradient is cut off and the others go on."""
-    with serve_in_thread(small_trainer(NUM_CLASSES), tmp_path, max_batch=8, pending_timeout_s=1.0) as server:
+    with serve_in_thread(small_trainer(NUM_CLASSES), tmp_path, max_batch=8, pending_timeout_s=3.0) as server:
         async def scenario():
             session = _client_session("device-1", head="device")
             ws = await _raw(server.url, session)
