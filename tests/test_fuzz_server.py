@@ -23,7 +23,7 @@ from protocol.errors import ErrorCode
 
 KNOWN = ({f"error:{c.value}" for c in ErrorCode} | {f"reply:{t}" for t in ("welcome", "backward", "embeddings",
                                                                             "eval_result")}
-         | {"close:1008", "close:1009", "close:4000", "close:4001"})
+         | {"close:1008", "close:1009", "close:1013", "close:4000", "close:4001"})
 
 
 @pytest.fixture()
