@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")"
 bash scripts/setup.sh
 android_demo/jvm_test.sh
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q -rs "$@"

@@ -1,6 +1,7 @@
-"""Shared fixtures: the real LFW copy and an in-process edge server on loopback."""
+"""Shared fixtures: the real LFW copy and an in-process edge server on loopback; and no silent skips."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -36,3 +37,23 @@ def serve_in_thread(trainer: ServerTrainer, run_dir: Path, max_batch: int = 64, 
 
 def small_trainer(num_classes: int = 5, model: str = "vgg_face_small", **kw) -> ServerTrainer:
     return ServerTrainer(resolve_spec(model), "conv1", num_classes, TrainConfig(**kw))
+
+
+# No silent skips: a skipped test fails the run (its reason is printed by -rs), unless SPLITFACE_ALLOW_SKIPS=1.
+_skipped: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _skipped.append(report.nodeid)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _skipped and not os.environ.get("SPLITFACE_ALLOW_SKIPS") and exitstatus == 0:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _skipped and not os.environ.get("SPLITFACE_ALLOW_SKIPS"):
+        terminalreporter.write_line(f"{len(_skipped)} unexpected skip(s) fail this run (SPLITFACE_ALLOW_SKIPS=1 "
+                                    f"allows them): {', '.join(_skipped[:5])}", red=True)

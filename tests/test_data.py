@@ -9,67 +9,62 @@ import pytest
 from PIL import Image
 
 from device_sdk.data import FaceSet, find_lfw_root, load_image_folder, load_lfw, partition
+from tests.conftest import LFW
 
-LFW = Path(__file__).parents[1].parent / "shared/data/lfw"
-needs_lfw = pytest.mark.skipif(
-    not (LFW / "images").is_dir(), reason=f"LFW not available at {LFW} (see device_sdk.data.find_lfw_root)"
-)
 
 
 @pytest.fixture(scope="module")
-def lfw():
-    return load_lfw(LFW)
+def paper_set(lfw: Path):
+    """The source paper's subset of the real LFW copy (conftest's `lfw` fails, never skips, when it is missing)."""
+    return load_lfw(lfw)
 
 
 def as_set(fs: FaceSet) -> set[str]:
     return {str(p) for p in fs.paths}
 
 
-@needs_lfw
-def test_lfw_paper_subset(lfw) -> None:
-    assert len(lfw.class_names) == 158
-    assert len(lfw.train) + len(lfw.test) == 4324
-    assert lfw.class_names == sorted(lfw.class_names)
-    assert not as_set(lfw.train) & as_set(lfw.test)
-    assert set(lfw.train.labels.tolist()) == set(range(158)) == set(lfw.test.labels.tolist())
-    assert lfw.train.labels.dtype == np.int64
+def test_lfw_paper_subset(paper_set) -> None:
+    assert len(paper_set.class_names) == 158
+    assert len(paper_set.train) + len(paper_set.test) == 4324
+    assert paper_set.class_names == sorted(paper_set.class_names)
+    assert not as_set(paper_set.train) & as_set(paper_set.test)
+    assert set(paper_set.train.labels.tolist()) == set(range(158)) == set(paper_set.test.labels.tolist())
+    assert paper_set.train.labels.dtype == np.int64
     # Each path's label matches its person directory.
-    for fs in (lfw.train, lfw.test):
-        assert all(p.parent.name == lfw.class_names[l] for p, l in zip(fs.paths, fs.labels))
+    for fs in (paper_set.train, paper_set.test):
+        assert all(p.parent.name == paper_set.class_names[l] for p, l in zip(fs.paths, fs.labels))
     # Per identity: n_test = max(1, round(0.1 n)).
     for label in (0, 57, 157):
-        n = int((lfw.train.labels == label).sum() + (lfw.test.labels == label).sum())
-        assert (lfw.test.labels == label).sum() == max(1, round(0.1 * n))
+        n = int((paper_set.train.labels == label).sum() + (paper_set.test.labels == label).sum())
+        assert (paper_set.test.labels == label).sum() == max(1, round(0.1 * n))
 
 
-@needs_lfw
-def test_lfw_root_forms_and_determinism(lfw) -> None:
+def test_lfw_root_forms_and_determinism(paper_set) -> None:
     assert find_lfw_root(LFW) == LFW / "images"
     again = load_lfw(LFW / "images")  # the per-person dir itself is accepted too
-    assert again.train.paths == lfw.train.paths and again.test.paths == lfw.test.paths
+    assert again.train.paths == paper_set.train.paths and again.test.paths == paper_set.test.paths
     other = load_lfw(LFW, seed=1)
-    assert as_set(other.test) != as_set(lfw.test)
+    assert as_set(other.test) != as_set(paper_set.test)
     assert len(other.train) + len(other.test) == 4324
     small = load_lfw(LFW, max_identities=3)
-    assert small.class_names == lfw.class_names[:3]
+    assert small.class_names == paper_set.class_names[:3]
 
 
-@needs_lfw
 @pytest.mark.parametrize("mode", ["iid", "identity"])
-def test_partition_disjoint_and_covering(lfw, mode: str) -> None:
+def test_partition_disjoint_and_covering(paper_set, mode: str) -> None:
     k = 3
-    parts = [partition(lfw.train, k, i, mode=mode, seed=7) for i in range(k)]
+    parts = [partition(paper_set.train, k, i, mode=mode, seed=7) for i in range(k)]
     sets = [as_set(p) for p in parts]
-    assert sum(len(s) for s in sets) == len(lfw.train)
-    assert set().union(*sets) == as_set(lfw.train)
+    assert sum(len(s) for s in sets) == len(paper_set.train)
+    assert set().union(*sets) == as_set(paper_set.train)
     ids = [set(p.labels.tolist()) for p in parts]
     if mode == "iid":
         assert all(s == set(range(158)) for s in ids)  # every identity has >= 9 train images
         assert max(map(len, parts)) - min(map(len, parts)) <= 1
     else:
         assert not (ids[0] & ids[1] or ids[0] & ids[2] or ids[1] & ids[2])
-    assert partition(lfw.train, k, 1, mode=mode, seed=7).paths == parts[1].paths
-    assert parts[0].class_names == lfw.class_names
+    assert partition(paper_set.train, k, 1, mode=mode, seed=7).paths == parts[1].paths
+    assert parts[0].class_names == paper_set.class_names
 
 
 def test_partition_bad_args() -> None:
@@ -81,9 +76,8 @@ def test_partition_bad_args() -> None:
             partition(fs, **kwargs)
 
 
-@needs_lfw
-def test_faceset_load(lfw) -> None:
-    x = lfw.train.subset([0, 1, 2, 3]).load(64)
+def test_faceset_load(paper_set) -> None:
+    x = paper_set.train.subset([0, 1, 2, 3]).load(64)
     assert x.dtype == np.uint8 and x.shape == (4, 3, 64, 64)
     assert x.std() > 10  # real image content, not blank
 
