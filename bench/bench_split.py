@@ -45,13 +45,11 @@ from typing import Any, Callable
 import msgpack
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from protocol import messages as m
+from protocol.session import ClientSession, DeviceRecord, ServerInfo, ServerSession
+from protocol.tensor import WIRE_DTYPES, decode_tensor, encode_tensor
 
-from protocol import messages as m  # noqa: E402
-from protocol.session import ClientSession, DeviceRecord, ServerInfo, ServerSession  # noqa: E402
-from protocol.tensor import WIRE_DTYPES, decode_tensor, encode_tensor  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # The project's websocket options (edge_server/app.py serve(...), device_sdk/client.py connect(...)).
 SERVER_WS_OPTIONS = dict(compression=None, max_queue=4, write_limit=2 ** 24, ping_interval=30, ping_timeout=120)
