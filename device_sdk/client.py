@@ -11,6 +11,7 @@ import asyncio
 import ipaddress
 import logging
 import math
+import os
 import ssl
 import time
 from dataclasses import dataclass
@@ -68,6 +69,55 @@ def tls_context(url: str, ca_file: Path | None, insecure: bool) -> ssl.SSLContex
     return None
 
 
+FAULT_EXIT = 86  # exit status of a process ended by an injected fault (tests only)
+FAULT_ENV = "SPLITFACE_DEVICE_FAULTS"  # tests only: "device-1=crash-after-forward:3,device-2=drop-before-backward:2"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A deterministic fault for tests, `kind:N`: at an exact point of batch (or server step) N the process
+    exits hard (`crash-...`, exit status FAULT_EXIT, nothing flushed or saved) or, on a device, the
+    connection is aborted (`drop-...`, then the client's own recovery runs). Each fault fires once."""
+    kind: str
+    at: int
+
+    @classmethod
+    def parse(cls, text: str, kinds: tuple[str, ...]) -> "Fault":
+        kind, sep, at = text.partition(":")
+        if kind not in kinds or not sep or not at.isdigit() or int(at) < 1:
+            raise ValueError(f"fault {text!r}: expected KIND:N with N >= 1 and KIND one of {', '.join(kinds)}")
+        return cls(kind, int(at))
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.at}"
+
+
+def crash(what: str) -> None:
+    """End this process at once, as a power cut or kill -9 would: no cleanup, no checkpoint, no close frame."""
+    log.error("fault injection: %s; exiting hard", what)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(FAULT_EXIT)
+
+
+# The points of a training batch where a device fault can strike (both heads: after-forward, before-backward).
+DEVICE_PHASES = ("after-forward", "after-embeddings", "after-embedding-grad", "before-backward")
+DEVICE_FAULTS = tuple(f"{action}-{phase}" for action in ("drop", "crash") for phase in DEVICE_PHASES)
+
+
+def device_faults(spec: str | None = None) -> dict[str, list[Fault]]:
+    """Device faults by device id from `spec` (default: the SPLITFACE_DEVICE_FAULTS environment variable, so a
+    test can fault the simulator's process): comma-separated `DEVICE_ID=KIND:N`."""
+    spec = os.environ.get(FAULT_ENV, "") if spec is None else spec
+    faults: dict[str, list[Fault]] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        device_id, sep, fault = item.partition("=")
+        if not sep or not device_id:
+            raise ValueError(f"{FAULT_ENV}: {item!r} is not DEVICE_ID=KIND:N")
+        faults.setdefault(device_id, []).append(Fault.parse(fault, DEVICE_FAULTS))
+    return faults
+
+
 class Rollback(Exception):
     """The server restarted from a checkpoint; the device went back to `batch_id`."""
 
@@ -102,10 +152,12 @@ class DeviceClient:
     def __init__(self, url: str, device_id: str, token: str, engine: DeviceEngine, batch_size: int,
                  encodings: dict[str, str] | None = None, reconnect_timeout_s: float = 120.0, server_retries: int = 3,
                  max_message_bytes: int = m.DEFAULT_MAX_MESSAGE_BYTES, ca_file: Path | None = None,
-                 insecure: bool = False):
+                 insecure: bool = False, faults: list[Fault] | None = None):
         """`max_message_bytes`: the largest server message accepted (the spec's floor is 2^30, raised to the
         server's announced limit if that is larger); the client never accepts unbounded messages. `ca_file`:
-        the CA certificates (PEM) trusted for a wss:// server; `insecure`: allow plain ws:// off loopback."""
+        the CA certificates (PEM) trusted for a wss:// server; `insecure`: allow plain ws:// off loopback.
+        `faults` (tests only; default: this device's entries in SPLITFACE_DEVICE_FAULTS) crash the process
+        or drop the connection at an exact phase of a batch."""
         if max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be positive, not {max_message_bytes}")
         self.ssl = tls_context(url, ca_file, insecure)
@@ -121,6 +173,9 @@ class DeviceClient:
         self.traffic = Traffic()
         self._ws: ClientConnection | None = None
         self._eval_id = 0
+        self.faults = list(device_faults().get(device_id, []) if faults is None else faults)
+        for fault in self.faults:
+            Fault.parse(str(fault), DEVICE_FAULTS)  # a bad kind fails here, not at its batch
 
     @property
     def device_id(self) -> str:
@@ -177,15 +232,35 @@ class DeviceClient:
             ws, self._ws = self._ws, None
             await ws.close()
 
-    async def request(self, data: bytes, expect: set[str], batch_id: int) -> dict[str, Any]:
+    def _fault(self, phase: str, batch_id: int) -> None:
+        """Fire an injected fault due at this phase of this training batch (tests only)."""
+        for fault in self.faults:
+            action, _, at_phase = fault.kind.partition("-")
+            if at_phase != phase or fault.at != batch_id:
+                continue
+            self.faults.remove(fault)
+            if action == "crash":
+                crash(f"{self.device_id}: {fault}")
+            log.warning("%s: fault injection: %s; aborting the connection", self.device_id, fault)
+            if self._ws is not None:
+                self._ws.transport.abort()  # no close frame: as if the network went away
+            raise ConnectionLost(f"injected fault {fault}")
+
+    async def request(self, data: bytes, expect: set[str], batch_id: int, phase: str | None = None) -> dict[str, Any]:
+        """Send `data`, return the validated reply. `phase` names the message for fault injection: the faults
+        `*-after-<phase>` fire once it is sent and `*-before-backward` when a BACKWARD has arrived."""
         if self._ws is None:
             raise ConnectionLost("not connected")
         start = time.perf_counter()
         try:
             await self._ws.send(data)
+            if phase:
+                self._fault("after-" + phase, batch_id)
             reply = await self._ws.recv()
         except (ConnectionClosed, OSError) as exc:
             raise ConnectionLost(str(exc)) from exc
+        if phase and self.faults and m.decode(reply)["type"] == m.BACKWARD:
+            self._fault("before-backward", batch_id)
         self.traffic.round_trip_s += time.perf_counter() - start
         self.traffic.sent += len(data)
         self.traffic.received += len(reply)
@@ -226,15 +301,16 @@ class DeviceClient:
 
         async def attempt() -> dict[str, Any]:
             server_s.clear()
-            reply = await self.request(forward, {m.BACKWARD, m.EMBEDDINGS}, batch_id)
+            reply = await self.request(forward, {m.BACKWARD, m.EMBEDDINGS}, batch_id, "forward")
             if reply["type"] == m.EMBEDDINGS:
+                self._fault("after-embeddings", batch_id)
                 server_s.append(reply.get("server_s", math.nan))
                 with watch("head"):
                     grad, head["loss"], head["n_correct"] = await asyncio.to_thread(
                         engine.head_step, reply["embeddings"], labels)
                 with watch("encode"):
                     message = self.session.embedding_grad(batch_id, grad)
-                reply = await self.request(message, {m.BACKWARD}, batch_id)
+                reply = await self.request(message, {m.BACKWARD}, batch_id, "embedding-grad")
             server_s.append(reply.get("server_s", math.nan))
             return reply
 

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from device_sdk.client import is_loopback
+from device_sdk.client import Fault, crash, is_loopback
 from device_sdk.models import activation_shape
 from protocol.session import (
     Action,
@@ -42,7 +42,7 @@ from protocol.session import (
 from protocol import messages as m
 
 from .auth import AuthThrottle, throttled
-from .checkpoint import NonFiniteState, load_checkpoint, save_checkpoint
+from .checkpoint import NonFiniteState, ReplyStore, load_checkpoint, save_checkpoint
 from .metrics import Metrics, PrometheusCollector
 from .recorder import Recorder
 from .trainer import ServerTrainer, StepRefused
@@ -53,6 +53,11 @@ CLOSE_POLICY = 1008
 CLOSE_TRY_AGAIN = 1013
 CLOSE_REPLACED = 4000
 CLOSE_TIMEOUT = 4001
+
+# Tests only (`--fault KIND:N`, N a server step, counted across restarts): exit hard right after the reply of
+# step N was handed to the connection, or after step N was applied (and checkpointed, when the checkpoint
+# interval in batches falls there) but before its reply exists.
+SERVER_FAULTS = ("crash-after-batch", "crash-between-apply-and-reply")
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,7 @@ class ServerConfig:
     tls_cert: Path | None = None          # PEM certificate chain: serve wss://
     tls_key: Path | None = None           # its private key (PEM)
     insecure: bool = False                # allow plain ws:// on a non-loopback address
+    fault: Fault | None = None            # tests only: crash at an exact step (SERVER_FAULTS)
 
     def tls(self) -> ssl.SSLContext | None:
         """The server's TLS context; plain ws:// only on loopback unless `insecure` (tokens travel in HELLO)."""
@@ -138,6 +144,10 @@ class ServerConfig:
     @property
     def checkpoint_path(self) -> Path:
         return self.run_dir / "checkpoint.pt"
+
+    @property
+    def replies_dir(self) -> Path:
+        return self.run_dir / "replies"
 
     @property
     def metrics_path(self) -> Path:
@@ -162,6 +172,7 @@ class _Connection:
     opened: float = field(default_factory=time.monotonic)
     holds_lock: bool = False
     lock_taken: float = 0.0               # monotonic time the U-turn took the model lock
+    applied_step: int = 0                 # the server step of the training batch whose reply is being sent
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -169,6 +180,7 @@ class EdgeServer:
     def __init__(self, trainer: ServerTrainer, info: ServerInfo, authenticate: Authenticator, config: ServerConfig):
         self.trainer, self.info, self.authenticate, self.config = trainer, info, authenticate, config
         self.records: dict[str, DeviceRecord] = {}
+        self.replies = ReplyStore(config.replies_dir)
         self.durable: dict[str, int] = {}
         self.metrics = Metrics()
         self.recorder = Recorder(config.recordings_dir, config.record_max) if config.record_max > 0 else None
@@ -182,6 +194,9 @@ class EdgeServer:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self.ssl = config.tls()
+        if config.fault is not None:
+            Fault.parse(str(config.fault), SERVER_FAULTS)
+            log.warning("fault injection armed (tests only): %s", config.fault)
         self._restore()
 
     # ---- checkpoints -------------------------------------------------------------------
@@ -190,13 +205,19 @@ class EdgeServer:
 
     def _restore(self) -> None:
         state = load_checkpoint(self.config.checkpoint_path)
+        # replies written for a checkpoint that never landed may not match the batches redone after resuming
+        self.replies.prune({r["reply"] for r in state["devices"].values() if r["reply"]} if state else set())
         if state is None:
             return
         if state["identity"] != self._identity():
             raise SystemExit(f"{self.config.checkpoint_path} was written for {state['identity']}, "
                              f"not {self._identity()}; use another --run-dir")
         self.trainer.load_state_dict(state["trainer"])
-        self.records = {d: DeviceRecord(r["last_applied"], r["last_reply"]) for d, r in state["devices"].items()}
+        try:
+            self.records = {d: DeviceRecord(r["last_applied"], self.replies.load(r["reply"]) if r["reply"] else None)
+                            for d, r in state["devices"].items()}
+        except OSError as exc:
+            raise SystemExit(f"{self.config.checkpoint_path} names a reply that cannot be read: {exc}") from exc
         self.durable = {d: r.last_applied for d, r in self.records.items()}
         if "metrics" in state:  # counted as of the checkpoint, like the batches it holds
             self.metrics = Metrics.from_state(state["metrics"])
@@ -206,20 +227,37 @@ class EdgeServer:
     async def checkpoint(self) -> None:
         """Consistent snapshot: taken under the model lock, so no step or U-turn is half done."""
         async with self.model_lock:
-            devices = {d: {"last_applied": r.last_applied, "last_reply": r.last_reply} for d, r in self.records.items()}
-            state = {"identity": self._identity(), "trainer": self.trainer.state_dict(), "devices": devices,
-                     "metrics": self.metrics.state(), "saved_at": time.time()}
-            try:
-                await self._compute(save_checkpoint, self.config.checkpoint_path, state)
-            except NonFiniteState as exc:  # cannot happen through guarded steps; never save it
-                log.error("%s", exc)
-                self._batches_since_checkpoint = 0  # retried at the next interval, not at once
-                return
-            if self.recorder:
-                await self._compute(self.recorder.flush)
-            self.durable = {d: r["last_applied"] for d, r in devices.items()}
-            self._batches_since_checkpoint = 0
-        log.info("checkpoint at server step %d", self.trainer.steps)
+            await self._checkpoint_locked()
+
+    async def _checkpoint_locked(self) -> None:
+        """The checkpoint, by a caller holding the model lock. A device's last reply is kept only while the
+        device may still need it: once it sent its next training batch it has that reply (`_acknowledged`), so
+        the checkpoint holds one reply per device in the middle of a batch, not one per device."""
+        state = {"identity": self._identity(), "trainer": self.trainer.state_dict(),
+                 "metrics": self.metrics.state(), "saved_at": time.time()}
+        records = {d: (r.last_applied, r.last_reply) for d, r in self.records.items()}
+        try:
+            await self._compute(self._save, state, records)
+        except NonFiniteState as exc:  # cannot happen through guarded steps; never save it
+            log.error("%s", exc)
+            self._batches_since_checkpoint = 0  # retried at the next interval, not at once
+            return
+        devices = state["devices"]
+        if self.recorder:
+            await self._compute(self.recorder.flush)
+        self.durable = {d: r["last_applied"] for d, r in devices.items()}
+        self._batches_since_checkpoint = 0
+        log.info("checkpoint at server step %d (%d replies kept)", self.trainer.steps,
+                 sum(r["reply"] is not None for r in devices.values()))
+
+    def _save(self, state: dict[str, Any], records: dict[str, tuple[int, bytes | None]]) -> None:
+        """In the worker thread: the replies first (new ones only), then the checkpoint naming them; replies
+        no checkpoint names any more are deleted once it is in place."""
+        state["devices"] = {d: {"last_applied": applied,
+                                "reply": self.replies.save(d, applied, reply) if reply is not None else None}
+                            for d, (applied, reply) in records.items()}
+        save_checkpoint(self.config.checkpoint_path, state)
+        self.replies.prune({r["reply"] for r in state["devices"].values() if r["reply"]})
 
     def durable_through(self, device_id: str) -> int:
         return self.durable.get(device_id, 0)
@@ -277,8 +315,7 @@ class EdgeServer:
         while True:
             await asyncio.sleep(0.5)
             now = time.monotonic()
-            due_batches = 0 < self.config.checkpoint_every_batches <= self._batches_since_checkpoint
-            if self._batches_since_checkpoint and (due_batches or now - last_ckpt >= self.config.checkpoint_every_s):
+            if self._batches_since_checkpoint and now - last_ckpt >= self.config.checkpoint_every_s:
                 await self.checkpoint()
                 last_ckpt = now
             if now - last_log >= self.config.log_every_s:
@@ -359,6 +396,9 @@ class EdgeServer:
                 await ws.send(reply)
                 if session.device_id:
                     self.metrics.traffic(session.device_id, bytes_out=len(reply))
+                if conn.applied_step:
+                    self._fault_point("crash-after-batch", conn.applied_step)
+                    conn.applied_step = 0
                 if isinstance(action, Reply) and action.close:
                     self.metrics.closed("protocol_error")
                     await ws.close(CLOSE_POLICY, "protocol error")
@@ -390,23 +430,25 @@ class EdgeServer:
             log.info("%s connected (%s head), resume from batch %d", action.device_id, session.head,
                      session.record.last_applied + 1)
             return session.welcome()
+        if isinstance(action, (Train, Embed)) and not getattr(action, "eval", False):
+            _acknowledged(session)
         if isinstance(action, Embed) and not action.eval:
             # The U-turn starts: hold the model until this device's embedding gradient arrives.
             if not conn.holds_lock:
                 await self.model_lock.acquire()
                 conn.holds_lock = True
                 conn.lock_taken = time.monotonic()
-            reply, ok = await self._run(session, action.batch_id, self._embed, session, action)
+            reply, ok = await self._run(conn, action.batch_id, self._embed, session, action)
             if not ok:
                 self._release(conn)
         elif isinstance(action, TrainTail):
-            reply, _ = await self._run(session, action.batch_id, self._train_tail, session, action)
+            reply, _ = await self._run(conn, action.batch_id, self._train_tail, session, action)
             self._release(conn)
         elif conn.holds_lock:  # an eval batch in the middle of this device's own U-turn
-            reply, _ = await self._run(session, action.batch_id, self._work, session, action)
+            reply, _ = await self._run(conn, action.batch_id, self._work, session, action)
         else:
             async with self.model_lock:
-                reply, _ = await self._run(session, action.batch_id, self._work, session, action)
+                reply, _ = await self._run(conn, action.batch_id, self._work, session, action)
         return reply
 
     def _release(self, conn: "_Connection") -> None:
@@ -414,9 +456,12 @@ class EdgeServer:
         conn.holds_lock = False
         self.model_lock.release()
 
-    async def _run(self, session: ServerSession, batch_id: int, fn: Callable, *args: Any) -> tuple[bytes, bool]:
-        """Run compute in the worker thread: (reply, True), or an ERROR and False when it raised (nothing
-        applied): a refused step gets its own code, anything else `server_error` (logged with its trace)."""
+    async def _run(self, conn: "_Connection", batch_id: int, fn: Callable, *args: Any) -> tuple[bytes, bool]:
+        """Run compute in the worker thread (the caller holds the model lock): (reply, True), or an ERROR and
+        False when it raised (nothing applied): a refused step gets its own code, anything else `server_error`
+        (logged with its trace). A training step is checkpointed here, before its reply is sent, when it
+        completes --checkpoint-every-batches."""
+        session = conn.session
         start = time.perf_counter()
         try:
             reply, n, loss, n_correct, train = await self._compute(fn, *args)
@@ -432,7 +477,16 @@ class EdgeServer:
         if train:
             self.metrics.batch(session.device_id, n, time.perf_counter() - start, loss, n_correct)
             self._batches_since_checkpoint += 1
+            if 0 < self.config.checkpoint_every_batches <= self._batches_since_checkpoint:
+                await self._checkpoint_locked()
+            conn.applied_step = self.trainer.steps
+            self._fault_point("crash-between-apply-and-reply", conn.applied_step)
         return reply, True
+
+    def _fault_point(self, kind: str, step: int) -> None:
+        fault = self.config.fault
+        if fault is not None and fault.kind == kind and fault.at == step:
+            crash(f"server {fault}")
 
     # Compute, in the worker thread. Each returns (reply, samples, loss, n_correct, was_training); the
     # replies carry server_s, the server's compute time, so a device can split its round trip.
@@ -466,6 +520,12 @@ class EdgeServer:
         if self.recorder:
             self.recorder.record_embedding_grad(session.device_id, action.batch_id, action.grad)
         return session.applied(action.batch_id, grad, server_s=time.perf_counter() - start), len(grad), None, None, True
+
+
+def _acknowledged(session: ServerSession) -> None:
+    """A fresh training batch (the session sequenced it as the next) proves that the device holds the reply
+    of the one before, so it can never retry that one: its cached reply (a whole gradient) is dropped."""
+    session.record.last_reply = None
 
 
 def _peer(connection: ServerConnection) -> str:

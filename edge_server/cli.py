@@ -13,10 +13,11 @@ from typing import Any, TypeVar
 import torch
 
 from device_sdk.cli import add_data_args, add_model_args, load_data, model_spec
+from device_sdk.client import Fault
 from device_sdk.optim import TrainConfig
 from protocol.messages import DEFAULT_MAX_MESSAGE_BYTES
 
-from .app import EdgeServer, Limits, ServerConfig, server_info
+from .app import SERVER_FAULTS, EdgeServer, Limits, ServerConfig, server_info
 from .auth import TokenAuthenticator, issue_tokens, load_tokens
 from .pretrain import pretrain
 from .trainer import ServerTrainer, StepGuard
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (0: a free one; default: none)")
     s.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
+    s.add_argument("--fault", default=None, metavar="KIND:N",
+                   help="TESTS ONLY: exit hard at server step N (counted across restarts): " + ", ".join(SERVER_FAULTS))
     s.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     s.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     s.add_argument("--seed", type=int, default=0)
@@ -111,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
                                  metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                                  tls_cert=args.tls_cert, tls_key=args.tls_key, insecure=args.insecure)
     try:
+        server_config.fault = Fault.parse(args.fault, SERVER_FAULTS) if args.fault else None
         server_config.tls()  # before building the model: plain ws:// off loopback, a missing or bad certificate
     except (ValueError, OSError) as exc:
         parser.error(str(exc))

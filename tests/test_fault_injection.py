@@ -1,0 +1,215 @@
+"""Crashes and dropped connections at exact points (issue #16, item 5), over real websockets on loopback.
+
+Exactly-once is asserted from the counters: the server's per-device `last_applied` and applied-batch counts
+and its step count (from its checkpoint, or the live server) against what each device committed."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from websockets.asyncio.client import connect
+
+from bench.load import check_counts, start_server, stop_server, train_device
+from device_sdk.client import DEVICE_FAULTS, FAULT_ENV, FAULT_EXIT, DeviceClient, Fault, device_faults
+from device_sdk.engine import DeviceEngine
+from device_sdk.models import resolve_spec
+from device_sdk.optim import TrainConfig
+from edge_server.app import SERVER_FAULTS, EdgeServer, ServerConfig, ServerThread, server_info
+from edge_server.auth import TokenAuthenticator, hash_token, issue_tokens
+from edge_server.checkpoint import ReplyStore, load_checkpoint
+from edge_server.trainer import ServerTrainer
+from protocol import messages as m
+from protocol.session import ClientSession
+
+ROOT = Path(__file__).resolve().parents[1]
+# The fuzz's tiny configuration (conv1 activations [4, 32, 32]); N: images per batch.
+MODEL, SPLIT, NUM_CLASSES, N = {"family": "vgg_face", "input_size": 32, "width": 4, "fc_width": 32, "dropout": 0.0}, \
+    "conv1", 5, 4
+SIZE = MODEL["input_size"]
+
+
+def batch(batch_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Training batch `batch_id`: the same images for the same id, so a replay after a rollback matches."""
+    rng = np.random.default_rng(batch_id)
+    return (rng.integers(0, 256, (N, 3, SIZE, SIZE), dtype=np.uint8), rng.integers(0, NUM_CLASSES, N),
+            np.arange(N) + N * batch_id)
+
+
+def client(url: str, device_id: str, token: str, head: str, faults: list[Fault] | None = None) -> DeviceClient:
+    engine = DeviceEngine(resolve_spec(MODEL), SPLIT, head, NUM_CLASSES, TrainConfig(lr=0.005))
+    return DeviceClient(url, device_id, token, engine, N, reconnect_timeout_s=90, faults=faults)
+
+
+def in_process_server(run_dir: Path, tokens: dict[str, str], **config) -> ServerThread:
+    trainer = ServerTrainer(resolve_spec(MODEL), SPLIT, NUM_CLASSES, TrainConfig(), device="cpu")
+    authenticate = TokenAuthenticator({d: hash_token(t) for d, t in tokens.items()})
+    return ServerThread(EdgeServer(trainer, server_info(trainer, N, 64 << 20), authenticate,
+                                   ServerConfig(port=0, run_dir=run_dir, **config)))
+
+
+def test_fault_specs_are_checked():
+    assert Fault.parse("crash-after-batch:3", SERVER_FAULTS) == Fault("crash-after-batch", 3)
+    assert device_faults("a=drop-after-forward:2, b=crash-before-backward:1,a=drop-before-backward:5") == {
+        "a": [Fault("drop-after-forward", 2), Fault("drop-before-backward", 5)], "b": [Fault("crash-before-backward", 1)]}
+    assert device_faults("") == {}
+    for bad in ("crash-after-batch", "crash-after-batch:0", "crash-after-batch:x", "explode:3", "drop-after-forward:1"):
+        with pytest.raises(ValueError, match="KIND:N"):
+            Fault.parse(bad, SERVER_FAULTS)
+    with pytest.raises(ValueError, match="DEVICE_ID=KIND:N"):
+        device_faults("drop-after-forward:1")
+    assert len(DEVICE_FAULTS) == 8
+
+
+def test_dropped_connection_in_each_phase_of_the_exchange(tmp_path):
+    """A connection aborted after FORWARD, after EMBEDDINGS, after EMBEDDING_GRAD or before BACKWARD is read
+    (device head), and after FORWARD or before BACKWARD (server head): each device reconnects once and every
+    batch is applied exactly once."""
+    cases = [("device", p) for p in ("after-forward", "after-embeddings", "after-embedding-grad", "before-backward")]
+    cases += [("server", p) for p in ("after-forward", "before-backward")]
+    tokens = {f"dev-{i}": f"token-{i}" for i in range(len(cases))}
+    batches = 3
+    with in_process_server(tmp_path, tokens) as server:
+        clients = [client(server.url, d, tokens[d], head, [Fault(f"drop-{phase}", 2)])
+                   for d, (head, phase) in zip(sorted(tokens), cases)]
+
+        async def run() -> None:
+            await asyncio.gather(*(train_device(c, batch, total=batches) for c in clients))
+        asyncio.run(run())
+        records = {d: r.last_applied for d, r in server.server.records.items()}
+        counted = {d: c.batches for d, c in server.server.metrics.devices.items()}
+        steps = server.trainer.steps
+    for c, case in zip(clients, cases):
+        assert c.faults == [], case  # it fired
+        assert c.traffic.reconnects == 1, case
+        assert c.engine.committed == batches, case
+    assert records == counted == {d: batches for d in tokens}
+    assert steps == batches * len(cases)
+
+
+def test_checkpoint_keeps_only_the_replies_a_retry_can_need(tmp_path):
+    """A device's last reply is kept (beside the checkpoint, byte for byte for its retry after a restart)
+    until the device sends its next training batch; then it is dropped and the checkpoint names none."""
+    tokens = {"a": "token-a", "b": "token-b"}
+    trainer_spec = resolve_spec(MODEL).to_dict()
+    sessions = {d: ClientSession(d, t, trainer_spec, SPLIT, "server", N, NUM_CLASSES) for d, t in tokens.items()}
+    activations = np.random.default_rng(0).random((N, 4, SIZE, SIZE), dtype=np.float32)
+
+    async def ask(url: str, device_id: str, *messages: bytes) -> list[bytes]:
+        async with connect(url, max_size=64 << 20, compression=None) as ws:
+            await ws.send(sessions[device_id].hello())
+            sessions[device_id].accept_welcome(await ws.recv())
+            replies = []
+            for message in messages:
+                await ws.send(message)
+                replies.append(await ws.recv())
+            return replies
+
+    labels = [0, 1, 2, 3]
+    with in_process_server(tmp_path, tokens) as server:
+        a1, = asyncio.run(ask(server.url, "a", sessions["a"].forward(1, activations, labels)))
+        # a's next batch (refused: 3e38 is beyond the range bound) proves it holds the reply of batch 1
+        refused, = asyncio.run(ask(server.url, "a", sessions["a"].forward(2, np.full_like(activations, 3e38), labels)))
+        assert m.decode(refused)["code"] == "bad_tensor"
+        b1, = asyncio.run(ask(server.url, "b", sessions["b"].forward(1, activations, labels)))
+    state = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert state["devices"] == {"a": {"last_applied": 1, "reply": None},
+                                "b": {"last_applied": 1, "reply": ReplyStore.name("b", 1)}}
+    assert sorted(p.name for p in (tmp_path / "replies").iterdir()) == [ReplyStore.name("b", 1)]
+    with in_process_server(tmp_path, tokens) as server:
+        b_retry, = asyncio.run(ask(server.url, "b", sessions["b"].forward(1, activations, labels)))
+        a_retry, = asyncio.run(ask(server.url, "a", sessions["a"].forward(1, activations, labels)))
+        steps = server.trainer.steps
+    assert b_retry == b1 and m.decode(a1)["type"] == m.BACKWARD
+    assert m.decode(a_retry)["code"] == "out_of_order"  # a had acknowledged it: no correct device retries it
+    assert steps == 2
+
+
+def _devices_in_thread(url: str, tokens: dict[str, str], heads: dict[str, str], total: int) -> tuple[threading.Thread, dict]:
+    """Devices training `total` batches each in a thread of their own (the test restarts servers meanwhile)."""
+    out: dict = {}
+
+    def main() -> None:
+        clients = [client(url, d, tokens[d], heads[d]) for d in sorted(heads)]
+
+        async def run() -> None:
+            await asyncio.gather(*(train_device(c, batch, total=total) for c in clients))
+        try:
+            asyncio.run(run())
+        except BaseException as exc:  # reported by the test
+            out["error"] = exc
+        out["clients"] = clients
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    return thread, out
+
+
+@pytest.mark.slow
+def test_server_killed_at_exact_points_loses_and_doubles_nothing(tmp_path):
+    """The server process exits hard (1) between applying step 6 and replying, 2 steps after its last
+    checkpoint: the devices roll back to it; (2) between applying and replying step 9, which the checkpoint
+    taken at every batch holds: the device's retry gets the reply from the checkpoint; (3) right after
+    replying step 11. A fourth server finishes. The counters match the devices' exactly."""
+    tokens = issue_tokens(tmp_path / "tokens.json", ["dev-0", "dev-1"])
+    heads, total = {"dev-0": "server", "dev-1": "device"}, 7
+    runs = [("crash-between-apply-and-reply:6", "4", 4), ("crash-between-apply-and-reply:9", "1", 9),
+            ("crash-after-batch:11", "1", 11)]
+    proc, port = start_server(tmp_path, tmp_path / "tokens.json", NUM_CLASSES, "--max-batch", str(N),
+                              "--checkpoint-every", "1000", "--checkpoint-every-batches", runs[0][1], "--fault", runs[0][0],
+                              model=json.dumps(MODEL))
+    thread, out = _devices_in_thread(f"ws://127.0.0.1:{port}", tokens, heads, total)
+    for i, (fault, _, checkpointed) in enumerate(runs):
+        assert proc.wait(120) == FAULT_EXIT, fault
+        state = load_checkpoint(tmp_path / "checkpoint.pt")
+        assert state["trainer"]["steps"] == checkpointed, fault
+        if fault.startswith("crash-between") and checkpointed == 9:  # step 9's reply is held for the retry
+            assert sum(r["reply"] is not None for r in state["devices"].values()) >= 1
+        options = ["--fault", runs[i + 1][0], "--checkpoint-every-batches", runs[i + 1][1]] if i + 1 < len(runs) else []
+        proc, _ = start_server(tmp_path, tmp_path / "tokens.json", NUM_CLASSES, "--max-batch", str(N),
+                               "--checkpoint-every", "1000", *options,
+                               port=port, model=json.dumps(MODEL))
+    thread.join(300)
+    assert stop_server(proc) == 0
+    assert "error" not in out, out.get("error")
+    clients = out["clients"]
+    committed = {c.device_id: c.engine.committed for c in clients}
+    counts = check_counts(committed, load_checkpoint(tmp_path / "checkpoint.pt"))
+    assert committed == {"dev-0": total, "dev-1": total}
+    assert counts["lost"] == counts["double_applied"] == 0 and counts["mismatched_devices"] == []
+    assert counts["server_steps"] == 2 * total
+    assert sum(c.traffic.reconnects for c in clients) >= 2 * len(runs) - 1
+
+
+@pytest.mark.slow
+def test_device_process_killed_mid_batch(tmp_path):
+    """Device processes exit hard after sending a FORWARD (device head: holding the shared model) and on
+    receiving a BACKWARD (server head): the server releases the model, the other device trains on, and each
+    killed device's batches are applied exactly as far as the server got them."""
+    tokens = {f"dev-{i}": f"token-{i}" for i in range(3)}
+    heads = {"dev-1": "device", "dev-2": "server"}
+    with in_process_server(tmp_path, tokens, pending_timeout_s=600) as server:
+        env = {**os.environ, FAULT_ENV: "dev-1=crash-after-forward:3,dev-2=crash-before-backward:3"}
+        code = ("import asyncio, sys; sys.path.insert(0, 'tests'); import test_fault_injection as t; "
+                "from bench.load import train_device; "
+                f"c = t.client({server.url!r}, sys.argv[1], sys.argv[2], sys.argv[3], None); "
+                "asyncio.run(train_device(c, t.batch, total=6))")
+        procs = {d: subprocess.Popen([sys.executable, "-c", code, d, tokens[d], head], cwd=ROOT, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for d, head in heads.items()}
+        for d, proc in procs.items():
+            output, _ = proc.communicate(timeout=180)
+            assert proc.returncode == FAULT_EXIT, output
+        survivor = client(server.url, "dev-0", tokens["dev-0"], "device")
+        asyncio.run(train_device(survivor, batch, total=4))  # would wait 600 s if dev-1 still held the model
+        records = {d: r.last_applied for d, r in server.server.records.items()}
+        counted = {d: c.batches for d, c in server.server.metrics.devices.items()}
+        steps = server.trainer.steps
+    # dev-1 committed 2 and its batch 3 never got its gradient; dev-2's batch 3 was applied and answered
+    assert records == counted == {"dev-0": 4, "dev-1": 2, "dev-2": 3}
+    assert steps == 9
