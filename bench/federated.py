@@ -128,6 +128,12 @@ def table(rows: list[dict], config: dict) -> str:
             lines.append(f"- At z = {z:g}, DP-FedEmb {'beats' if gap > 0 else 'does not beat'} DP-FedAvg: "
                          f"{emb['view1_accuracy']:.3f} vs {avg['view1_accuracy']:.3f} ({gap:+.3f}"
                          f"{within(gap, emb, avg)}).")
+    avg = [r for r in measured.values() if r["method"] == "dp-fedavg"]
+    if avg:
+        norms = [h["median_norm"] for r in avg for h in r["history"]]
+        lines.append(f"- DP-FedAvg's uploads carry the global head's change: their median norm per round is "
+                     f"{min(norms):.2f}-{max(norms):.2f} against the clip norm {CONFIG.clip_norm}, so they are scaled "
+                     f"down that much and its backbone barely moves from the public one.")
     public = measured.get("public-only")
     if public:
         lines.append(f"- The public backbone alone scores {public['view1_accuracy']:.3f}: every run starts there.")
