@@ -216,9 +216,13 @@ class ServerSession:
         return np.asarray(labels, dtype=np.int64)
 
     def _sequence(self, batch_id: int) -> Reply | None:
-        """None when batch_id is the next to apply; the cached reply for a retry; else an error."""
+        """None when batch_id is the next to apply; the cached reply for a retry; else an error.
+
+        The next batch proves that the device got the reply of the last one and will never retry it, so
+        that reply (a whole gradient) is forgotten here (SPEC.md section 10)."""
         record = self.record
         if batch_id == record.last_applied + 1:
+            record.last_reply = None
             return None
         if batch_id == record.last_applied and record.last_reply is not None:
             return Reply(record.last_reply)

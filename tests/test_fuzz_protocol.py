@@ -189,6 +189,8 @@ class Shell:
                 assert reply["batch_id"] == before
         else:
             assert was_admitted and not was_closed or isinstance(action, Admit)
+            if isinstance(action, (Train, Embed, TrainTail)) and not getattr(action, "eval", False):
+                assert self.records[gen.DEVICE_ID].last_reply is None, "the next batch forgets the last reply"
             reply = m.decode(self.perform(action, rng))
         after = self.records.get(gen.DEVICE_ID, DeviceRecord()).last_applied
         assert after in (before, before + 1)
