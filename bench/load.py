@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import platform
 import signal
@@ -35,7 +37,7 @@ import numpy as np
 import torch
 
 from bench.hostile import rss_mb
-from device_sdk.client import DeviceClient, Rollback
+from device_sdk.client import DeviceClient, Rollback, device_faults
 from device_sdk.data import load_lfw
 from device_sdk.engine import DeviceEngine
 from device_sdk.models import resolve_spec
@@ -53,37 +55,105 @@ SHARES = (33, 40)  # images per device, alternately: at batch 16, 33 leaves a la
 Batch = tuple[np.ndarray, np.ndarray, np.ndarray]  # images, labels, image ids
 
 
+class ServerProcess:
+    """An edge-server process forked from a server that has imported it already (so a restart takes a
+    fraction of a second, not the 5-15 s of importing torch on a busy machine); Popen's calls used here."""
+
+    def __init__(self, process: mp.process.BaseProcess):
+        self.process = process
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise TimeoutError(f"server process {self.pid} still running after {timeout} s")
+        return self.process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.process.kill()
+
+
+def _forkserver() -> mp.context.BaseContext:
+    # torch._dynamo: the first optimizer imports it (5 s on a busy machine), once here instead of in every process
+    multiprocessing.forkserver.set_forkserver_preload(["edge_server.cli", "bench.load", "torch._dynamo"])
+    return mp.get_context("forkserver")
+
+
+def _serve(argv: list[str], log_path: str) -> None:
+    """In the forked process: `splitface-server <argv>` with its output appended to `log_path`."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
+    from edge_server.cli import main
+    main(argv)
+
+
 def start_server(run_dir: Path, tokens: Path, num_classes: int, *options: str, port: int = 0,
-                 model: str = MODEL) -> tuple[subprocess.Popen, int]:
-    """`python -m edge_server serve` on loopback (its log in <run_dir>/server.log, appended across restarts);
+                 model: str = MODEL) -> tuple[ServerProcess, int]:
+    """`splitface-server serve` on loopback (its log in <run_dir>/server.log, appended across restarts);
     returns the process and its port once it is listening."""
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "server.log"
     start = log_path.stat().st_size if log_path.exists() else 0
-    with open(log_path, "a") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "edge_server", "serve", "--model", model, "--split", SPLIT,
-                                 "--num-classes", str(num_classes), "--tokens", str(tokens), "--port", str(port),
-                                 "--run-dir", str(run_dir), "--device", "cpu", "--threads", "1", *options],
-                                stdout=log, stderr=subprocess.STDOUT)
+    argv = ["serve", "--model", model, "--split", SPLIT, "--num-classes", str(num_classes), "--tokens", str(tokens),
+            "--port", str(port), "--run-dir", str(run_dir), "--device", "cpu", "--threads", "1", *options]
+    proc = ServerProcess(_forkserver().Process(target=_serve, args=(argv, str(log_path)), daemon=False))
+    proc.process.start()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        with open(log_path) as f:
-            f.seek(start)
-            for line in f:
-                if line.startswith("READY "):
-                    return proc, int(line.split()[1])
+        if log_path.exists():
+            with open(log_path) as f:
+                f.seek(start)
+                for line in f:
+                    if line.startswith("READY "):
+                        return proc, int(line.split()[1])
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}): {log_path.read_text()[-3000:]}")
-        time.sleep(0.1)
+            log = log_path.read_text()[-3000:] if log_path.exists() else "(no log)"
+            raise RuntimeError(f"server exited ({proc.poll()}): {log}")
+        time.sleep(0.05)
     proc.kill()
     raise RuntimeError("server did not start in 120 s")
 
 
-def stop_server(proc: subprocess.Popen) -> int:
+def stop_server(proc: ServerProcess) -> int:
     """SIGINT (the server checkpoints and writes its metrics on the way out); its exit status."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
     return proc.wait(120)
+
+
+def random_batches(batch_size: int, size: int, num_classes: int) -> Callable[[int], Batch]:
+    """Made-up training batches for tests: batch `id` is always the same images, labels and image ids."""
+    def batch(batch_id: int) -> Batch:
+        rng = np.random.default_rng(batch_id)
+        return (rng.integers(0, 256, (batch_size, 3, size, size), dtype=np.uint8),
+                rng.integers(0, num_classes, batch_size), np.arange(batch_size) + batch_size * batch_id)
+    return batch
+
+
+def _device(url: str, device_id: str, token: str, spec: dict, head: str, num_classes: int, batch_size: int,
+            total: int, faults: str) -> None:
+    """In a forked process: one device training `total` made-up batches, with injected `faults`."""
+    engine = DeviceEngine(resolve_spec(spec), SPLIT, head, num_classes, TrainConfig(lr=0.005))
+    client = DeviceClient(url, device_id, token, engine, batch_size, faults=device_faults(faults).get(device_id, []))
+    asyncio.run(train_device(client, random_batches(batch_size, engine.spec.input_size, num_classes), total=total))
+
+
+def start_device(*args: Any) -> ServerProcess:
+    """A device process (`_device`'s arguments), forked like the servers; wait() gives its exit status."""
+    proc = ServerProcess(_forkserver().Process(target=_device, args=args, daemon=False))
+    proc.process.start()
+    return proc
 
 
 async def train_device(client: DeviceClient, next_batch: Callable[[int], Batch], total: int | None = None,

@@ -397,7 +397,9 @@ class EdgeServer:
                 if session.device_id:
                     self.metrics.traffic(session.device_id, bytes_out=len(reply))
                 if conn.applied_step:
-                    self._fault_point("crash-after-batch", conn.applied_step)
+                    if self._fault_due("crash-after-batch", conn.applied_step):
+                        await _drained(ws)  # the reply has left this process: the device will get it
+                        crash(f"server {self.config.fault}")
                     conn.applied_step = 0
                 if isinstance(action, Reply) and action.close:
                     self.metrics.closed("protocol_error")
@@ -480,13 +482,13 @@ class EdgeServer:
             if 0 < self.config.checkpoint_every_batches <= self._batches_since_checkpoint:
                 await self._checkpoint_locked()
             conn.applied_step = self.trainer.steps
-            self._fault_point("crash-between-apply-and-reply", conn.applied_step)
+            if self._fault_due("crash-between-apply-and-reply", conn.applied_step):
+                crash(f"server {self.config.fault}")
         return reply, True
 
-    def _fault_point(self, kind: str, step: int) -> None:
+    def _fault_due(self, kind: str, step: int) -> bool:
         fault = self.config.fault
-        if fault is not None and fault.kind == kind and fault.at == step:
-            crash(f"server {fault}")
+        return fault is not None and fault.kind == kind and fault.at == step
 
     # Compute, in the worker thread. Each returns (reply, samples, loss, n_correct, was_training); the
     # replies carry server_s, the server's compute time, so a device can split its round trip.
@@ -520,6 +522,14 @@ class EdgeServer:
         if self.recorder:
             self.recorder.record_embedding_grad(session.device_id, action.batch_id, action.grad)
         return session.applied(action.batch_id, grad, server_s=time.perf_counter() - start), len(grad), None, None, True
+
+
+async def _drained(ws: ServerConnection, within_s: float = 10.0) -> None:
+    """Wait until the connection's write buffer is handed to the kernel (it then sends it even if this
+    process exits at once)."""
+    deadline = time.monotonic() + within_s
+    while ws.transport.get_write_buffer_size() and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
 
 
 def _acknowledged(session: ServerSession) -> None:
