@@ -59,8 +59,8 @@ class ServerProcess:
     """An edge-server process forked from a server that has imported it already (so a restart takes a
     fraction of a second, not the 5-15 s of importing torch on a busy machine); Popen's calls used here."""
 
-    def __init__(self, process: mp.process.BaseProcess):
-        self.process = process
+    def __init__(self, process: mp.process.BaseProcess, launched: threading.Thread | None = None):
+        self.process, self.launched = process, launched
 
     @property
     def pid(self) -> int:
@@ -102,13 +102,28 @@ def start_server(run_dir: Path, tokens: Path, num_classes: int, *options: str, p
                  model: str = MODEL) -> tuple[ServerProcess, int]:
     """`splitface-server serve` on loopback (its log in <run_dir>/server.log, appended across restarts);
     returns the process and its port once it is listening."""
+    return wait_ready(*launch_server(run_dir, tokens, num_classes, *options, port=port, model=model))
+
+
+def launch_server(run_dir: Path, tokens: Path, num_classes: int, *options: str, port: int = 0,
+                  model: str = MODEL) -> tuple[ServerProcess, Path, int]:
+    """Start the server without waiting for it (`wait_ready` does): (process, its log, where its output starts)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "server.log"
     start = log_path.stat().st_size if log_path.exists() else 0
     argv = ["serve", "--model", model, "--split", SPLIT, "--num-classes", str(num_classes), "--tokens", str(tokens),
             "--port", str(port), "--run-dir", str(run_dir), "--device", "cpu", "--threads", "1", *options]
-    proc = ServerProcess(_forkserver().Process(target=_serve, args=(argv, str(log_path)), daemon=False))
-    proc.process.start()
+    context = _forkserver()
+    threading.Thread(target=multiprocessing.forkserver.ensure_running, daemon=True).start()  # imports meanwhile
+    process = context.Process(target=_serve, args=(argv, str(log_path)), daemon=False)
+    launched = threading.Thread(target=process.start, daemon=True)
+    launched.start()
+    return ServerProcess(process, launched), log_path, start
+
+
+def wait_ready(proc: "ServerProcess", log_path: Path, start: int) -> tuple["ServerProcess", int]:
+    """The port once the server has printed READY."""
+    proc.launched.join(120)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if log_path.exists():
@@ -240,11 +255,8 @@ def check_counts(committed: dict[str, int], state: dict[str, Any]) -> dict[str, 
             "server_steps": steps, "device_batches": total}
 
 
-async def run_devices(url: str, tokens: dict[str, str], shares: list[Callable[[int], Batch]], heads: list[str],
-                      num_classes: int, batch_size: int, seconds: float) -> dict[str, Any]:
-    spec = resolve_spec(MODEL)
-    clients = [DeviceClient(url, d, tokens[d], DeviceEngine(spec, SPLIT, head, num_classes, TrainConfig(lr=0.005)),
-                            batch_size, reconnect_timeout_s=60) for d, head in zip(sorted(tokens), heads)]
+async def run_devices(clients: list[DeviceClient], shares: list[Callable[[int], Batch]],
+                      seconds: float) -> dict[str, Any]:
     latencies: list[float] = []
     until = time.monotonic() + seconds
     outcomes = await asyncio.gather(*(train_device(c, s, until=until, latencies=latencies)
@@ -255,29 +267,35 @@ async def run_devices(url: str, tokens: dict[str, str], shares: list[Callable[[i
 
 
 def run(devices: int, batch_size: int, seconds: float, checkpoint_every: float, run_dir: Path,
-        lfw: Path = LFW) -> dict[str, Any]:
+        lfw: Path = LFW, model: str | dict = MODEL) -> dict[str, Any]:
+    """The load run; `model`: a preset name or a ModelSpec dict (the test's is smaller still)."""
     torch.set_num_threads(1)
+    spec = resolve_spec(model)
     data = load_lfw(lfw, **DATA)
     n_classes = len(data.class_names)
     sizes = [SHARES[i % 2] for i in range(devices)]
     if sum(sizes) > len(data.train):
         raise ValueError(f"{devices} devices need {sum(sizes)} training images; the data has {len(data.train)}")
+    heads = ["server" if i % 2 == 0 else "device" for i in range(devices)]
+    tokens = issue_tokens(run_dir / "tokens.json", [f"device-{i:02d}" for i in range(devices)])
+    launched = launch_server(run_dir, run_dir / "tokens.json", n_classes, "--max-batch", str(batch_size),
+                             "--checkpoint-every", str(checkpoint_every),  # starts while the devices get ready
+                             model=model if isinstance(model, str) else json.dumps(model))
     order = np.random.default_rng(0).permutation(len(data.train))
-    images = data.train.subset(order[:sum(sizes)]).load(resolve_spec(MODEL).input_size)
+    images = data.train.subset(order[:sum(sizes)]).load(spec.input_size)
     labels = np.asarray(data.train.labels)[order[:sum(sizes)]]
     starts = np.cumsum([0, *sizes])
     shares = [share_batches(images[a:b], labels[a:b], np.arange(a, b), batch_size, i)
               for i, (a, b) in enumerate(zip(starts[:-1], starts[1:]))]
-    heads = ["server" if i % 2 == 0 else "device" for i in range(devices)]
-    tokens = issue_tokens(run_dir / "tokens.json", [f"device-{i:02d}" for i in range(devices)])
-    proc, port = start_server(run_dir, run_dir / "tokens.json", n_classes, "--max-batch", str(batch_size),
-                              "--checkpoint-every", str(checkpoint_every))
+    engines = [DeviceEngine(spec, SPLIT, head, n_classes, TrainConfig(lr=0.005)) for head in heads]
+    proc, port = wait_ready(*launched)
+    clients = [DeviceClient(f"ws://127.0.0.1:{port}", d, tokens[d], engine, batch_size, reconnect_timeout_s=60)
+               for d, engine in zip(sorted(tokens), engines)]
     sampler = Sampler(proc.pid, run_dir / "checkpoint.pt")
     sampler.start()
     started = time.monotonic()
     try:
-        result = asyncio.run(run_devices(f"ws://127.0.0.1:{port}", tokens, shares, heads, n_classes, batch_size,
-                                         seconds))
+        result = asyncio.run(run_devices(clients, shares, seconds))
     finally:
         wall = time.monotonic() - started
         status = stop_server(proc)
@@ -293,10 +311,11 @@ def run(devices: int, batch_size: int, seconds: float, checkpoint_every: float, 
         "heads": {"server": heads.count("server"), "device": heads.count("device")},
         "shares": {str(s): sizes.count(s) for s in SHARES},
         "last_batch_sizes": {str(s): s - (per_epoch[s] - 1) * batch_size for s in SHARES},
-        "model": MODEL, "split": SPLIT, "num_classes": n_classes,
+        "model": model, "split": SPLIT, "num_classes": n_classes,
         "seconds": round(wall, 1),
         "batches": counts["device_batches"],
         "batches_per_s": round(counts["device_batches"] / wall, 2),
+        "batches_per_device": {"min": min(result["committed"].values()), "max": max(result["committed"].values())},
         "errors": len(result["errors"]) + server_errors,
         "device_errors": result["errors"],
         "server_errors": state["metrics"]["errors"],
