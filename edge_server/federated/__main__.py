@@ -24,7 +24,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m edge_server.federated", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=None, help="LFW (the folder holding the people and View 1's list files)")
-    p.add_argument("--model", default="iresnet_small", help="model preset (iresnet_small: 64 px, the CPU size) or a ModelSpec as JSON")
+    p.add_argument("--model", default="iresnet_small",
+                   help="model preset (iresnet_small: 64 px, the CPU size) or a ModelSpec as JSON")
     p.add_argument("--method", choices=(*METHODS, "centralized"), default="dp-fedemb")
     p.add_argument("--out", type=Path, required=True, help="run folder (holds the checkpoint: a rerun resumes)")
     p.add_argument("--init", type=Path, default=None,
@@ -46,10 +47,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target-quantile", type=float, default=None,
                    help="adaptive clipping (Andrew et al. 2021): the quantile of update norms C tracks")
     p.add_argument("--clip-lr", type=float, default=0.2)
-    p.add_argument("--count-noise-std", type=float, default=None, help="adaptive clipping's count noise (default: max(expected clients / 20, 2z))")
+    p.add_argument("--count-noise-std", type=float, default=None,
+                   help="adaptive clipping's count noise (default: max(expected clients / 20, 2z))")
     p.add_argument("--delta", type=float, default=None, help="default 1 / users^1.1")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-every", type=int, default=0, help="score View 1 every N rounds (always after the last)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="score View 1 every N rounds too (the final score after the last round is always made)")
     p.add_argument("--progress-pairs", type=int, default=None,
                    help="score the every-N-rounds curve on only this many DevTest pairs (the final score uses all)")
     p.add_argument("--view1-limit", type=int, default=None, help="only this many DevTest pairs (quick checks)")
