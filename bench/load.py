@@ -84,7 +84,7 @@ class ServerProcess:
 
 def _forkserver() -> mp.context.BaseContext:
     # torch._dynamo: the first optimizer imports it (5 s on a busy machine), once here instead of in every process
-    multiprocessing.forkserver.set_forkserver_preload(["edge_server.cli", "bench.load", "torch._dynamo"])
+    multiprocessing.forkserver.set_forkserver_preload(["edge_server.cli", "torch._dynamo"])
     return mp.get_context("forkserver")
 
 
