@@ -115,8 +115,14 @@ def table(rows: list[dict], config: dict) -> str:
                      f"| {fmt(r['users_per_round'], 3)} | {fmt(r['epsilon'])} | {fmt(r['delta'], 2)} "
                      f"| {fmt(r['view1_accuracy'])} | {fmt(r['view1_std'])} | {fmt(r['roc_auc'])} "
                      f"| {fmt(r['tar_at_far_1e-2'])} |")
-    lines += ["", "Extrapolated rows are accounted, not trained (see their `note` in summary.json).", "",
-              "## As measured"]
+    lines += ["", "Extrapolated rows are accounted, not trained (see their `note` in summary.json)."]
+    reference = ROOT / "results" / "verification" / "reference.json"
+    if reference.exists():  # measured by bench/verification_reference.py on the same pairs
+        lines += ["", "Reference recognizers on the same 1000 pairs (`results/verification/reference.json`, from "
+                  "`bench/verification_reference.py`):", ""]
+        lines += [f"- {r['method']}: {r['view1_accuracy']:.3f} +- {r['view1_std']:.3f}, AUC {r['roc_auc']:.3f}, "
+                  f"TAR@FAR=1e-2 {r['tar_at_far_1e-2']:.3f}" for r in json.loads(reference.read_text())]
+    lines += ["", "## As measured"]
     fedemb, central = measured.get("fedemb"), measured.get("centralized")
     if fedemb and central:
         gap = fedemb["view1_accuracy"] - central["view1_accuracy"]
