@@ -47,7 +47,7 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 from device_sdk.cli import add_model_args, model_argv  # noqa: E402
 from device_sdk.engine import initial_layer  # noqa: E402
 from device_sdk.models import ModelSpec  # noqa: E402
-from edge_server.demo import run_recorded  # noqa: E402
+from edge_server.demo import run_recorded, same_arguments  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,7 +91,7 @@ def pretrained_weights(name: str, params: dict, demo_args: list[str], args: argp
     add_model_args(model)
     known, _ = model.parse_known_args(["--model", args.model, *demo_args])
     cmd = ["--data", str(args.data), *model_argv(known), *lambdas, *args.pretrain_args.split()]
-    if weights.exists() and recorded.exists() and json.loads(recorded.read_text()) == cmd and not args.force:
+    if weights.exists() and recorded.exists() and same_arguments(json.loads(recorded.read_text()), cmd) and not args.force:
         return weights
     weights.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "edge_server.ressfl", "--out", str(weights), *cmd], check=True)

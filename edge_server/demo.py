@@ -91,6 +91,13 @@ def main(argv: list[str] | None = None) -> None:
     _report(run_dir, data)
 
 
+def same_arguments(recorded: list[str], wanted: list[str]) -> bool:
+    """Equal command lines, a --data path given relatively or absolutely counting as the same."""
+    def normal(argv: list[str]) -> list[str]:
+        return [str(Path(a).resolve()) if i and argv[i - 1] == "--data" else a for i, a in enumerate(argv)]
+    return normal(recorded) == normal(wanted)
+
+
 def run_recorded(run_dir: Path, demo_args: list[str], force: bool = False) -> dict:
     """One experiment run in fresh processes (the sweep's and the frontier's unit), logged to
     `run_dir/demo.log`. Resumable: a run that finished with the same arguments (its results.json and
@@ -100,7 +107,7 @@ def run_recorded(run_dir: Path, demo_args: list[str], force: bool = False) -> di
 
     results, recorded_args = run_dir / "results.json", run_dir / "demo_args.json"
     if results.exists() and recorded_args.exists() and not force \
-            and json.loads(recorded_args.read_text()) == demo_args:
+            and same_arguments(json.loads(recorded_args.read_text()), demo_args):
         return json.loads(results.read_text())
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
