@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")"
 bash scripts/setup.sh
 android_demo/jvm_test.sh
-exec .venv/bin/python -m pytest -q -rs "$@"
+# two workers (pytest-xdist, a test file per worker): the real-process tests spend much of their time waiting
+exec .venv/bin/python -m pytest -q -rs -n "${SPLITFACE_TEST_WORKERS:-2}" --dist loadfile "$@"

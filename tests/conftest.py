@@ -13,6 +13,12 @@ from edge_server.app import ServerThread as EdgeThread
 from edge_server.auth import TokenAuthenticator, hash_token
 from edge_server.trainer import ServerTrainer
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # a pytest-xdist worker shares the cores with the others: one thread each, not one per core each
+    import torch
+
+    torch.set_num_threads(1)
+
 ROOT = Path(__file__).resolve().parents[1]
 LFW = ROOT.parent / "shared" / "data" / "lfw"
 TOKENS = {"device-0": "token-zero", "device-1": "token-one", "device-2": "token-two"}
