@@ -213,16 +213,25 @@ class EdgeServer:
             raise SystemExit(f"{self.config.checkpoint_path} was written for {state['identity']}, "
                              f"not {self._identity()}; use another --run-dir")
         self.trainer.load_state_dict(state["trainer"])
-        try:
-            self.records = {d: DeviceRecord(r["last_applied"], self.replies.load(r["reply"]) if r["reply"] else None)
-                            for d, r in state["devices"].items()}
-        except OSError as exc:
-            raise SystemExit(f"{self.config.checkpoint_path} names a reply that cannot be read: {exc}") from exc
+        self.records = {d: DeviceRecord(r["last_applied"], self._stored_reply(d, r["reply"]))
+                        for d, r in state["devices"].items()}
         self.durable = {d: r.last_applied for d, r in self.records.items()}
         if "metrics" in state:  # counted as of the checkpoint, like the batches it holds
             self.metrics = Metrics.from_state(state["metrics"])
         log.info("resumed from %s at server step %d (%s)", self.config.checkpoint_path, self.trainer.steps,
                  ", ".join(f"{d}@{r.last_applied}" for d, r in sorted(self.records.items())) or "no devices")
+
+    def _stored_reply(self, device_id: str, name: str | None) -> bytes | None:
+        """A device's last reply from the reply store. If it is gone (e.g. checkpoint.pt copied without
+        replies/), the server still starts: only that device's retry of that one batch gets out_of_order."""
+        if name is None:
+            return None
+        try:
+            return self.replies.load(name)
+        except OSError as exc:
+            log.error("%s: its last reply (batch %s) cannot be read from %s (%s); a retry of that batch will be "
+                      "refused", device_id, name.rsplit("-", 1)[-1].split(".")[0], self.replies.folder, exc)
+            return None
 
     async def checkpoint(self) -> None:
         """Consistent snapshot: taken under the model lock, so no step or U-turn is half done."""
