@@ -169,6 +169,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decay-steps", type=int, default=0, help="0: the device's whole run")
     p.add_argument("--results", type=Path, default=Path("runs/sim/results.json"))
     p.add_argument("--reconnect-timeout", type=float, default=120.0)
+    p.add_argument("--ca-file", type=Path, default=None,
+                   help="CA certificates (PEM) trusted for a wss:// server; host names are checked (default: the system's)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow plain ws:// to a server off loopback: the device's token then travels in clear")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--backend", choices=BACKENDS, default="torch",
                    help="what runs the device layer: eager PyTorch, ExecuTorch (XNNPACK release + portable training "
@@ -190,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         encodings={"activations": args.activation_encoding, "gradients": args.gradient_encoding},
         train=TrainConfig(args.lr, args.momentum, args.weight_decay, args.lr_decay, args.decay_steps, args.seed),
         seed=args.seed, results=args.results, progress=not args.no_progress, reconnect_timeout_s=args.reconnect_timeout,
-        privacy=privacy_config(args, releases_per_image=args.epochs), device_weights=args.device_weights,
+        ca_file=args.ca_file, insecure=args.insecure, privacy=privacy_config(args, releases_per_image=args.epochs), device_weights=args.device_weights,
         backend=args.backend, artifacts=args.artifacts or args.results.parent / "artifacts", data=data_selection(args))
     tokens = json.loads(args.tokens.read_text())
     print(f"{len(data.class_names)} identities, {len(data.train)} train / {len(data.test)} test images; "

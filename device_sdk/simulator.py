@@ -47,6 +47,8 @@ class SimConfig:
     results: Path | None = None
     progress: bool = True
     reconnect_timeout_s: float = 120.0
+    ca_file: Path | None = None            # CA certificates trusted for a wss:// server (host names checked)
+    insecure: bool = False                 # allow plain ws:// to a host off loopback (tokens then travel in clear)
     privacy: Callable[[], PrivacyConfig] = PrivacyConfig   # one per device: each has its own secret
     device_weights: Path | None = None
     backend: str = "torch"                 # torch | executorch | onnxruntime (device_sdk.runtimes)
@@ -92,7 +94,7 @@ class SimulatedDevice:
             engine.attach_runtime(load_runtime(config.backend, engine.layer, config.spec.input_size, config.batch_size,
                                                config.artifacts, real_images=data.train_images[:config.batch_size]))
         self.client = DeviceClient(config.url, device_id, token, engine, config.batch_size, config.encodings,
-                                   config.reconnect_timeout_s)
+                                   config.reconnect_timeout_s, ca_file=config.ca_file, insecure=config.insecure)
         self.batches: dict[int, Any] = {}      # batch id -> BatchResult (replays overwrite)
         self.epochs: dict[int, dict[str, Any]] = {}
         self.stopped: str | None = None

@@ -4,6 +4,7 @@ loopback on both sides unless explicitly allowed."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
@@ -125,3 +126,24 @@ def test_serve_command_with_tls_and_metrics(tmp_path, pki):
         proc.terminate()
         proc.wait(60)
     assert "listening on wss://" in log.read_text()
+
+
+@pytest.mark.slow
+def test_the_simulator_trains_over_wss_with_its_ca_file(tmp_path, pki, lfw):
+    """`splitface-sim --ca-file` (a real device process) trains against a wss:// server; without the CA
+    file it is refused before sending anything."""
+    trainer = small_trainer(NUM_CLASSES)
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"device-0": TOKENS["device-0"]}))
+    with serve_in_thread(trainer, tmp_path, max_batch=8, tls_cert=pki / "cert.pem", tls_key=pki / "key.pem") as server:
+        cmd = [sys.executable, "-m", "device_sdk", "--server", f"wss://localhost:{server.server.port}",
+               "--tokens", str(tokens), "--data", str(lfw), "--min-images", "20", "--max-identities", str(NUM_CLASSES),
+               "--max-images", "25", "--model", "vgg_face_small", "--devices", "1", "--epochs", "1", "--batch-size",
+               "8", "--results", str(tmp_path / "results.json"), "--threads", "1", "--no-progress",
+               "--reconnect-timeout", "5"]
+        ok = subprocess.run([*cmd, "--ca-file", str(pki / "ca.pem")], capture_output=True, text=True, timeout=300)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        applied = server.server.records["device-0"].last_applied
+        refused = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert applied > 0 and json.loads((tmp_path / "results.json").read_text())["epochs"]
+    assert refused.returncode != 0 and "certificate verify failed" in refused.stdout + refused.stderr
