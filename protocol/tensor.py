@@ -27,6 +27,10 @@ MAX_RANK = 8
 MAX_DIM = 2**31 - 1
 
 
+# the largest binary16 value v with v * 2^113 (the scale of a peak in [2^127, 2^128)) still a finite float32
+F16_TOP_BELOW_F32_MAX = 32752.0
+
+
 def encode_tensor(array: np.ndarray, encoding: str = "f32") -> dict[str, Any]:
     """Wire form of a float array in the given encoding."""
     if encoding not in WIRE_DTYPES:
@@ -46,8 +50,13 @@ def encode_tensor(array: np.ndarray, encoding: str = "f32") -> dict[str, Any]:
         # stay in f16's normal range instead of flushing to subnormals or zero; exact to undo.
         a = a.astype(np.float32, copy=False)
         peak = _peak(a)
-        scale = math.ldexp(1.0, max(math.frexp(peak)[1] - 15, -126)) if peak > 0 else 1.0
-        out["data"] = _bytes_view((a / np.float32(scale)).astype(WIRE_DTYPES["f16"]))
+        exponent = math.frexp(peak)[1] if peak > 0 else 0
+        scale = math.ldexp(1.0, max(exponent - 15, -126)) if peak > 0 else 1.0
+        scaled = a / np.float32(scale)
+        if exponent == 128:
+            # within half an f16 step of float32's largest value: rounding up would decode to infinity
+            scaled = np.clip(scaled, -F16_TOP_BELOW_F32_MAX, F16_TOP_BELOW_F32_MAX)
+        out["data"] = _bytes_view(scaled.astype(WIRE_DTYPES["f16"]))
         out["scale"] = scale
     else:
         wire = np.ascontiguousarray(a, dtype=WIRE_DTYPES[encoding])

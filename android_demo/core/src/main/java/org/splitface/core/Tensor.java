@@ -36,10 +36,13 @@ public final class Tensor {
             }
             case "f16": {
                 double peak = peak(values);
-                double scale = peak > 0 ? Math.scalb(1.0, Math.max(frexpExponent(peak) - 15, -126)) : 1.0;
+                int exponent = peak > 0 ? frexpExponent(peak) : 0;
+                double scale = peak > 0 ? Math.scalb(1.0, Math.max(exponent - 15, -126)) : 1.0;
                 float fscale = (float) scale;
+                // SPEC.md 4: a peak within a factor 2 of float32's largest value is clamped so it cannot round up to infinity
+                float top = exponent == 128 ? 32752f : Float.POSITIVE_INFINITY;
                 ByteBuffer b = ByteBuffer.allocate(values.length * 2).order(ByteOrder.LITTLE_ENDIAN);
-                for (float v : values) b.putShort(Half.fromFloat(v / fscale));
+                for (float v : values) b.putShort(Half.fromFloat(Math.max(-top, Math.min(top, v / fscale))));
                 return new Tensor("f16", shape.clone(), b.array(), scale);
             }
             case "i8": {
