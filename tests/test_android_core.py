@@ -5,10 +5,7 @@ android_demo/jvm_test.sh; this file builds the core with the same script."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import msgpack
@@ -16,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from device_sdk.client import FAULT_EXIT
 from device_sdk.data import load_lfw
 from device_sdk.engine import to_input
 from device_sdk.models import build_backbone, resolve_spec, split_backbone
@@ -137,29 +135,24 @@ def test_java_device_is_refused_in_words_and_stops_at_its_budget(java, faces, tm
 
 
 def test_java_device_survives_a_killed_server(java, faces, tmp_path):
-    """SIGKILL the server process mid-run and restart it from its checkpoint on the same port: the Java
-    device reconnects, rolls back to what the checkpoint holds, replays, and finishes; the server
-    applied every batch exactly once."""
+    """The server process exits hard right after replying step 12 (`--fault crash-after-batch:12`), 2 steps
+    after its checkpoint at step 10; restarted on the same port from that checkpoint, the Java device
+    reconnects, rolls back to what the checkpoint holds, replays, and finishes; the server applied every
+    batch exactly once."""
+    epochs = 6
     tokens = _setup(tmp_path)
     token = json.loads(tokens.read_text())["device-0"]
-    server, port = _start_server(tmp_path, checkpoint_every_batches="5", checkpoint_every="1000")
-    job = train_job(f"ws://127.0.0.1:{port}", faces, token, epochs=30, num_classes=NUM_CLASSES)
+    server, port = _start_server(tmp_path, checkpoint_every_batches="5", checkpoint_every="1000",
+                                 fault="crash-after-batch:12")
+    job = train_job(f"ws://127.0.0.1:{port}", faces, token, epochs=epochs, num_classes=NUM_CLASSES)
     (tmp_path / "train.msgpack").write_bytes(msgpack.packb(job))
     device = subprocess.Popen([*java, "train", str(tmp_path / "train.msgpack")], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            state = load_checkpoint(tmp_path / "checkpoint.pt") if (tmp_path / "checkpoint.pt").exists() else None
-            if state and state["trainer"]["steps"] >= 10:
-                break
-            time.sleep(0.2)
-        else:
-            raise AssertionError("no checkpoint with 10 steps")
-        time.sleep(0.5)  # a few batches the checkpoint does not hold
-        os.kill(server.pid, signal.SIGKILL)
-        server.wait()
+        server.communicate(timeout=300)
+        assert server.returncode == FAULT_EXIT
         killed_at = load_checkpoint(tmp_path / "checkpoint.pt")["trainer"]["steps"]
+        assert killed_at == 10
         server, _ = _start_server(tmp_path, port=port, checkpoint_every_batches="5", checkpoint_every="1000")
         out, err = device.communicate(timeout=300)
     finally:
@@ -167,8 +160,8 @@ def test_java_device_survives_a_killed_server(java, faces, tmp_path):
             device.kill()
         _stop(server)
     assert device.returncode == 0, err
-    total = 30 * 4
-    assert killed_at < total and "rolled back" in err
+    total = epochs * 4
+    assert "rolled back" in err   # the device had committed steps 11 and 12, which the checkpoint lacks
     final = load_checkpoint(tmp_path / "checkpoint.pt")
     assert final["trainer"]["steps"] == total and final["devices"]["device-0"]["last_applied"] == total
     assert json.loads(out.splitlines()[-1])["batch_id"] == total
