@@ -113,7 +113,8 @@ def attacker_aware_pretrain(spec: ModelSpec, split: str, lfw_root: Path, out: Pa
             z = device(x)
             # the attackers' step, on releases they cannot change
             rec_loss = F.mse_loss(decoder(z.detach()), pixels[idx])
-            id_loss = (1 - F.cosine_similarity(matcher(z.detach()), targets[idx])).mean() if matcher else 0 * rec_loss
+            id_loss = (1 - F.cosine_similarity(matcher(z.detach()), targets[idx])).mean() if matcher is not None \
+                else 0 * rec_loss
             attacker_opt.zero_grad()
             (rec_loss + id_loss).backward()
             attacker_opt.step()
@@ -121,7 +122,7 @@ def attacker_aware_pretrain(spec: ModelSpec, split: str, lfw_root: Path, out: Pa
             logits = classifier(server(z))
             ce = F.cross_entropy(logits, y)
             rec = F.mse_loss(decoder(z), pixels[idx])
-            cos = F.cosine_similarity(matcher(z), targets[idx]).abs().mean() if matcher else 0 * ce
+            cos = F.cosine_similarity(matcher(z), targets[idx]).abs().mean() if matcher is not None else 0 * ce
             dcor = distance_correlation(x, z) if lambda_dcor > 0 else 0 * ce
             loss = ce - lambda_rec * rec + lambda_id * cos + lambda_dcor * dcor
             optimizer.zero_grad()
