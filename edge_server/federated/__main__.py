@@ -9,8 +9,10 @@ A small end-to-end run on a CPU (minutes; pre-trains the public backbone first i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -20,37 +22,46 @@ from .engine import METHODS, FederatedConfig
 from .experiment import load_shared, run_centralized, run_federated
 
 
+# the option defaults are FederatedConfig's fields' (one definition; the defaults alone are not a valid run: dp-*
+# methods need a noise multiplier)
+DEFAULTS = SimpleNamespace(**{f.name: f.default for f in dataclasses.fields(FederatedConfig)})
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m edge_server.federated", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=None, help="LFW (the folder holding the people and View 1's list files)")
     p.add_argument("--model", default="iresnet_small",
                    help="model preset (iresnet_small: 64 px, the CPU size) or a ModelSpec as JSON")
-    p.add_argument("--method", choices=(*METHODS, "centralized"), default="dp-fedemb")
+    p.add_argument("--method", choices=(*METHODS, "centralized"), default=DEFAULTS.method)
     p.add_argument("--out", type=Path, required=True, help="run folder (holds the checkpoint: a rerun resumes)")
     p.add_argument("--init", type=Path, default=None,
                    help="public backbone (default: <out>/public_backbone.pt, pre-trained there if missing)")
     p.add_argument("--pretrain-epochs", type=int, default=2, help="epochs of public pre-training when it is made")
     p.add_argument("--max-users", type=int, default=None, help="a seeded random subset of the private users")
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--users-per-client", type=int, default=4, help="k: users grouped in one virtual client")
-    p.add_argument("--clients-per-round", type=float, default=10.0,
+    p.add_argument("--rounds", type=int, default=DEFAULTS.rounds)
+    p.add_argument("--users-per-client", type=int, default=DEFAULTS.users_per_client,
+                   help="k: users grouped in one virtual client")
+    p.add_argument("--clients-per-round", type=float, default=DEFAULTS.clients_per_round,
                    help="expected virtual clients per round (Poisson rate = this / number of virtual clients)")
-    p.add_argument("--local-epochs", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--client-lr", type=float, default=0.01)
-    p.add_argument("--head-lr-scale", type=float, default=10.0, help="the local (or global) head's lr / client lr")
-    p.add_argument("--server-lr", type=float, default=1.0)
-    p.add_argument("--server-momentum", type=float, default=0.9)
-    p.add_argument("--noise-multiplier", type=float, default=0.0, help="z (dp-* methods): noise std z * C on the sum")
-    p.add_argument("--clip-norm", type=float, default=0.05, help="C (the start value with --target-quantile)")
-    p.add_argument("--target-quantile", type=float, default=None,
+    p.add_argument("--local-epochs", type=int, default=DEFAULTS.local_epochs)
+    p.add_argument("--batch-size", type=int, default=DEFAULTS.batch_size)
+    p.add_argument("--client-lr", type=float, default=DEFAULTS.client_lr)
+    p.add_argument("--head-lr-scale", type=float, default=DEFAULTS.head_lr_scale,
+                   help="the local (or global) head's lr / client lr")
+    p.add_argument("--server-lr", type=float, default=DEFAULTS.server_lr)
+    p.add_argument("--server-momentum", type=float, default=DEFAULTS.server_momentum)
+    p.add_argument("--noise-multiplier", type=float, default=DEFAULTS.noise_multiplier,
+                   help="z (dp-* methods): noise std z * C on the sum")
+    p.add_argument("--clip-norm", type=float, default=DEFAULTS.clip_norm,
+                   help="C (the start value with --target-quantile)")
+    p.add_argument("--target-quantile", type=float, default=DEFAULTS.target_quantile,
                    help="adaptive clipping (Andrew et al. 2021): the quantile of update norms C tracks")
-    p.add_argument("--clip-lr", type=float, default=0.2)
-    p.add_argument("--count-noise-std", type=float, default=None,
+    p.add_argument("--clip-lr", type=float, default=DEFAULTS.clip_lr)
+    p.add_argument("--count-noise-std", type=float, default=DEFAULTS.count_noise_std,
                    help="adaptive clipping's count noise (default: max(expected clients / 20, 2z))")
-    p.add_argument("--delta", type=float, default=None, help="default 1 / users^1.1")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--delta", type=float, default=DEFAULTS.delta, help="default 1 / users^1.1")
+    p.add_argument("--seed", type=int, default=DEFAULTS.seed)
     p.add_argument("--eval-every", type=int, default=0,
                    help="score View 1 every N rounds too (the final score after the last round is always made)")
     p.add_argument("--progress-pairs", type=int, default=None,
@@ -63,10 +74,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def config_from(args: argparse.Namespace) -> FederatedConfig:
-    return FederatedConfig(args.method, args.rounds, args.users_per_client, args.clients_per_round, args.local_epochs,
-                           args.batch_size, args.client_lr, args.head_lr_scale, args.server_lr, args.server_momentum,
-                           args.noise_multiplier, args.clip_norm, args.target_quantile, args.clip_lr,
-                           args.count_noise_std, args.delta, args.seed)
+    return FederatedConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(FederatedConfig)})
 
 
 def run(argv: list[str] | None = None) -> dict:
