@@ -240,7 +240,7 @@ class EdgeServer:
 
     async def _checkpoint_locked(self) -> None:
         """The checkpoint, by a caller holding the model lock. A device's last reply is kept only while the
-        device may still need it: once it sent its next training batch it has that reply (`_acknowledged`), so
+        device may still need it: once it sent its next training batch it has that reply (the session forgets it), so
         the checkpoint holds one reply per device in the middle of a batch, not one per device."""
         state = {"identity": self._identity(), "trainer": self.trainer.state_dict(),
                  "metrics": self.metrics.state(), "saved_at": time.time()}
@@ -441,8 +441,6 @@ class EdgeServer:
             log.info("%s connected (%s head), resume from batch %d", action.device_id, session.head,
                      session.record.last_applied + 1)
             return session.welcome()
-        if isinstance(action, (Train, Embed)) and not getattr(action, "eval", False):
-            _acknowledged(session)
         if isinstance(action, Embed) and not action.eval:
             # The U-turn starts: hold the model until this device's embedding gradient arrives.
             if not conn.holds_lock:
@@ -539,12 +537,6 @@ async def _drained(ws: ServerConnection, within_s: float = 10.0) -> None:
     deadline = time.monotonic() + within_s
     while ws.transport.get_write_buffer_size() and time.monotonic() < deadline:
         await asyncio.sleep(0.005)
-
-
-def _acknowledged(session: ServerSession) -> None:
-    """A fresh training batch (the session sequenced it as the next) proves that the device holds the reply
-    of the one before, so it can never retry that one: its cached reply (a whole gradient) is dropped."""
-    session.record.last_reply = None
 
 
 def _peer(connection: ServerConnection) -> str:
