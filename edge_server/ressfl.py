@@ -39,9 +39,9 @@ from device_sdk.models import ModelSpec, build_backbone, build_classifier, split
 from device_sdk.models.weights import RELEASE_STAGES, save_backbone
 from device_sdk.optim import exponential_decay, make_sgd
 
-from .audit.decoder import _Decoder
+from .audit.decoder import DecoderNet
 from .audit.inversion import resized
-from .audit.matcher import _Matcher
+from .audit.matcher import MatcherNet
 from .audit.recognizer import CachedFaces, DlibResNet
 
 
@@ -90,8 +90,8 @@ def attacker_aware_pretrain(spec: ModelSpec, split: str, lfw_root: Path, out: Pa
     classifier = build_classifier(spec, len(data.class_names))
     with torch.no_grad():
         channels, size = device.eval()(x_all[:1]).shape[1], device(x_all[:1]).shape[-1]
-    decoder = _Decoder(channels, 32, image_size)
-    matcher = _Matcher(channels, size, 48, targets.shape[1]) if targets is not None else None
+    decoder = DecoderNet(channels, 32, image_size)
+    matcher = MatcherNet(channels, size, 48, targets.shape[1]) if targets is not None else None
     attackers = [decoder, *([matcher] if matcher is not None else [])]
     attacker_opt = torch.optim.Adam([p for a in attackers for p in a.parameters()], lr=attacker_lr)
     defender = [*device.parameters(), *server.parameters(), *classifier.parameters()]

@@ -17,7 +17,7 @@ from torch import nn
 from .inversion import resized
 
 
-class _Decoder(nn.Module):
+class DecoderNet(nn.Module):
     def __init__(self, channels: int, width: int, image_size: int):
         super().__init__()
         self.image_size = image_size
@@ -48,7 +48,7 @@ class DecoderInversion:
         for epoch in range(self.epochs):
             x = torch.from_numpy(release(self.seed * 1000 + epoch))
             if self.net is None:
-                self.net = _Decoder(x.shape[1], self.width, self.image_size)
+                self.net = DecoderNet(x.shape[1], self.width, self.image_size)
                 opt = torch.optim.Adam(self.net.parameters(), lr=self.lr)
                 sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, self.epochs)
                 self.net.train()

@@ -23,7 +23,7 @@ def _block(cin: int, cout: int, stride: int) -> nn.Sequential:
     return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
 
 
-class _Matcher(nn.Module):
+class MatcherNet(nn.Module):
     """Release (C, H, W) -> embedding: pooled to at most 32 x 32, then strided convs down to 4 x 4."""
 
     def __init__(self, channels: int, size: int, width: int, dim: int):
@@ -54,7 +54,7 @@ class IdentityMatcher:
         for epoch in range(self.epochs):
             x = torch.from_numpy(release(self.seed * 1000 + epoch))
             if self.net is None:
-                self.net = _Matcher(x.shape[1], x.shape[-1], self.width, y.shape[1])
+                self.net = MatcherNet(x.shape[1], x.shape[-1], self.width, y.shape[1])
                 opt = torch.optim.AdamW(self.net.parameters(), lr=self.lr, weight_decay=1e-4)
                 sched = torch.optim.lr_scheduler.OneCycleLR(opt, self.lr, total_steps=self.epochs * (
                     -(-len(y) // self.batch_size)))
