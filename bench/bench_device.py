@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 MODELS = {"vgg_face": 224, "iresnet18": 112}
 RELOWER = "executorch-relower"  # the release re-lowered to XNNPACK after each weight change

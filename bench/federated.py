@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -30,7 +29,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from device_sdk.models import resolve_spec  # noqa: E402
 from edge_server.federated import FederatedConfig, extrapolate  # noqa: E402
