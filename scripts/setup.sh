@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv with torch 2.13.0 (CPU wheel) first, then the project with its test, audit and export extras; installs the
+# Creates .venv with torch 2.13.0 (CPU wheel) first, then the project with its test, audit, export and ray extras; installs the
 # JDK-side test jars (JUnit 4, msgpack-java) from Debian for the Android demo's JVM core when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/pip install -q "torch==2.13.0"
-.venv/bin/pip install -q -e ".[test,audit,export]"
+.venv/bin/pip install -q -e ".[test,audit,export,ray]"
 
 if [ ! -f /usr/share/java/junit4.jar ] || [ ! -f /usr/share/java/msgpack-core.jar ] || ! command -v javac >/dev/null; then
   if ! command -v apt-get >/dev/null; then
