@@ -38,6 +38,7 @@ from device_sdk.engine import to_input
 from device_sdk.models import ModelSpec, build_backbone, build_classifier, split_backbone
 from device_sdk.models.weights import RELEASE_STAGES, save_backbone
 from device_sdk.optim import exponential_decay, make_sgd
+from device_sdk.privacy.mechanisms import PerImageGaussian
 
 from .audit.decoder import DecoderNet
 from .audit.inversion import resized
@@ -66,8 +67,12 @@ def attacker_aware_pretrain(spec: ModelSpec, split: str, lfw_root: Path, out: Pa
                             lambda_rec: float = 1.0, lambda_id: float = 1.0, lambda_dcor: float = 0.0,
                             lr: float = 0.1, attacker_lr: float = 2e-3, batch_size: int = 64, image_size: int = 32,
                             seed: int = 0, crop: int = 160, cache: Path | None = Path("runs") / "audit-cache",
-                            limit: int | None = None, progress: bool = True) -> dict[str, Any]:
-    """`limit`: only the first N public images (smoke tests)."""
+                            limit: int | None = None, progress: bool = True, clip_norm: float = 0.0,
+                            noise_multiplier: float = 0.0) -> dict[str, Any]:
+    """`limit`: only the first N public images (smoke tests). `noise_multiplier` > 0: every release is clipped
+    and noised as the devices' per-image mechanism will (clip_norm C, std z C), so that the tail learns to
+    classify noisy releases on public faces before it sees a private one (noise-aware pre-training; the
+    attackers train on the same noisy releases)."""
     if spec.release == "none":
         raise ValueError("attacker-aware pre-training trains a release transform with the device part: "
                          "give one (e.g. --release bottleneck)")
@@ -99,6 +104,8 @@ def attacker_aware_pretrain(spec: ModelSpec, split: str, lfw_root: Path, out: Pa
     optimizer = make_sgd(list(dict.fromkeys(defender)), lr, 0.9, 5e-4)
     scheduler = exponential_decay(optimizer, 0.1, steps)
     rng = np.random.default_rng(seed)
+    mechanism = PerImageGaussian(clip_norm, noise_multiplier) if noise_multiplier > 0 else None
+    noise = torch.Generator().manual_seed(seed + 1)
     history, started = [], time.time()
     for epoch in tqdm(range(epochs), desc="attacker-aware pretrain", disable=not progress):
         for m in (device, server, classifier, *attackers):
@@ -111,6 +118,8 @@ def attacker_aware_pretrain(spec: ModelSpec, split: str, lfw_root: Path, out: Pa
                 continue
             x, y = x_all[idx], y_all[idx]
             z = device(x)
+            if mechanism is not None:
+                z = mechanism.privatize(z, noise)
             # the attackers' step, on releases they cannot change
             rec_loss = F.mse_loss(decoder(z.detach()), pixels[idx])
             id_loss = (1 - F.cosine_similarity(matcher(z.detach()), targets[idx])).mean() if matcher is not None \
@@ -138,7 +147,8 @@ def attacker_aware_pretrain(spec: ModelSpec, split: str, lfw_root: Path, out: Pa
     meta = {"method": "attacker-aware pre-training (ResSFL + NoPeek + identity matcher)",
             "public_people": "View 1 DevTrain people with 3-9 images", "identities": len(data.class_names),
             "images": len(y_all), "split": split, "epochs": epochs, "lambda_rec": lambda_rec, "lambda_id": lambda_id,
-            "lambda_dcor": lambda_dcor, "lr": lr, "attacker_lr": attacker_lr, "seed": seed, "history": history}
+            "lambda_dcor": lambda_dcor, "clip_norm": clip_norm, "noise_multiplier": noise_multiplier,
+            "lr": lr, "attacker_lr": attacker_lr, "seed": seed, "history": history}
     save_backbone(out, spec, backbone, meta, release_stage_state(device, server))
     return meta
 
@@ -153,6 +163,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lambda-rec", type=float, default=1.0, help="weight of the decoder's failure (ResSFL)")
     p.add_argument("--lambda-id", type=float, default=1.0, help="weight of the identity matcher's failure")
     p.add_argument("--lambda-dcor", type=float, default=0.0, help="NoPeek's distance-correlation weight")
+    p.add_argument("--clip-norm", type=float, default=0.0, help="the devices' per-image clip norm C (with noise)")
+    p.add_argument("--noise-multiplier", type=float, default=0.0,
+                   help="pre-train on releases noised as the devices will noise them (std z C); 0: no noise")
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
@@ -164,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     meta = attacker_aware_pretrain(model_spec(args), args.split, args.data, args.out, args.epochs, args.lambda_rec,
                                    args.lambda_id, args.lambda_dcor, args.lr, batch_size=args.batch_size,
-                                   seed=args.seed, cache=args.cache)
+                                   seed=args.seed, cache=args.cache, clip_norm=args.clip_norm,
+                                   noise_multiplier=args.noise_multiplier)
     for h in meta["history"]:
         print(" ".join(f"{k}={v:.4g}" for k, v in h.items()))
     print(f"wrote {args.out}")
