@@ -70,6 +70,15 @@ POINTS: list[tuple[str, dict, list[str]]] = [
     # then run frozen with those published weights: the audit attacks it white-box with fresh attackers
     ("ressfl", {"channels": 4, "stride": 2, "lambda_rec": 10, "lambda_id": 2},
      ["--release", "bottleneck", "--bottleneck-channels", "4", "--bottleneck-stride", "2", "{pretrained}"]),
+    # noise-aware public pre-training: the same bottleneck pre-trained on public faces (no adversary) on releases
+    # clipped and noised as the devices will noise them; the first is the reference of the pre-trained points
+    ("public-pretrained", {"channels": 4, "stride": 2, "lambda_rec": 0, "lambda_id": 0},
+     ["--release", "bottleneck", "--bottleneck-channels", "4", "--bottleneck-stride", "2", "{pretrained}"]),
+    *(("public-pretrained", {"channels": 4, "stride": 2, "lambda_rec": 0, "lambda_id": 0, "clip_norm": 16,
+                             "noise_multiplier": z},
+       ["--release", "bottleneck", "--bottleneck-channels", "4", "--bottleneck-stride", "2",
+        "--mechanism", "per-image", "--clip-norm", "16", "--noise-multiplier", f"{z:g}", "{pretrained}"])
+      for z in (0.02, 0.05)),
 ]
 
 # what a point's "{pretrained}" stands for: the devices load the attacker-aware weights, frozen, and the server's
@@ -81,12 +90,23 @@ def point_name(transform: str, params: dict) -> str:
     return "-".join([transform, *(f"{k}{v:g}" for k, v in params.items())])
 
 
+# A point whose server tail (and device part) starts from a public pre-training is compared with the same
+# pre-trained model trained without a defence; every other point with the undefended run (POINTS[0]).
+PRETRAINED_REFERENCE = point_name("public-pretrained", {"channels": 4, "stride": 2, "lambda_rec": 0, "lambda_id": 0})
+
+
+def reference_of(demo_args: list[str], undefended: str) -> str:
+    return PRETRAINED_REFERENCE if "{pretrained}" in demo_args else undefended
+
+
 def pretrained_weights(name: str, params: dict, demo_args: list[str], args: argparse.Namespace) -> Path:
     """The point's attacker-aware device part (`python -m edge_server.ressfl`), made once and kept
     (re-made when its settings differ or with --force)."""
     weights = args.out / "pretrained" / f"{name}.pt"
     recorded = weights.with_suffix(".args.json")
-    lambdas = [f"--{k.replace('_', '-')}={v:g}" for k, v in params.items() if k.startswith("lambda_")]
+    # the adversary's weights and the devices' noise: the pre-training sees the releases the devices will make
+    lambdas = [f"--{k.replace('_', '-')}={v:g}" for k, v in params.items()
+               if k.startswith("lambda_") or k in ("clip_norm", "noise_multiplier")]
     model = argparse.ArgumentParser(add_help=False)
     add_model_args(model)
     known, _ = model.parse_known_args(["--model", args.model, *demo_args])
@@ -137,7 +157,7 @@ def row(transform: str, params: dict, outcome: dict, attack: dict, reference: di
     last = results["epochs"][-1]
     config = results["config"]
     samples = config["train_images"]   # training releases per epoch: bytes_sent counts those
-    return {"transform": transform, "params": params, "run": attack["run"],
+    return {"transform": transform, "params": params, "run": attack["run"], "reference": reference["run"],
             "test_accuracy": last["test_acc"], "relative_accuracy": last["test_acc"] / reference["test_acc"],
             "view1_accuracy": view1["view1_accuracy"], "view1_std": view1["view1_std"], "view1_pairs": view1["pairs"],
             "relative_view1_accuracy": view1["view1_accuracy"] / reference["view1_accuracy"],
@@ -188,7 +208,10 @@ def table(rows: list[dict], config: dict) -> str:
              f"{config['model']['input_size']}x{config['model']['input_size']}, {config['num_classes']} identities "
              f"(View 1 DevTrain people with >= 10 images; {config['train_images']} train / {config['test_images']} test "
              f"images), {config['num_devices']} devices, {config['epochs']} epochs. View 1: {pairs:,} DevTest pairs of unseen "
-             "people. Identity R@1: the strongest attack's, against chance (shuffled gallery identities).", "",
+             "people. Identity R@1: the strongest attack's, against chance (shuffled gallery identities). Relative "
+             "accuracies are against the undefended run, except for points marked *, which start from a public "
+             f"pre-training (edge_server/ressfl.py) and are compared with {PRETRAINED_REFERENCE}: the same pre-trained "
+             "model without noise or adversary.", "",
              "| transform | params | test acc (rel.) | View 1 acc (rel.) | pixel linkage (chance) | identity R@1 (chance) "
              "| x chance | strongest attack | dlib clean R@1 | per-image eps | device MMAC/image | device ms/batch | "
              "bytes up/image |",
@@ -197,7 +220,7 @@ def table(rows: list[dict], config: dict) -> str:
         eps = "-" if r["per_image_epsilon"] is None else f"{r['per_image_epsilon']:.3g}" + (
             " (void: layer trained without DP)" if r["guarantee_void"] else "")
         lines.append(
-            f"| {r['transform']} | {json.dumps(r['params'])} | {r['test_accuracy']:.3f} ({r['relative_accuracy']:.2f}) | "
+            f"| {r['transform']}{'*' if r['reference'] != rows[0]['run'] else ''} | {json.dumps(r['params'])} | {r['test_accuracy']:.3f} ({r['relative_accuracy']:.2f}) | "
             f"{r['view1_accuracy']:.3f} ({r['relative_view1_accuracy']:.2f}) | {r['pixel_linkage']:.3f} "
             f"({r['pixel_linkage_chance']:.3f}) | {r['identity_r1']:.3f} ({r['identity_r1_chance']:.3f}) | "
             f"{r['identity_r1'] / r['identity_r1_chance']:.1f} | {r['attack']} | {r['recognizer_clean_r1']:.3f} | {eps} | "
@@ -245,15 +268,18 @@ def main(argv: list[str] | None = None) -> None:
                    help="more arguments of the attacker-aware pre-training (python -m edge_server.ressfl)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    points = [(t, params, a) for t, params, a in POINTS if args.only is None or point_name(t, params) in args.only
-              or (t, params) == POINTS[0][:2]]
+    wanted = set(args.only or [point_name(t, params) for t, params, _ in POINTS])
+    if any("{pretrained}" in a for t, params, a in POINTS if point_name(t, params) in wanted):
+        wanted.add(PRETRAINED_REFERENCE)
+    points = [(t, params, a) for t, params, a in POINTS if point_name(t, params) in wanted or (t, params) == POINTS[0][:2]]
     names = [point_name(t, params) for t, params, _ in points]
     demo_args = [point_args(n, params, a, args) for n, (_, params, a) in zip(names, points)]
     outcomes = [run_point(n, a, args) for n, a in zip(names, demo_args)]
     attacks = audit(names, args)
-    reference = {"test_acc": outcomes[0]["results"]["epochs"][-1]["test_acc"],
-                 "view1_accuracy": outcomes[0]["view1"]["view1_accuracy"]}
-    rows = [row(t, params, o, attacks[n], reference) for (t, params, _), n, o in zip(points, names, outcomes)]
+    references = {n: {"run": n, "test_acc": o["results"]["epochs"][-1]["test_acc"],
+                      "view1_accuracy": o["view1"]["view1_accuracy"]} for n, o in zip(names, outcomes)}
+    rows = [row(t, params, o, attacks[n], references[reference_of(a, names[0])])
+            for (t, params, a), n, o in zip(points, names, outcomes)]
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
     best = best_point(rows)
     best["demo_args"] = demo_args[names.index(best["run"])]
