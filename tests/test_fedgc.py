@@ -1,0 +1,71 @@
+"""FedGC's gradient correction: autograd's gradient of the softmax regularizer against the closed form."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from edge_server.federated.fedgc import gradient_correction, regularizer_gradient, softmax_regularizer, stack_heads
+
+
+def closed_form_gradient(v: np.ndarray, owners: np.ndarray, s: float) -> np.ndarray:
+    """grad_{v_m} Reg = s / (C |v_m|) (I - w_m w_m^T) sum_{j in N(m)} (P_mj + P_jm) w_j (fedgc.py's docstring)."""
+    c = len(v)
+    w = v / np.linalg.norm(v, axis=1, keepdims=True)
+    neg = owners[:, None] != owners[None, :]  # N(i): other clients' classes
+    p = np.zeros((c, c))
+    for i in range(c):
+        allowed = neg[i] | (np.arange(c) == i)
+        e = np.where(allowed, np.exp(s * w[i] @ w.T), 0.0)
+        p[i] = e / e.sum()
+    grad = np.zeros_like(v)
+    for m in range(c):
+        pull = sum((p[m, j] + p[j, m]) * w[j] for j in range(c) if neg[m, j])
+        grad[m] = s / (c * np.linalg.norm(v[m])) * (np.eye(v.shape[1]) - np.outer(w[m], w[m])) @ pull
+    return grad
+
+
+def test_gradient_matches_the_closed_form():
+    rng = np.random.default_rng(0)
+    heads = {"a": torch.from_numpy(rng.normal(size=(2, 3)) * 2), "b": torch.from_numpy(rng.normal(size=(1, 3))),
+             "c": torch.from_numpy(rng.normal(size=(3, 3)) * 0.5)}
+    weights, owners, _ = stack_heads(heads)
+    for s in (1.0, 4.0):
+        np.testing.assert_allclose(regularizer_gradient(weights, owners, s).numpy(),
+                                   closed_form_gradient(weights.numpy(), owners.numpy(), s), rtol=1e-9, atol=1e-12)
+
+
+def test_correction_is_the_scaled_gradient_step_and_keeps_shapes():
+    rng = np.random.default_rng(1)
+    heads = {0: torch.from_numpy(rng.normal(size=(2, 4))).float(), 1: torch.from_numpy(rng.normal(size=(3, 4))).float()}
+    corrected = gradient_correction(heads, lr=0.1, lam=20.0, scale=2.0)
+    weights, owners, _ = stack_heads(heads)
+    step = 20.0 * 0.1 * regularizer_gradient(weights, owners, 2.0)
+    for k, i in ((0, 0), (1, 1)):
+        assert corrected[k].shape == heads[k].shape and corrected[k].dtype == torch.float32
+        np.testing.assert_allclose(corrected[k].numpy(), (weights - step)[owners == i].numpy(), rtol=1e-6)
+    # lambda = 0 and a single client (no cross-client negatives) change nothing
+    assert torch.equal(gradient_correction(heads, lr=0.1, lam=0.0)[1], heads[1])
+    alone = gradient_correction({0: heads[0]}, lr=0.1)
+    assert torch.allclose(alone[0], heads[0])
+
+
+def test_correction_spreads_overlapping_classes_of_different_clients():
+    a = torch.tensor([[1.0, 0.05, 0.0]])
+    b = torch.tensor([[1.0, -0.05, 0.0]])  # another client's class almost on top of a's
+    before = float(F.cosine_similarity(a, b))
+    corrected = gradient_correction({"a": a, "b": b}, lr=0.1, lam=20.0, scale=4.0)
+    assert float(F.cosine_similarity(corrected["a"], corrected["b"])) < before - 1e-3
+    weights, owners, _ = stack_heads({"a": a, "b": b})
+    assert float(softmax_regularizer(torch.cat([corrected["a"], corrected["b"]]).double(), owners, 4.0)) < \
+        float(softmax_regularizer(weights, owners, 4.0))
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="no class"):
+        gradient_correction({}, lr=0.1)
+    with pytest.raises(ValueError, match="one dim"):
+        gradient_correction({0: torch.ones(2, 3), 1: torch.ones(2, 4)}, lr=0.1)
+    with pytest.raises(ValueError, match="finite"):
+        gradient_correction({0: torch.ones(2, 3), 1: torch.full((1, 3), float("nan"))}, lr=0.1)
