@@ -3,6 +3,9 @@
 One model lock serialises all compute on the shared model. In the device-head flow a
 device holds the lock from its FORWARD until its EMBEDDING_GRAD (the tail's graph must
 not see a step in between), with a timeout so a silent device cannot stall the others.
+The same server can host federated sessions (HELLO mode "federated"): they talk to a
+`RoundBoard` that a federated engine fills (edge_server/federated/websocket.py) and never
+touch the split trainer; with no trainer the server hosts federated sessions only.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from protocol.session import (
     Embed,
     Evaluate,
     Reply,
+    RoundBoard,
     ServerInfo,
     ServerSession,
     Train,
@@ -177,8 +181,14 @@ class _Connection:
 
 
 class EdgeServer:
-    def __init__(self, trainer: ServerTrainer, info: ServerInfo, authenticate: Authenticator, config: ServerConfig):
+    def __init__(self, trainer: ServerTrainer | None, info: ServerInfo, authenticate: Authenticator,
+                 config: ServerConfig, board: RoundBoard | None = None):
+        """`trainer` None: no split training (info.heads must then be empty); `board`: the federated rounds
+        this server hosts."""
+        if trainer is None and info.heads:
+            raise ValueError("a server without a split trainer must offer no heads")
         self.trainer, self.info, self.authenticate, self.config = trainer, info, authenticate, config
+        self.board = board
         self.records: dict[str, DeviceRecord] = {}
         self.replies = ReplyStore(config.replies_dir)
         self.durable: dict[str, int] = {}
@@ -204,6 +214,8 @@ class EdgeServer:
         return {"model": self.info.model, "split": self.info.split, "num_classes": self.info.num_classes}
 
     def _restore(self) -> None:
+        if self.trainer is None:  # federated only: the federated engine checkpoints its own rounds
+            return
         state = load_checkpoint(self.config.checkpoint_path)
         # replies written for a checkpoint that never landed may not match the batches redone after resuming
         self.replies.prune({r["reply"] for r in state["devices"].values() if r["reply"]} if state else set())
@@ -235,6 +247,8 @@ class EdgeServer:
 
     async def checkpoint(self) -> None:
         """Consistent snapshot: taken under the model lock, so no step or U-turn is half done."""
+        if self.trainer is None:
+            return
         async with self.model_lock:
             await self._checkpoint_locked()
 
@@ -382,7 +396,7 @@ class EdgeServer:
             return
         self.open_by_address[address] += 1
         authenticate = throttled(self.authenticate, self.auth_throttle, address)
-        conn = _Connection(ws, ServerSession(self.info, authenticate, self.records, self.durable_through))
+        conn = _Connection(ws, ServerSession(self.info, authenticate, self.records, self.durable_through, self.board))
         session = conn.session
         rate = RateLimit(self.config.limits.message_rate, self.config.limits.message_burst)
         try:
@@ -438,8 +452,11 @@ class EdgeServer:
             conn.ws.protocol.max_message_size = self.info.max_message_bytes  # authenticated: the announced limit
             await self._admit(action.device_id, conn.ws, conn.done)
             self.metrics.sessions += 1
-            log.info("%s connected (%s head), resume from batch %d", action.device_id, session.head,
-                     session.record.last_applied + 1)
+            if session.mode == "federated":
+                log.info("%s connected (federated)", action.device_id)
+            else:
+                log.info("%s connected (%s head), resume from batch %d", action.device_id, session.head,
+                         session.record.last_applied + 1)
             return session.welcome()
         if isinstance(action, Embed) and not action.eval:
             # The U-turn starts: hold the model until this device's embedding gradient arrives.
@@ -572,8 +589,12 @@ class ServerThread:
         asyncio.run(go())
 
     @property
-    def trainer(self) -> ServerTrainer:
+    def trainer(self) -> ServerTrainer | None:
         return self.server.trainer
+
+    def call(self, coroutine: Any) -> Any:
+        """Run a coroutine on the server's event loop (where sessions and the round board live) and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     @property
     def url(self) -> str:

@@ -18,6 +18,7 @@ class ErrorCode(str, Enum):
     OUT_OF_ORDER = "out_of_order"        # a batch id that is neither the next one nor a retry of the last
     BUDGET_EXCEEDED = "budget_exceeded"  # reserved for the device's privacy budget guard
     SERVER_ERROR = "server_error"        # the server failed; the batch was not applied
+    ROUND_CLOSED = "round_closed"        # federated: a model request or upload for a round no longer open (late)
 
 
 # Errors after which the server closes the connection: the session cannot go on.

@@ -2,10 +2,12 @@
 
 One websocket binary message is one msgpack map with a `type`. A decoded message is a
 plain dict whose tensor fields are float32 numpy arrays; to encode, tensor fields may be
-numpy arrays (sent as f32) or maps from `encode_tensor` (any encoding).
+numpy arrays (sent as f32) or maps from `encode_tensor` (any encoding). Named-tensor fields
+(federated weights and updates) are maps from a name to a tensor, decoded the same way.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import msgpack
@@ -25,8 +27,21 @@ BACKWARD = "backward"
 EMBEDDINGS = "embeddings"
 EMBEDDING_GRAD = "embedding_grad"
 EVAL_RESULT = "eval_result"
+# federated rounds (SPEC.md section 15)
+ROUND_REQUEST = "round_request"
+ROUND_START = "round_start"
+ROUND_WAIT = "round_wait"
+MODEL_REQUEST = "model_request"
+MODEL = "model"
+UPDATE = "update"
+UPDATE_ACK = "update_ack"
 
 HEADS = ("server", "device")
+MODES = ("split", "federated")
+# HELLO fields that only a split session has: required there, refused in a federated HELLO
+SPLIT_HELLO_FIELDS = ("split", "head", "encodings", "batch_size")
+MAX_NAMED_TENSORS = 4096
+MAX_TENSOR_NAME = 256
 
 
 def is_int(v: Any) -> bool:
@@ -41,8 +56,30 @@ def _is_label_list(v: Any) -> bool:
     return isinstance(v, list) and all(is_int(x) for x in v)
 
 
+def _is_finite_number(v: Any) -> bool:
+    return _is_number(v) and math.isfinite(v)
+
+
+# ROUND_START's `config`: how the device trains this round (device_sdk.federated.LocalConfig without its clip
+# norm, which travels as its own field), keys in this order.
+LOCAL_CONFIG: dict[str, Callable[[Any], bool]] = {
+    "epochs": lambda v: is_int(v) and v >= 1,
+    "batch_size": lambda v: is_int(v) and v >= 2,
+    "lr": lambda v: _is_finite_number(v) and v > 0,
+    "head_lr_scale": lambda v: _is_finite_number(v) and v > 0,
+    "momentum": lambda v: _is_finite_number(v) and 0 <= v < 1,
+    "weight_decay": lambda v: _is_finite_number(v) and v >= 0,
+    "flip": lambda v: isinstance(v, bool),
+}
+
+
+def _is_local_config(v: Any) -> bool:
+    return isinstance(v, dict) and list(v) == list(LOCAL_CONFIG) and all(LOCAL_CONFIG[k](x) for k, x in v.items())
+
+
 TENSOR = "tensor"
-# field -> (check, required); TENSOR marks a tensor field.
+TENSORS = "tensors"
+# field -> (check, required); TENSOR marks a tensor field, TENSORS a map from names to tensors.
 Check = Callable[[Any], bool] | str
 SCHEMA: dict[str, dict[str, tuple[Check, bool]]] = {
     HELLO: {
@@ -50,11 +87,13 @@ SCHEMA: dict[str, dict[str, tuple[Check, bool]]] = {
         "device_id": (lambda v: isinstance(v, str) and 0 < len(v) <= 128, True),
         "token": (lambda v: isinstance(v, str) and len(v) <= 256, True),
         "model": (lambda v: isinstance(v, dict), True),
-        "split": (lambda v: isinstance(v, str), True),
-        "head": (lambda v: isinstance(v, str), True),
-        "encodings": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()), True),
-        "batch_size": (lambda v: is_int(v) and v > 0, True),
+        # split, head, encodings, batch_size: required in split mode, absent in federated mode (`_check_mode`)
+        "split": (lambda v: isinstance(v, str), False),
+        "head": (lambda v: isinstance(v, str), False),
+        "encodings": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()), False),
+        "batch_size": (lambda v: is_int(v) and v > 0, False),
         "num_classes": (lambda v: is_int(v) and v > 0, False),
+        "mode": (lambda v: v in MODES, False),
     },
     WELCOME: {
         "session_id": (lambda v: isinstance(v, str), True),
@@ -99,6 +138,38 @@ SCHEMA: dict[str, dict[str, tuple[Check, bool]]] = {
         "n_correct": (is_int, True),
         "n": (is_int, True),
     },
+    ROUND_REQUEST: {},
+    ROUND_START: {
+        "round_id": (lambda v: is_int(v) and v >= 1, True),
+        "seed": (lambda v: is_int(v) and 0 <= v < 2**64, True),
+        "config": (_is_local_config, True),
+        "clip_norm": (lambda v: _is_finite_number(v) and v > 0, False),
+        "deadline_s": (lambda v: _is_finite_number(v) and v >= 0, True),
+        "max_message_bytes": (lambda v: is_int(v) and v > 0, True),
+    },
+    ROUND_WAIT: {
+        "closed_round": (lambda v: is_int(v) and v >= 0, True),
+        "retry_after_s": (lambda v: _is_finite_number(v) and v >= 0, True),
+        "finished": (lambda v: isinstance(v, bool), True),
+    },
+    MODEL_REQUEST: {
+        "round_id": (lambda v: is_int(v) and v >= 1, True),
+    },
+    MODEL: {
+        "round_id": (lambda v: is_int(v) and v >= 1, True),
+        "weights": (TENSORS, True),
+        "head": (TENSORS, False),
+    },
+    UPDATE: {
+        "round_id": (lambda v: is_int(v) and v >= 1, True),
+        "delta": (TENSORS, True),
+        "norm": (lambda v: _is_finite_number(v) and v >= 0, True),
+        "examples": (lambda v: is_int(v) and v >= 1, True),
+        "loss": (_is_finite_number, True),
+    },
+    UPDATE_ACK: {
+        "round_id": (lambda v: is_int(v) and v >= 1, True),
+    },
 }
 
 
@@ -113,6 +184,8 @@ def encode(message: dict[str, Any]) -> bytes:
             value = encode_tensor(value, "f32")
         elif isinstance(value, (np.integer, np.floating)):
             value = value.item()
+        elif SCHEMA[mtype].get(key, (None,))[0] == TENSORS:
+            value = {name: encode_tensor(t, "f32") if isinstance(t, np.ndarray) else t for name, t in value.items()}
         wire[key] = value
     return msgpack.packb(wire, use_bin_type=True)
 
@@ -149,9 +222,42 @@ def decode(data: bytes, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES) -> dict[st
                 message[field] = decode_tensor(message[field], field=field)
             except ProtocolError as exc:
                 raise ProtocolError(exc.code, f"{mtype}: {exc.message}", batch_id) from None
+        elif check == TENSORS:
+            message[field] = _decode_named_tensors(mtype, field, message[field])
         elif not check(message[field]):
             raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{mtype}: field {field!r} has a wrong type or value", batch_id)
+    if mtype == HELLO:
+        _check_mode(message)
     return message
+
+
+def _decode_named_tensors(mtype: str, field: str, value: Any) -> dict[str, np.ndarray]:
+    """A map from tensor names to tensors (federated weights and updates): 1..MAX_NAMED_TENSORS entries,
+    names of 1..MAX_TENSOR_NAME code points, each tensor checked as any other (bad_tensor)."""
+    if not isinstance(value, dict) or not 0 < len(value) <= MAX_NAMED_TENSORS or not all(
+            isinstance(k, str) and 0 < len(k) <= MAX_TENSOR_NAME for k in value):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{mtype}: field {field!r} must map 1..{MAX_NAMED_TENSORS} names "
+                                                   f"to tensors")
+    out = {}
+    for name, tensor in value.items():
+        try:
+            out[name] = decode_tensor(tensor, field=f"{field}[{name!r}]")
+        except ProtocolError as exc:
+            raise ProtocolError(exc.code, f"{mtype}: {exc.message}") from None
+    return out
+
+
+def _check_mode(hello: dict[str, Any]) -> None:
+    """A split HELLO needs split, head, encodings and batch_size; a federated one must not carry them (nor
+    num_classes): its model is the whole backbone, trained on the device."""
+    if hello.get("mode", "split") == "split":
+        for field in SPLIT_HELLO_FIELDS:
+            if field not in hello:
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"hello: missing field {field!r}")
+        return
+    extra = [f for f in (*SPLIT_HELLO_FIELDS, "num_classes") if f in hello]
+    if extra:
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"hello: a federated session has no {extra}")
 
 
 def error(code: ErrorCode, message: str, batch_id: int | None = None) -> dict[str, Any]:

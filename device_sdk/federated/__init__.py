@@ -1,9 +1,10 @@
 """The device side of federated training: one per-client training function and its update helpers.
 
-The same `train_client` runs inside the in-process simulation (edge_server.federated), would run as a
-Ray task, and on a real device process once the round messages exist in the protocol: it takes plain
-tensors (global weights, the client's images and labels) and returns plain tensors (a clipped backbone
-delta), so any transport can carry its inputs and outputs. A device never imports server code.
+The same `train_client` runs inside the in-process simulation (edge_server.federated), as a Ray task, and
+in a device process answering the protocol's round messages (`device.FederatedDevice`,
+`python -m device_sdk.federated`): it takes plain tensors (global weights, the client's images and labels)
+and returns plain tensors (a clipped backbone delta), so any transport can carry its inputs and outputs.
+A device never imports server code.
 """
 from .client import ClientResult, LocalConfig, train_client
 from .update import clip_delta, delta_norm, flat_delta

@@ -5,12 +5,19 @@ A small end-to-end run on a CPU (minutes; pre-trains the public backbone first i
 
     python -m edge_server.federated --data LFW --method dp-fedemb --rounds 5 --max-users 200 \
         --noise-multiplier 1.0 --out runs/federated/quick
+
+Backends (the same client function and round logic; docs/federated.md): in-process (default), ray (the
+clients as Ray tasks), websocket (an edge server on --host/--port whose device processes `client-<c>` train
+the rounds: started here with --launch-devices, or connecting with tokens from --tokens).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,8 +25,11 @@ import torch
 
 from device_sdk.models import resolve_spec
 
-from .engine import METHODS, FederatedConfig
-from .experiment import load_shared, run_centralized, run_federated
+from .engine import CRASH_EXIT_CODE, METHODS, FederatedConfig, SimulatedCrash, in_process
+from .experiment import Shared, load_shared, run_centralized, run_federated
+from .population import virtual_clients
+
+BACKENDS = ("in-process", "websocket", "ray")
 
 
 # the option defaults are FederatedConfig's fields' (one definition; the defaults alone are not a valid run: dp-*
@@ -70,7 +80,53 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--centralized-epochs", type=int, default=1)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--crash-in-round", type=int, default=None, help=argparse.SUPPRESS)  # tests: exactly-once rounds
+    b = p.add_argument_group("backends")
+    b.add_argument("--backend", choices=BACKENDS, default="in-process")
+    b.add_argument("--host", default="127.0.0.1", help="websocket: the server's address")
+    b.add_argument("--port", type=int, default=8765, help="websocket: the server's port (0: a free one)")
+    b.add_argument("--tokens", type=Path, default=None,
+                   help="websocket: device token digests (`splitface-server tokens`); default <out>/tokens.json")
+    b.add_argument("--launch-devices", action="store_true",
+                   help="websocket: start one device process per virtual client on this machine (small runs)")
+    b.add_argument("--quorum", type=float, default=1.0,
+                   help="websocket: a round closes once this fraction of its sampled devices uploaded")
+    b.add_argument("--round-deadline-s", type=float, default=600.0,
+                   help="websocket: a round closes after this long whatever arrived; the rest are left out")
+    b.add_argument("--ray-address", default=None, help="ray: a cluster's address (default: a local Ray instance)")
     return p
+
+
+@contextlib.contextmanager
+def backend_for(args: argparse.Namespace, shared: Shared, config: FederatedConfig):
+    """The backend the options name, live for the duration of the run."""
+    if args.backend == "in-process":
+        yield in_process
+    elif args.backend == "ray":
+        import ray
+
+        from .ray_backend import ray_backend
+        ray.init(address=args.ray_address, include_dashboard=False)
+        try:
+            yield ray_backend
+        finally:
+            ray.shutdown()
+    else:
+        from ..auth import issue_tokens, load_tokens
+        from .websocket import client_device_id, hosted_rounds, launch_devices
+        tokens_file = args.tokens or args.out / "tokens.json"
+        clients = virtual_clients(len(shared.population.users), config.users_per_client, config.seed)
+        tokens = issue_tokens(tokens_file, [client_device_id(c) for c in range(len(clients))]) \
+            if args.launch_devices else {}
+        if not tokens_file.exists():
+            raise SystemExit(f"{tokens_file}: no device tokens (issue them with `splitface-server tokens`, "
+                             f"or use --launch-devices)")
+        with hosted_rounds(shared.spec, load_tokens(tokens_file), args.out / "server", args.host, args.port,
+                           args.quorum, args.round_deadline_s) as backend:
+            devices = launch_devices(backend.url, shared.spec, [shared.population.of_users(c) for c in clients],
+                                     args.out / "devices", tokens) if tokens else []
+            yield backend
+        for process in devices:
+            process.wait(60)
 
 
 def config_from(args: argparse.Namespace) -> FederatedConfig:
@@ -91,7 +147,12 @@ def run(argv: list[str] | None = None) -> dict:
         row = run_centralized(shared, args.out, args.centralized_epochs, args.client_lr, args.batch_size,
                               args.head_lr_scale, seed=args.seed)
     else:
-        row = run_federated(shared, config, args.out, args.eval_every, args.crash_in_round)
+        try:
+            with backend_for(args, shared, config) as backend:
+                row = run_federated(shared, config, args.out, args.eval_every, args.crash_in_round, backend=backend)
+        except SimulatedCrash:  # a hard stop: devices are not told the run ended, nothing is cleaned up
+            sys.stdout.flush()
+            os._exit(CRASH_EXIT_CODE)
     print(json.dumps({k: v for k, v in row.items() if k not in ("history", "config")}))
     return row
 

@@ -9,8 +9,10 @@ accountant, round number) atomically. A run killed anywhere resumes from the las
 whose checkpoint was not written is run again from the same state with the same seeds, and a written
 one is never run again, so no round is applied twice.
 
-The round's inputs (global state, client data, seeds) and outputs (`ClientResult`) are plain tensors,
-so the websocket round messages and a Ray backend can carry them (a later slice; see docs/federated.md).
+The round logic does not know where updates come from: a backend takes the round's `ClientTask`s and
+returns one `ClientResult` per task, or None for a client that did not answer (left out of the sum). The
+backends: `in_process` (default), `ray_backend` (ray_backend.py: the same function as Ray tasks) and
+`WebsocketBackend` (websocket.py: the same function in device processes, over the protocol's round messages).
 """
 from __future__ import annotations
 
@@ -88,7 +90,10 @@ class FederatedConfig:
 
 @dataclass
 class ClientTask:
-    """Everything one client needs for a round (what a round-start message would carry, plus its own data)."""
+    """Everything one client needs for a round: what ROUND_START and MODEL carry, plus its own data (which a
+    device process holds itself)."""
+    round: int
+    client: int  # the virtual client's index
     spec: ModelSpec
     backbone_state: dict[str, torch.Tensor]
     images: np.ndarray
@@ -98,13 +103,19 @@ class ClientTask:
     head_state: dict[str, torch.Tensor] | None
 
 
-Backend = Callable[[Sequence[ClientTask]], list[ClientResult]]
+# One result per task, in task order; None: that client did not answer in time (left out of the round).
+Backend = Callable[[Sequence[ClientTask]], list[ClientResult | None]]
 
 
-def in_process(tasks: Sequence[ClientTask]) -> list[ClientResult]:
+def run_task(task: ClientTask) -> ClientResult:
+    """The client's work for one task: the function every backend runs (here, in a Ray worker, on a device)."""
+    return train_client(task.spec, task.backbone_state, task.images, task.labels, task.config, task.seed,
+                        task.head_state)
+
+
+def in_process(tasks: Sequence[ClientTask]) -> list[ClientResult | None]:
     """The default backend: the clients one after another in this process, no sockets."""
-    return [train_client(t.spec, t.backbone_state, t.images, t.labels, t.config, t.seed, t.head_state)
-            for t in tasks]
+    return [run_task(t) for t in tasks]
 
 
 def derived_seed(seed: int, round_number: int, stream: int, index: int = 0) -> int:
@@ -197,9 +208,13 @@ class FederatedRun:
         tasks = []
         for c in sampled:
             images, labels = self.population.of_users(self.clients[c])
-            tasks.append(ClientTask(self.spec, backbone_state, images, labels, config.local(self.clip_norm),
+            tasks.append(ClientTask(r, int(c), self.spec, backbone_state, images, labels, config.local(self.clip_norm),
                                     derived_seed(config.seed, r, 0, int(c)), head_state))
-        results = self.backend(tasks)
+        answers = self.backend(tasks)
+        if len(answers) != len(tasks):
+            raise RuntimeError(f"the backend answered {len(answers)} of {len(tasks)} tasks (None marks a missing one)")
+        joined = [c for c, a in zip(sampled, answers) if a is not None]
+        results = [a for a in answers if a is not None]
         params = self._parameters()
         generator = torch.Generator().manual_seed(derived_seed(config.seed, r, 1))
         if config.private:
@@ -222,7 +237,8 @@ class FederatedRun:
                                    combined_noise(self.z_update, self.count_noise_std)
                                    if config.target_quantile is not None else self.z_update)
         self.round = r
-        return {"round": r, "clients": len(results), "users": int(sum(len(self.clients[c]) for c in sampled)),
+        return {"round": r, "sampled": len(sampled), "clients": len(results),
+                "users": int(sum(len(self.clients[c]) for c in joined)),
                 "images": int(sum(x.examples for x in results)),
                 "loss": float(np.mean([x.loss for x in results])) if results else None,
                 "median_norm": float(np.median([x.norm for x in results])) if results else None,

@@ -17,7 +17,7 @@ from device_sdk.models import ModelSpec, build_backbone
 from device_sdk.models.weights import load_into
 
 from ..pretrain import pretrain
-from .engine import FederatedConfig, FederatedRun
+from .engine import Backend, FederatedConfig, FederatedRun, in_process
 from .evaluate import View1Evaluator
 from .population import Population, load_population, public_split
 
@@ -70,10 +70,11 @@ def summary_row(method: str, rounds: int | None, users_per_round: float | None, 
 
 
 def run_federated(shared: Shared, config: FederatedConfig, out: Path, eval_every: int = 0,
-                  crash_in_round: int | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+                  crash_in_round: int | None = None, log: Callable[[str], None] = print,
+                  backend: Backend = in_process) -> dict[str, Any]:
     """A federated run (resumed from `out` if it has a checkpoint); writes and returns its summary row."""
     started = time.time()
-    run = FederatedRun(config, shared.spec, shared.population, shared.init_state, out)
+    run = FederatedRun(config, shared.spec, shared.population, shared.init_state, out, backend)
     log(f"{config.method}: {len(run.clients)} virtual clients of {config.users_per_client} users, "
         f"Poisson rate {run.sampling_rate:.4f} ({config.clients_per_round:g} clients per round expected), "
         f"{config.rounds} rounds")

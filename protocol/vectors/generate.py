@@ -1,7 +1,9 @@
 """Write the wire-protocol test vectors: `python -m protocol.vectors.generate [--out DIR]`.
 
 Every case is one `NN_name.msgpack` (the exact bytes of the reference encoder) and one
-`NN_name.json` (what those bytes mean). Valid cases are produced by the real builders
+`NN_name.json` (what those bytes mean). The federated round messages (SPEC.md section 15) have
+their own numbered set in `federated/`, so that a split-only implementation (the Android core)
+can conform to the top-level set alone. Valid cases are produced by the real builders
 (ClientSession / ServerSession / messages.encode / encode_tensor) driven through a real
 handshake against a toy server, so they are what the Python implementation sends. Invalid
 cases are hand-made bytes with {"invalid": true, "error_code": ...}: `messages.decode` must
@@ -20,7 +22,7 @@ import numpy as np
 
 from .. import messages as m
 from ..errors import ErrorCode, ProtocolError
-from ..session import Admit, ClientSession, DeviceRecord, ServerInfo, ServerSession
+from ..session import Admit, ClientSession, DeviceRecord, FederatedClientSession, RoundBoard, ServerInfo, ServerSession
 from ..tensor import decode_tensor
 
 HERE = Path(__file__).resolve().parent
@@ -58,6 +60,26 @@ def tensor_fields(mtype: str) -> set[str]:
     return {f for f, (check, _) in m.SCHEMA.get(mtype, {}).items() if check == m.TENSOR}
 
 
+def named_tensor_fields(mtype: str) -> set[str]:
+    """Fields that map names to tensors (federated weights and updates)."""
+    return {f for f, (check, _) in m.SCHEMA.get(mtype, {}).items() if check == m.TENSORS}
+
+
+def _tensor_meaning(value: dict[str, Any], key: str) -> dict[str, Any]:
+    t = {"dtype": value["dtype"], "shape": value["shape"], "data_hex": value["data"].hex(),
+         "values": [float(x) for x in decode_tensor(value, field=key).reshape(-1)]}
+    if "scale" in value:
+        t["scale"] = value["scale"]
+    return t
+
+
+def _tensor_wire(value: dict[str, Any]) -> dict[str, Any]:
+    t: dict[str, Any] = {"dtype": value["dtype"], "shape": value["shape"], "data": bytes.fromhex(value["data_hex"])}
+    if "scale" in value:
+        t["scale"] = value["scale"]
+    return t
+
+
 def meaning_of(data: bytes) -> dict[str, Any]:
     """JSON meaning of a valid message: every field in wire order, tensors spelled out."""
     m.decode(data)  # must be valid
@@ -65,11 +87,9 @@ def meaning_of(data: bytes) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in raw.items():
         if key in tensor_fields(raw["type"]):
-            t = {"dtype": value["dtype"], "shape": value["shape"], "data_hex": value["data"].hex(),
-                 "values": [float(x) for x in decode_tensor(value, field=key).reshape(-1)]}
-            if "scale" in value:
-                t["scale"] = value["scale"]
-            value = t
+            value = _tensor_meaning(value, key)
+        elif key in named_tensor_fields(raw["type"]):
+            value = {name: _tensor_meaning(t, key) for name, t in value.items()}
         out[key] = value
     return out
 
@@ -79,10 +99,9 @@ def wire_of(meaning: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in meaning.items():
         if key in tensor_fields(meaning["type"]):
-            t: dict[str, Any] = {"dtype": value["dtype"], "shape": value["shape"], "data": bytes.fromhex(value["data_hex"])}
-            if "scale" in value:
-                t["scale"] = value["scale"]
-            value = t
+            value = _tensor_wire(value)
+        elif key in named_tensor_fields(meaning["type"]):
+            value = {name: _tensor_wire(t) for name, t in value.items()}
         out[key] = value
     return out
 
@@ -187,12 +206,78 @@ def invalid_cases() -> list[tuple[str, bytes, ErrorCode, str]]:
     ]
 
 
-def build() -> list[tuple[str, bytes, dict[str, Any]]]:
-    """(NN_name, message bytes, JSON meaning) for every case, numbered in order."""
+# ---- federated rounds (written to federated/) ---------------------------------------------------
+FEDERATED_DEVICE = "client-3"
+FED_WEIGHTS = {"conv.weight": np.array([[0.5, -0.25], [1.0, 0.125]], dtype=np.float32),
+               "bn.num_batches_tracked": np.array(7.0, dtype=np.float32)}
+FED_HEAD = {"weight": np.array([[0.01, -0.02]], dtype=np.float32), "bias": np.zeros(1, np.float32)}
+FED_DELTA = {"conv.weight": np.array([[0.003, -0.004], [0.0, 0.0]], dtype=np.float32)}
+FED_CONFIG = {"epochs": 2, "batch_size": 8, "lr": 0.01, "head_lr_scale": 10.0, "momentum": 0.0, "weight_decay": 0.0,
+              "flip": True}
+
+
+def federated_board(clip_norm: float | None = 0.05, head: bool = False) -> RoundBoard:
+    """A board with round 4 open for FEDERATED_DEVICE (on a clock that stands still: deadline_s is exact)."""
+    board = RoundBoard(dict(MODEL), retry_after_s=0.5, max_message_bytes=MAX_MESSAGE_BYTES, clock=lambda: 100.0)
+    board.open(4, {FEDERATED_DEVICE: 3735928559}, FED_CONFIG, clip_norm, {"conv.weight": (2, 2)}, FED_WEIGHTS,
+               FED_HEAD if head else None, quorum=1, deadline_s=30.0)
+    return board
+
+
+def federated_valid_cases() -> list[tuple[str, bytes]]:
+    device = FederatedClientSession(FEDERATED_DEVICE, TOKEN, dict(MODEL))
+    board = federated_board()
+    update = device.update(4, FED_DELTA, norm=0.005, examples=9, loss=1.25)
+    cases = [
+        ("hello_federated", device.hello()),
+        ("round_start", board.offer(FEDERATED_DEVICE)),
+        ("round_start_unclipped", federated_board(clip_norm=None).offer(FEDERATED_DEVICE)),
+        ("model_request", device.model_request(4)),
+        ("model", board.model_for(FEDERATED_DEVICE, 4)),
+        ("model_global_head", federated_board(head=True).model_for(FEDERATED_DEVICE, 4)),
+        ("update", update),
+        ("update_ack", board.accept(FEDERATED_DEVICE, m.decode(update))),
+        ("round_request", device.round_request()),
+        ("round_wait", board.offer(FEDERATED_DEVICE)),  # its update is in: nothing more for it this round
+    ]
+    try:
+        board.model_for(FEDERATED_DEVICE, 3)
+    except ProtocolError as exc:
+        cases.append(("error_round_closed", m.encode(m.error(exc.code, exc.message))))
+    return cases
+
+
+def federated_invalid_cases() -> list[tuple[str, bytes, ErrorCode, str]]:
+    delta = {"dtype": "f32", "shape": [2], "data": _f32([0.001, 0.002])}
+    hello = {"type": "hello", "protocol_version": 1, "device_id": FEDERATED_DEVICE, "token": TOKEN, "model": MODEL}
+    update = {"type": "update", "round_id": 4, "delta": {"w": delta}, "norm": 0.01, "examples": 2, "loss": 0.5}
+    return [
+        ("invalid_hello_federated_with_split", _pack({**hello, "split": "conv1", "mode": "federated"}),
+         ErrorCode.BAD_MESSAGE, "a federated hello carries a split-only field"),
+        ("invalid_hello_split_without_head", _pack({**hello, "split": "conv1", "encodings": {}, "batch_size": 2}),
+         ErrorCode.BAD_MESSAGE, "a split hello (no mode) without head"),
+        ("invalid_update_nan", _pack({**update, "delta": {"w": dict(delta, data=_f32([0.001, math.nan]))}}),
+         ErrorCode.BAD_TENSOR, "NaN in an update tensor"),
+        ("invalid_update_delta_not_a_map", _pack({**update, "delta": [delta]}), ErrorCode.BAD_MESSAGE,
+         "delta is an array, not a map of names to tensors"),
+        ("invalid_update_empty_delta", _pack({**update, "delta": {}}), ErrorCode.BAD_MESSAGE, "an empty update"),
+        ("invalid_update_norm_nan", _pack({**update, "norm": math.nan}), ErrorCode.BAD_MESSAGE,
+         "a non-finite norm"),
+        ("invalid_round_start_config_missing_key", _pack({
+            "type": "round_start", "round_id": 1, "seed": 1, "config": {k: v for k, v in FED_CONFIG.items() if k != "lr"},
+            "deadline_s": 1.0, "max_message_bytes": 1024}), ErrorCode.BAD_MESSAGE, "config without lr"),
+        ("invalid_model_request_round_zero", _pack({"type": "model_request", "round_id": 0}), ErrorCode.BAD_MESSAGE,
+         "round ids start at 1"),
+    ]
+
+
+def build(valid: list[tuple[str, bytes]] | None = None,
+          invalid: list[tuple[str, bytes, ErrorCode, str]] | None = None) -> list[tuple[str, bytes, dict[str, Any]]]:
+    """(NN_name, message bytes, JSON meaning) for every case, numbered in order (default: the split set)."""
     out: list[tuple[str, bytes, dict[str, Any]]] = []
-    for name, data in valid_cases():
+    for name, data in valid_cases() if valid is None else valid:
         out.append((name, data, meaning_of(data)))
-    for name, data, code, why in invalid_cases():
+    for name, data, code, why in invalid_cases() if invalid is None else invalid:
         try:
             m.decode(data)
         except ProtocolError as exc:
@@ -208,12 +293,15 @@ def render_json(meaning: dict[str, Any]) -> str:
 
 
 def generate(out_dir: Path = HERE) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """Both sets: the split protocol's in `out_dir`, the federated rounds' in `out_dir/federated`."""
     written = []
-    for stem, data, meaning in build():
-        (out_dir / f"{stem}.msgpack").write_bytes(data)
-        (out_dir / f"{stem}.json").write_text(render_json(meaning))
-        written += [out_dir / f"{stem}.msgpack", out_dir / f"{stem}.json"]
+    for folder, cases in ((out_dir, build()),
+                          (out_dir / "federated", build(federated_valid_cases(), federated_invalid_cases()))):
+        folder.mkdir(parents=True, exist_ok=True)
+        for stem, data, meaning in cases:
+            (folder / f"{stem}.msgpack").write_bytes(data)
+            (folder / f"{stem}.json").write_text(render_json(meaning))
+            written += [folder / f"{stem}.msgpack", folder / f"{stem}.json"]
     return written
 
 
