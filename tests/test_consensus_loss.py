@@ -78,3 +78,29 @@ def test_bad_input_is_refused():
         consensus_loss(f, w, torch.tensor([0, 3]), None, RHO)
     with pytest.raises(ValueError, match="margin kind"):
         consensus_loss(f, w, y, None, RHO, kind="sphereface")
+
+
+@pytest.mark.slow
+def test_privacyface_round_relays_only_other_clients_clusters(lfw):
+    import numpy as np
+
+    from device_sdk.federated.dplc import DPLCConfig
+    from device_sdk.federated.private_head import HeadConfig
+    from device_sdk.models import build_backbone, resolve_spec
+    from edge_server.federated.methods import MethodConfig, PrivateHeadRun
+    from edge_server.federated.population import load_population
+    spec = resolve_spec("iresnet_small")
+    torch.manual_seed(0)
+    dplc = DPLCConfig(rho=0.01, min_members=1, queries=2, epsilon=math.inf)  # each centre alone in its cap
+    run = PrivateHeadRun(MethodConfig("privacyface", rounds=2, users_per_client=2, clients_per_round=2,
+                                      head=HeadConfig(epochs=1, batch_size=4), dplc=dplc),
+                         spec, load_population(lfw, spec.input_size, max_users=4), build_backbone(spec).state_dict())
+    history = run.run(log=lambda s: None)
+    assert history[0]["clusters_received_mean"] == 0  # nothing released before the first round
+    assert history[1]["clusters_received_mean"] == 2  # each of the 2 clients gets the other's 2 clusters
+    for c, clusters in run.clusters.items():  # eps = inf, T = 1: each of the 2 centres is its own cluster
+        np.testing.assert_allclose(clusters, F.normalize(run.heads[c], dim=1).numpy(), atol=1e-5)
+        received = run._received(c).numpy()
+        assert not any(np.isclose(received, row, atol=1e-6).all(axis=1).any() for row in clusters)
+    assert run.privacy()["epsilon"] is None  # no noise, no guarantee
+    assert run.privacy()["releases"] == 2 * 2  # but its releases are counted: 2 calls of Q = 2

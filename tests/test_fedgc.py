@@ -69,3 +69,40 @@ def test_bad_input_is_refused():
         gradient_correction({0: torch.ones(2, 3), 1: torch.ones(2, 4)}, lr=0.1)
     with pytest.raises(ValueError, match="finite"):
         gradient_correction({0: torch.ones(2, 3), 1: torch.full((1, 3), float("nan"))}, lr=0.1)
+
+
+@pytest.fixture(scope="module")
+def tiny_federation(lfw):
+    """Four real LFW private users (2 per client), the IResNet-small backbone from its seeded start."""
+    from device_sdk.models import build_backbone, resolve_spec
+    from edge_server.federated.population import load_population
+    spec = resolve_spec("iresnet_small")
+    torch.manual_seed(0)
+    return spec, load_population(lfw, spec.input_size, max_users=4), build_backbone(spec).state_dict()
+
+
+@pytest.mark.slow
+def test_a_fedgc_round_trains_and_corrects_every_head_it_holds(tiny_federation):
+    import dataclasses
+
+    from device_sdk.federated.private_head import HeadConfig
+    from edge_server.federated.methods import MethodConfig, PrivateHeadRun
+    spec, population, init = tiny_federation
+    head = HeadConfig(epochs=1, batch_size=4)
+    runs = {lam: PrivateHeadRun(MethodConfig("fedgc", rounds=1, users_per_client=2, clients_per_round=2, head=head,
+                                             fedgc_lambda=lam, fedgc_scale=4.0), spec, population, init)
+            for lam in (0.0, 20.0)}
+    for run in runs.values():
+        run.run(log=lambda s: None)
+    plain, corrected = runs[0.0], runs[20.0]
+    assert set(plain.heads) == set(corrected.heads) and len(plain.heads) == 2
+    # the same seeds train the same clients; only the correction differs, and it moved every held head
+    first = next(iter(plain.heads))
+    assert all(plain.heads[c].shape == corrected.heads[c].shape for c in plain.heads)
+    assert not torch.allclose(plain.heads[first], corrected.heads[first])
+    assert any(not torch.equal(p, init[k]) for k, p in corrected.backbone.state_dict().items())
+    fixed = PrivateHeadRun(MethodConfig("fixed-head", rounds=1, users_per_client=2, clients_per_round=2,
+                                        head=dataclasses.replace(head, train_head=False)), spec, population, init)
+    start = {c: fixed._first_head(c, *population.of_users(fixed.clients[c])) for c in range(len(fixed.clients))}
+    fixed.run(log=lambda s: None)
+    assert all(torch.equal(fixed.heads[c], start[c]) for c in fixed.heads)  # the fixed head never trains
