@@ -26,6 +26,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from protocol import messages as m
 from protocol.errors import ErrorCode, RemoteError
 from protocol.session import ClientSession
+from protocol.transport import CLIENT_WS_OPTIONS, reuse_large_buffers, send_fragments
 
 from .engine import DeviceEngine
 from .meter import BatchCost, EnergyCounter, Stopwatch, peak_rss_bytes
@@ -184,13 +185,12 @@ class DeviceClient:
     # ---- connection --------------------------------------------------------------------
     async def connect(self) -> None:
         """Connect and handshake, retrying until the server answers; then reconcile progress."""
+        reuse_large_buffers()  # large tensors' buffers are reused, not page-faulted afresh (protocol/transport.py)
         deadline = time.monotonic() + self.reconnect_timeout_s
         delay = 0.2
         while True:
             try:
-                self._ws = await connect(self.url, max_size=self.max_message_bytes, compression=None, open_timeout=10,
-                                         ping_interval=30, ping_timeout=120, close_timeout=2, max_queue=4,
-                                         ssl=self.ssl)
+                self._ws = await connect(self.url, max_size=self.max_message_bytes, ssl=self.ssl, **CLIENT_WS_OPTIONS)
                 await self._ws.send(self.session.hello())
                 welcome = self.session.accept_welcome(await self._ws.recv())
                 self._ws.protocol.max_message_size = max(self.max_message_bytes, self.session.max_message_bytes)
@@ -253,7 +253,7 @@ class DeviceClient:
             raise ConnectionLost("not connected")
         start = time.perf_counter()
         try:
-            await self._ws.send(data)
+            await send_fragments(self._ws, data)
             if phase:
                 self._fault("after-" + phase, batch_id)
             reply = await self._ws.recv()

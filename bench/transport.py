@@ -1,0 +1,423 @@
+#!/usr/bin/env python
+"""Transport at the wire's speed (issue #15, item 7): 100 MB-class messages through the protocol vs raw sockets.
+
+Run from the repository root:
+
+    .venv/bin/python bench/transport.py                 # results/transport/{summary.json,table.md}
+    .venv/bin/python bench/transport.py --rounds 2 --trips 1 --shape 8 16 64 64 --out /tmp/t   # a quick look
+
+A round trip is what a split-learning batch does: the device sends FORWARD (activations, f32, validated
+encode) and the server answers BACKWARD carrying a tensor of the same size. Each variant runs in its own
+pair of processes (a client and an echo server on 127.0.0.1, both long-lived), so that process-wide settings
+(the allocator's) apply to one variant only; the variants take turns, round after round, so that all see the
+same load from other processes on this shared machine. Variants:
+
+- protocol, as before: websocket message in one frame, the old settings (the client's default 32 KiB write
+  limit), glibc's default allocator behaviour;
+- protocol, fragments only / allocator only: one of the two changes of protocol/transport.py;
+- protocol, tuned: both (what the device client does, and the server once app.py uses the settings);
+- raw blocking sockets: a length prefix, then sendall / recv_into a buffer reused across trips (no protocol,
+  no validation, no allocation): the ceiling.
+
+Every protocol variant does the full work on both ends: ClientSession.forward (msgpack), websockets framing
+with the size limits in force (the client accepts at most the protocol's 1 GiB), messages.decode with every
+check (schema, dtype/shape/byte count, finite values), the reply encoded and decoded the same way.
+The client also times its own phases (encode, send, wait, decode) and the server its own, and each
+client process times the codec steps alone on one message (where the copies go).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import math
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+MB = 1e6
+
+# variant -> (send in fragments, reuse_large_buffers); None: raw sockets
+VARIANTS: dict[str, tuple[bool, bool] | None] = {
+    "protocol, as before (one frame, default allocator)": (False, False),
+    "protocol, fragments only": (True, False),
+    "protocol, allocator only": (False, True),
+    "protocol, tuned (fragments + allocator)": (True, True),
+    "raw blocking sockets, recv_into": None,
+}
+BEFORE, TUNED, RAW = (list(VARIANTS)[i] for i in (0, 3, 4))
+
+
+def ws_options(side: str, fragmented: bool) -> dict[str, Any]:
+    """The settings a variant runs with: protocol/transport.py's, or those of the code before it."""
+    from protocol import messages as m
+    from protocol.transport import CLIENT_WS_OPTIONS, SERVER_WS_OPTIONS
+    if fragmented:
+        opts = dict(CLIENT_WS_OPTIONS if side == "client" else SERVER_WS_OPTIONS)
+    elif side == "client":   # device_sdk/client.py before: websockets' default write limit
+        opts = dict(compression=None, open_timeout=10, ping_interval=30, ping_timeout=120, close_timeout=2, max_queue=4)
+    else:                    # edge_server/app.py before
+        opts = dict(compression=None, max_queue=4, write_limit=2 ** 24, ping_interval=30, ping_timeout=120)
+    opts["max_size"] = m.DEFAULT_MAX_MESSAGE_BYTES
+    return opts
+
+
+# ---------------------------------------------------------------------------------------
+# server side (child process)
+# ---------------------------------------------------------------------------------------
+def server_main(conn, variant: str) -> None:
+    """Echo server of one variant: sends its port, serves until the pipe says stop, then sends its phase times."""
+    setting = VARIANTS[variant]
+    phases: dict[str, list[float]] = {"decode": [], "encode": [], "send": []}
+    if setting is None:
+        listener = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=_raw_echo, args=(listener,), daemon=True).start()
+        conn.send(listener.getsockname()[1])
+        conn.recv()
+        conn.send(phases)
+        return
+    fragmented, allocator = setting
+    from websockets.asyncio.server import serve
+
+    from protocol import messages as m
+    from protocol.tensor import encode_tensor
+    from protocol.transport import reuse_large_buffers, send_fragments
+    if allocator:
+        reuse_large_buffers()
+
+    async def echo(ws) -> None:
+        async for data in ws:
+            t0 = time.perf_counter()
+            msg = m.decode(data)
+            t1 = time.perf_counter()
+            reply = m.encode({"type": m.BACKWARD, "batch_id": msg["batch_id"],
+                              "grad": encode_tensor(msg["activations"], "f32"), "loss": 4.6, "n_correct": 1,
+                              "durable_through": 0})
+            del msg, data
+            t2 = time.perf_counter()
+            if fragmented:
+                await send_fragments(ws, reply)
+            else:
+                await ws.send(reply)
+            del reply
+            phases["decode"].append(t1 - t0)
+            phases["encode"].append(t2 - t1)
+            phases["send"].append(time.perf_counter() - t2)
+
+    async def main() -> None:
+        async with serve(echo, "127.0.0.1", 0, **ws_options("server", fragmented)) as server:
+            conn.send(next(iter(server.sockets)).getsockname()[1])
+            await asyncio.get_running_loop().run_in_executor(None, conn.recv)   # "stop"
+
+    asyncio.run(main())
+    conn.send(phases)
+
+
+def _raw_echo(listener: socket.socket) -> None:
+    while True:
+        s, _ = listener.accept()
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf, reply = bytearray(0), b""
+        try:
+            while True:
+                head = bytearray(16)
+                if not _recv_into(s, memoryview(head)):
+                    break
+                n_in, n_out = struct.unpack("<QQ", head)
+                if len(buf) < n_in:
+                    buf = bytearray(n_in)
+                if not _recv_into(s, memoryview(buf)[:n_in]):
+                    break
+                if len(reply) != n_out:
+                    reply = bytes(n_out)
+                s.sendall(reply)
+        finally:
+            s.close()
+
+
+def _recv_into(s: socket.socket, view: memoryview) -> bool:
+    got = 0
+    while got < len(view):
+        k = s.recv_into(view[got:])
+        if k == 0:
+            return False
+        got += k
+    return True
+
+
+# ---------------------------------------------------------------------------------------
+# client side (child process)
+# ---------------------------------------------------------------------------------------
+def client_main(conn, variant: str, port: int, shape: tuple[int, ...]) -> None:
+    """Client of one variant: on ("trips", k) runs k round trips and answers their times and phases;
+    on "codec" times the codec steps alone; on "stop" ends."""
+    setting = VARIANTS[variant]
+    rng = np.random.default_rng(1)
+    activations = rng.random(shape, dtype=np.float32)
+    labels = rng.integers(0, 1000, shape[0])
+    if setting is None:
+        sizes = _protocol_sizes(activations, labels)
+        s = socket.create_connection(("127.0.0.1", port))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        payload, buf = bytes(sizes[0]), bytearray(sizes[1])
+        while (cmd := conn.recv()) != "stop":
+            if cmd == "codec":
+                conn.send([])
+                continue
+            times = []
+            for _ in range(cmd[1]):
+                t = time.perf_counter()
+                s.sendall(struct.pack("<QQ", *sizes))
+                s.sendall(payload)
+                if not _recv_into(s, memoryview(buf)):
+                    raise ConnectionError("raw echo closed")
+                times.append(time.perf_counter() - t)
+            conn.send({"times": times, "phases": {}, "message_bytes": list(sizes)})
+        s.close()
+        return
+    fragmented, allocator = setting
+    from protocol.transport import reuse_large_buffers
+    if allocator:
+        reuse_large_buffers()
+    asyncio.run(_client_loop(conn, port, fragmented, activations, labels))
+
+
+def _protocol_sizes(activations: np.ndarray, labels: np.ndarray) -> tuple[int, int]:
+    """Sizes of the protocol's FORWARD and BACKWARD for these tensors: the raw variant moves as many bytes."""
+    from protocol import messages as m
+    from protocol.tensor import encode_tensor
+    forward = m.encode({"type": m.FORWARD, "batch_id": 1, "activations": encode_tensor(activations, "f32"),
+                        "labels": [int(x) for x in labels]})
+    backward = m.encode({"type": m.BACKWARD, "batch_id": 1, "grad": encode_tensor(activations, "f32"), "loss": 4.6,
+                         "n_correct": 1, "durable_through": 0})
+    return len(forward), len(backward)
+
+
+async def _client_loop(conn, port: int, fragmented: bool, activations: np.ndarray, labels: np.ndarray) -> None:
+    from websockets.asyncio.client import connect
+
+    from protocol import messages as m
+    from protocol.session import ClientSession
+    from protocol.transport import send_fragments
+    session = ClientSession("bench-device", "bench-token", {}, "conv1", "server", len(activations), 1000,
+                            {"activations": "f32", "gradients": "f32"})
+    batch_id = 0
+    async with connect(f"ws://127.0.0.1:{port}", **ws_options("client", fragmented)) as ws:
+        loop = asyncio.get_running_loop()
+        while (cmd := await loop.run_in_executor(None, conn.recv)) != "stop":
+            if cmd == "codec":
+                conn.send(codec_steps(activations, labels))
+                continue
+            times, phases = [], {"encode": [], "send": [], "wait": [], "decode": []}
+            sizes = [0, 0]
+            for _ in range(cmd[1]):
+                batch_id += 1
+                t0 = time.perf_counter()
+                data = session.forward(batch_id, activations, labels)
+                t1 = time.perf_counter()
+                if fragmented:
+                    await send_fragments(ws, data)
+                else:
+                    await ws.send(data)
+                t2 = time.perf_counter()
+                reply = await ws.recv()
+                t3 = time.perf_counter()
+                grad = session.receive(reply, {m.BACKWARD}, batch_id)["grad"]
+                t4 = time.perf_counter()
+                if grad.shape != activations.shape:
+                    raise AssertionError(f"echo returned {grad.shape}, sent {activations.shape}")
+                sizes = [len(data), len(reply)]
+                del data, reply, grad
+                times.append(t4 - t0)
+                for k, a, b in (("encode", t0, t1), ("send", t1, t2), ("wait", t2, t3), ("decode", t3, t4)):
+                    phases[k].append(b - a)
+            conn.send({"times": times, "phases": phases, "message_bytes": sizes})
+
+
+def codec_steps(activations: np.ndarray, labels: np.ndarray, reps: int = 3) -> list[dict[str, Any]]:
+    """Each step of a message's way alone, best of `reps`, in this process's allocator setting."""
+    import msgpack
+    from websockets.frames import Frame, Opcode
+
+    from protocol import messages as m
+    from protocol.tensor import encode_tensor
+    from protocol.transport import fragments
+    msg = {"type": m.FORWARD, "batch_id": 1, "activations": encode_tensor(activations, "f32"),
+           "labels": [int(x) for x in labels]}
+    data = m.encode(msg)
+    keep = bytearray(len(data))
+    ops = {
+        "copy into a reused buffer (memcpy)": lambda: memoryview(keep).__setitem__(slice(None), data),
+        "copy into a new buffer (bytearray(data))": lambda: bytearray(data),
+        "messages.encode (msgpack.packb)": lambda: m.encode(msg),
+        "msgpack.unpackb alone": lambda: msgpack.unpackb(data),
+        "np.isfinite(...).all() alone": lambda: np.isfinite(activations).all(),
+        "messages.decode (unpackb + checks + frombuffer + finite)": lambda: m.decode(data),
+        "websocket client frame, one (mask + serialize)": lambda: Frame(Opcode.BINARY, data).serialize(mask=True),
+        "websocket client frames, 1 MiB fragments": lambda: [Frame(Opcode.BINARY, f).serialize(mask=True)
+                                                               for f in fragments(data)],
+        "reassemble fragments (b''.join)": lambda: b"".join(bytes(f) for f in fragments(data)),
+    }
+    rows = []
+    for name, fn in ops.items():
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            r = fn()
+            times.append(time.perf_counter() - t)
+            del r
+        rows.append({"op": name, "bytes": len(data), "best_s": min(times), "gb_s": len(data) / min(times) / 1e9})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------
+# driver
+# ---------------------------------------------------------------------------------------
+class Pair:
+    """A variant's server and client processes."""
+
+    def __init__(self, ctx, variant: str, shape: tuple[int, ...]):
+        self.variant = variant
+        self.server_pipe, child = ctx.Pipe()
+        self.server = ctx.Process(target=server_main, args=(child, variant), daemon=True)
+        self.server.start()
+        port = self.server_pipe.recv()
+        self.client_pipe, child = ctx.Pipe()
+        self.client = ctx.Process(target=client_main, args=(child, variant, port, shape), daemon=True)
+        self.client.start()
+
+    def ask(self, cmd: Any) -> Any:
+        self.client_pipe.send(cmd)
+        return self.client_pipe.recv()
+
+    def stop(self) -> dict[str, list[float]]:
+        phases: dict[str, list[float]] = {}
+        try:
+            self.client_pipe.send("stop")
+            self.client.join(30)
+            self.server_pipe.send("stop")
+            phases = self.server_pipe.recv() if self.server_pipe.poll(30) else {}
+        finally:
+            for p in (self.client, self.server):
+                p.join(10)
+                if p.is_alive():
+                    p.terminate()
+                    p.join(5)
+        return phases
+
+
+def run(shape: tuple[int, ...], rounds: int, trips: int, warmup: int, variants: list[str]) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    pairs = []
+    try:
+        for v in variants:
+            pairs.append(Pair(ctx, v, shape))
+        for pair in pairs:
+            pair.ask(("trips", warmup))
+        got: dict[str, dict[str, Any]] = {v: {"times": [], "phases": {}, "message_bytes": None} for v in variants}
+        for r in range(rounds):
+            for pair in pairs:
+                out = pair.ask(("trips", trips))
+                g = got[pair.variant]
+                g["times"] += out["times"]
+                g["message_bytes"] = out["message_bytes"]
+                for k, v in out["phases"].items():
+                    g["phases"].setdefault(k, []).extend(v)
+            print(f"[{time.strftime('%H:%M:%S')}] round {r + 1}/{rounds}: " + ", ".join(
+                f"{v.split(',')[0] if v == RAW else v.split(', ', 1)[1]} {statistics.median(got[v]['times']) * 1e3:.0f} ms"
+                for v in variants), file=sys.stderr, flush=True)
+        codec = {p.variant: p.ask("codec") for p in pairs if VARIANTS[p.variant] is not None}
+    finally:
+        server_phases = {p.variant: p.stop() for p in pairs}
+    payload = 2 * math.prod(shape) * 4
+    rows = []
+    for v in variants:
+        times = got[v]["times"]
+        p50 = statistics.median(times)
+        rows.append({"variant": v, "trips": len(times), "p50_s": p50, "mean_s": statistics.fmean(times),
+                     "min_s": min(times), "max_s": max(times), "times_s": [round(t, 5) for t in times],
+                     "message_bytes": got[v]["message_bytes"], "payload_mb_s": payload / p50 / MB,
+                     "client_phases_p50_s": {k: statistics.median(x) for k, x in got[v]["phases"].items()},
+                     "server_phases_p50_s": {k: statistics.median(x) for k, x in server_phases[v].items() if x}})
+    raw = next((r for r in rows if r["variant"] == RAW), None)
+    for r in rows:
+        r["vs_raw_sockets"] = r["payload_mb_s"] / raw["payload_mb_s"] if raw else None
+    return {"rows": rows, "codec": codec}
+
+
+def table(res: dict[str, Any]) -> str:
+    a = res["args"]
+    shape = " x ".join(map(str, a["shape"]))
+    L = [f"Round trips of a FORWARD of f32 activations {shape} ({math.prod(a['shape']) * 4 / MB:.1f} MB) answered by "
+         f"a BACKWARD of the same size, on 127.0.0.1; {a['rounds']} rounds x {a['trips']} trips per variant, "
+         f"variants interleaved, after {a['warmup']} warm-up trip(s). Payload MB/s counts the tensor bytes both ways. "
+         f"{res['machine']}. Other processes' load during the run: load average "
+         f"{res['loadavg_start'][0]:.1f} at the start, {res['loadavg_end'][0]:.1f} at the end.", "",
+         "| variant | trips | p50 ms/trip | min ms | payload MB/s (p50) | vs raw sockets |", "|---|---:|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        L.append(f"| {r['variant']} | {r['trips']} | {r['p50_s'] * 1e3:.0f} | {r['min_s'] * 1e3:.0f} | "
+                 f"{r['payload_mb_s']:,.0f} | {_ratio(r['vs_raw_sockets'])} |")
+    L += ["", "Where a round trip goes (p50 ms; client: encode = ClientSession.forward, send = until websockets "
+          "has handed the message to the transport, wait = until the reply is assembled, decode = validated "
+          "ClientSession.receive; server: the echo's decode, encode and send):", "",
+          "| variant | client encode | send | wait | decode | server decode | encode | send |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        c, s = r["client_phases_p50_s"], r["server_phases_p50_s"]
+        if not c:
+            continue
+        L.append(f"| {r['variant']} | " + " | ".join(f"{c[k] * 1e3:.0f}" for k in ("encode", "send", "wait", "decode"))
+                 + " | " + " | ".join(f"{s[k] * 1e3:.0f}" if k in s else "-" for k in ("decode", "encode", "send")) + " |")
+    variants = list(res["codec"])
+    L += ["", "One message's steps alone (best of 3, ms), in a process with each allocator setting:", "",
+          "| step | " + " | ".join(variants) + " |", "|---|" + "---:|" * len(variants)]
+    ops = [row["op"] for row in res["codec"][variants[0]]]
+    for i, op in enumerate(ops):
+        L.append(f"| {op} | " + " | ".join(f"{res['codec'][v][i]['best_s'] * 1e3:.0f}" for v in variants) + " |")
+    return "\n".join(L) + "\n"
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", type=int, nargs="+", default=[8, 64, 224, 224],
+                   help="activation shape (default: VGG-Face conv1, batch 8: 102.8 MB)")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--trips", type=int, default=2, help="timed round trips per variant per round")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="VARIANT")
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "transport")
+    args = p.parse_args(argv)
+    import platform
+    import websockets
+    res: dict[str, Any] = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                           "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                           "machine": f"{os.cpu_count()} CPUs, Python {platform.python_version()}, websockets "
+                                      f"{websockets.__version__}, {platform.libc_ver()[0]} {platform.libc_ver()[1]}",
+                           "loadavg_start": os.getloadavg()}
+    res.update(run(tuple(args.shape), args.rounds, args.trips, args.warmup, args.variants))
+    res["loadavg_end"] = os.getloadavg()
+    text = table(res)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.json").write_text(json.dumps(res, indent=2) + "\n")
+    (args.out / "table.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
