@@ -20,8 +20,11 @@ import org.splitface.core.BatchMetrics;
 import org.splitface.core.BudgetGuard;
 import org.splitface.core.ClientSession;
 import org.splitface.core.DeviceClient;
+import org.splitface.core.Messages;
 import org.splitface.core.PerActivationNoise;
 import org.splitface.core.RemoteError;
+import org.splitface.core.Tls;
+import org.splitface.core.UntrustedServer;
 
 /**
  * Start/stop a training session against an edge server; per batch, show latency, bytes, energy and
@@ -81,7 +84,10 @@ public class MainActivity extends Activity {
             enc.put("gradients", "f32");
             ClientSession session = new ClientSession(deviceId, token, toMap(cfg.getJSONObject("model")), cfg.optString("split", "conv1"),
                     "server", batch, cfg.getInt("num_classes"), enc);
-            try (DeviceClient client = new DeviceClient(url, OkHttpTransport.factory(), session, layer, noise, guard, 120_000, 10)) {
+            File ca = new File(root, "ca.pem");   // the CA that signed the server's certificate (wss://)
+            Tls tls = Tls.forUrl(url, ca.exists() ? ca.toPath() : null, cfg.optBoolean("insecure", false));
+            try (DeviceClient client = new DeviceClient(url, OkHttpTransport.factory(tls), session, layer, noise, guard,
+                    120_000, 10, Messages.DEFAULT_MAX_MESSAGE_BYTES)) {
                 client.connect();
                 int perEpoch = faces.images.size() / batch;   // the programs take exactly `batch` images: the remainder waits
                 while (running) {
@@ -107,6 +113,8 @@ public class MainActivity extends Activity {
             show(status, "stopped", false);
         } catch (RemoteError e) {
             show(status, "The server refused: " + e.detail + " (" + e.code + ")", false);
+        } catch (UntrustedServer e) {
+            show(status, "Not connecting: " + e.getMessage(), false);
         } catch (BudgetGuard.BudgetExceeded e) {
             show(status, "Privacy budget spent; nothing more was sent. " + e.getMessage(), false);
         } catch (Exception e) {

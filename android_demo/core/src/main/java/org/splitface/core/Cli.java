@@ -4,6 +4,7 @@ import java.nio.ByteBuffer;
 import java.nio.ByteOrder;
 import java.nio.file.Files;
 import java.nio.file.Path;
+import java.util.Arrays;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
@@ -11,17 +12,24 @@ import java.util.Map;
 /**
  * Command-line entry points on a msgpack job file (what tests/test_android_core.py writes):
  *   parity JOB OUT   run the device layer forward and backward, write the results
- *   train JOB        train against the server in the job, one JSON line of metrics per batch
+ *   train JOB [--ca-file PEM] [--insecure] [--max-message-bytes N]
+ *                    train against the server in the job, one JSON line of metrics per batch. wss:// trusts the
+ *                    CA certificates in --ca-file (else the platform's) and checks the host name; plain ws:// is
+ *                    refused off loopback unless --insecure (the token would travel in clear). Exit status: 0 done,
+ *                    2 refused by the server, 3 privacy budget spent, 4 connection lost, 5 server certificate
+ *                    not accepted, 64 usage (a refused URL included).
  */
 public final class Cli {
     private Cli() {}
 
+    static final String USAGE = "usage: parity JOB OUT | train JOB [--ca-file PEM] [--insecure] [--max-message-bytes N]";
+
     public static void main(String[] args) throws Exception {
-        if (args.length < 2) { System.err.println("usage: parity JOB OUT | train JOB"); System.exit(64); }
+        if (args.length < 2) { System.err.println(USAGE); System.exit(64); }
         @SuppressWarnings("unchecked") Map<String, Object> job = (Map<String, Object>) Wire.unpack(Files.readAllBytes(Path.of(args[1])));
         switch (args[0]) {
             case "parity": parity(job, Path.of(args[2])); break;
-            case "train": System.exit(train(job)); break;
+            case "train": System.exit(train(job, Arrays.copyOfRange(args, 2, args.length))); break;
             default: System.err.println("unknown command " + args[0]); System.exit(64);
         }
     }
@@ -59,7 +67,25 @@ public final class Cli {
     }
 
     @SuppressWarnings("unchecked")
-    static int train(Map<String, Object> job) throws Exception {
+    static int train(Map<String, Object> job, String[] options) throws Exception {
+        Path caFile = null;
+        boolean insecure = false;
+        long maxMessageBytes = Messages.DEFAULT_MAX_MESSAGE_BYTES;
+        Tls tls;
+        try {
+            for (int j = 0; j < options.length; j++) {
+                switch (options[j]) {
+                    case "--ca-file": caFile = Path.of(value(options, ++j)); break;
+                    case "--insecure": insecure = true; break;
+                    case "--max-message-bytes": maxMessageBytes = Long.parseLong(value(options, ++j)); break;
+                    default: throw new IllegalArgumentException("unknown option " + options[j] + "; " + USAGE);
+                }
+            }
+            tls = Tls.forUrl((String) job.get("url"), caFile, insecure);   // before anything is built or sent
+        } catch (IllegalArgumentException e) {
+            System.err.println("ERROR " + e.getMessage());
+            return 64;
+        }
         DeviceLayer layer = layer(job);
         int[] shape = ints((List<?>) job.get("shape"));     // all images: [N, 3, H, W]
         float[] images = pixels((byte[]) job.get("images"));
@@ -77,8 +103,8 @@ public final class Cli {
         BudgetGuard guard = job.get("schedule") == null ? null
                 : BudgetGuard.fromSchedule((byte[]) job.get("schedule"), d(job.get("budget")));
         int plane = shape[1] * shape[2] * shape[3];
-        try (DeviceClient client = new DeviceClient((String) job.get("url"), JdkWebSocketTransport.factory(), session,
-                new ReferenceLayerTrainer(layer, sgd), noise, guard, 120_000, 30)) {
+        try (DeviceClient client = new DeviceClient((String) job.get("url"), JdkWebSocketTransport.factory(tls), session,
+                new ReferenceLayerTrainer(layer, sgd), noise, guard, 120_000, 30, maxMessageBytes)) {
             client.connect();
             long total = (long) batchesPerEpoch * epochs;
             while (client.committed() < total) {
@@ -105,7 +131,15 @@ public final class Cli {
         } catch (Transport.ConnectionLost e) {
             System.err.println("ERROR " + e.getMessage());
             return 4;
+        } catch (UntrustedServer e) {
+            System.err.println("ERROR " + e.getMessage());
+            return 5;
         }
+    }
+
+    private static String value(String[] options, int j) {
+        if (j >= options.length) throw new IllegalArgumentException(options[j - 1] + " needs a value; " + USAGE);
+        return options[j];
     }
 
     static float[] floats(byte[] b) {

@@ -25,13 +25,21 @@ public final class DeviceClient implements AutoCloseable {
     private final PerActivationNoise noise;   // null: no noise (the server sees the activations)
     private final BudgetGuard guard;          // null: no budget
     private final long replyTimeoutMs;
+    private final long maxMessageBytes;
     private final int reconnectAttempts;
     private final TreeMap<Long, Object> snapshots = new TreeMap<>();
     private Transport transport;
     private long committed;
 
+    /**
+     * maxMessageBytes: the largest server message accepted (as device_sdk/client.py: the spec's floor is 2^30,
+     * raised to the server's announced limit if that is larger); the device never accepts unbounded messages.
+     */
     public DeviceClient(String url, Transport.Factory transports, ClientSession session, LayerTrainer layer,
-                        PerActivationNoise noise, BudgetGuard guard, long replyTimeoutMs, int reconnectAttempts) {
+                        PerActivationNoise noise, BudgetGuard guard, long replyTimeoutMs, int reconnectAttempts,
+                        long maxMessageBytes) {
+        if (maxMessageBytes < 1) throw new IllegalArgumentException("max_message_bytes must be positive, not " + maxMessageBytes);
+        this.maxMessageBytes = maxMessageBytes;
         this.url = url; this.transports = transports; this.session = session; this.layer = layer;
         this.noise = noise; this.guard = guard; this.replyTimeoutMs = replyTimeoutMs; this.reconnectAttempts = reconnectAttempts;
         snapshots.put(0L, layer.snapshot());
@@ -39,11 +47,15 @@ public final class DeviceClient implements AutoCloseable {
 
     public long committed() { return committed; }
 
-    /** HELLO / WELCOME; may throw Rollback (state already restored) or RemoteError (e.g. a wrong token). */
+    /**
+     * HELLO / WELCOME; may throw Rollback (state already restored), RemoteError (e.g. a wrong token) or
+     * UntrustedServer (the server's certificate is refused), none of which a retry would change.
+     */
     public void connect() throws Transport.ConnectionLost {
-        transport = transports.open(url);
+        transport = transports.open(url, maxMessageBytes);
         transport.send(session.hello());
         Map<String, Object> welcome = session.acceptWelcome(transport.receive(replyTimeoutMs));
+        transport.maxMessageBytes(Math.max(maxMessageBytes, session.maxMessageBytes()));
         long serverApplied = (Long) welcome.get("resume_from") - 1;
         long durable = (Long) welcome.get("durable_through");
         if (serverApplied > committed + 1)

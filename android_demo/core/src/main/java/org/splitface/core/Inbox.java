@@ -8,17 +8,18 @@ import java.util.concurrent.TimeUnit;
 public final class Inbox {
     private static final Object CLOSED = new Object();
     private final BlockingQueue<Object> queue = new LinkedBlockingQueue<>();
-    private volatile String closeReason = "connection closed";
+    private volatile String closeReason;
 
     public void deliver(byte[] message) { queue.add(message); }
 
-    /** The connection is gone; every later {@link #take} throws with this reason. */
-    public void closed(String reason) {
+    /** The connection is gone; every later {@link #take} throws with this reason (the first given: the cause). */
+    public synchronized void closed(String reason) {
+        if (closeReason != null) return;
         closeReason = reason;
         queue.add(CLOSED);
     }
 
-    public String reason() { return closeReason; }
+    public String reason() { return closeReason == null ? "connection closed" : closeReason; }
 
     public byte[] take(long timeoutMs) throws Transport.ConnectionLost {
         Object m;
@@ -29,7 +30,7 @@ public final class Inbox {
             throw new Transport.ConnectionLost("interrupted");
         }
         if (m == null) throw new Transport.ConnectionLost("no reply within " + timeoutMs + " ms");
-        if (m == CLOSED) { queue.add(CLOSED); throw new Transport.ConnectionLost(closeReason); }
+        if (m == CLOSED) { queue.add(CLOSED); throw new Transport.ConnectionLost(reason()); }
         return (byte[]) m;
     }
 }

@@ -10,8 +10,15 @@ public interface Transport extends AutoCloseable {
     }
 
     interface Factory {
-        Transport open(String url) throws ConnectionLost;
+        /**
+         * Connect to {@code url}, accepting server messages of at most {@code maxMessageBytes} (a larger one closes
+         * the connection with 1009). Throws {@link UntrustedServer} when the server's certificate is refused.
+         */
+        Transport open(String url, long maxMessageBytes) throws ConnectionLost;
     }
+
+    /** The largest server message accepted from now on (raised once WELCOME announces the server's limit). */
+    void maxMessageBytes(long limit);
 
     void send(byte[] message) throws ConnectionLost;
 
