@@ -1,10 +1,12 @@
 """The Android demo's pure-JVM core (android_demo/core) against the Python reference: its device layer
-equals PyTorch's on real faces, and a Java device trains against the real edge server on loopback.
+equals PyTorch's on real faces, and a Java device trains against the real edge server on loopback, over
+wss:// with real (trustme) certificates too.
 The JUnit tests (protocol vectors byte for byte, gradients, noise, budget guard) run from test.sh via
 android_demo/jvm_test.sh; this file builds the core with the same script."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from device_sdk.privacy.planner import release_schedule
 from edge_server.checkpoint import load_checkpoint
 from tests.conftest import TOKENS, serve_in_thread, small_trainer
 from tests.test_integration import NUM_CLASSES, _setup, _start_server, _stop
+from tests.test_tls import pki  # noqa: F401  (the fixture: a CA, a certificate for 'localhost', an unrelated CA)
 
 pytestmark = pytest.mark.slow  # real processes or real-face training: the full tier
 
@@ -31,10 +34,12 @@ MODEL = "iresnet_small"
 
 
 @pytest.fixture(scope="module")
-def java() -> list[str]:
-    build = subprocess.run([str(DEMO / "jvm_test.sh"), "--build-only"], capture_output=True, text=True)
+def java(tmp_path_factory) -> list[str]:
+    out = tmp_path_factory.mktemp("jvm")   # its own build: another build of core/build cannot pull it away
+    build = subprocess.run([str(DEMO / "jvm_test.sh"), "--build-only"], capture_output=True, text=True,
+                           env={**os.environ, "JVM_BUILD_DIR": str(out)})
     assert build.returncode == 0, build.stdout + build.stderr
-    return ["java", "-cp", f"{DEMO / 'core/build/main'}:/usr/share/java/msgpack-core.jar", "org.splitface.core.Cli"]
+    return ["java", "-cp", f"{out / 'main'}:/usr/share/java/msgpack-core.jar", "org.splitface.core.Cli"]
 
 
 def device_layer(clamp: float | None) -> torch.nn.Module:
@@ -96,10 +101,10 @@ def train_job(url: str, faces, token: str, epochs: int, **extra) -> dict:
             "epsilon": None, "delta": 1e-5, "schedule": None, "budget": float("inf"), **extra}
 
 
-def run_java(java, job: dict, tmp_path: Path) -> subprocess.CompletedProcess:
+def run_java(java, job: dict, tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
     path = tmp_path / "train.msgpack"
     path.write_bytes(msgpack.packb(job))
-    return subprocess.run([*java, "train", str(path)], capture_output=True, text=True, timeout=300)
+    return subprocess.run([*java, "train", str(path), *options], capture_output=True, text=True, timeout=300)
 
 
 def test_java_device_trains_against_the_python_server(java, faces, tmp_path):
@@ -165,3 +170,42 @@ def test_java_device_survives_a_killed_server(java, faces, tmp_path):
     final = load_checkpoint(tmp_path / "checkpoint.pt")
     assert final["trainer"]["steps"] == total and final["devices"]["device-0"]["last_applied"] == total
     assert json.loads(out.splitlines()[-1])["batch_id"] == total
+
+
+def test_java_device_over_wss_trusts_only_its_ca_and_the_servers_name(java, faces, tmp_path, pki):  # noqa: F811
+    """The Java device trains a batch over wss:// with the CA file that signed the server's certificate; with
+    an unrelated CA, or with the right CA but a host name the certificate does not carry, it stops at the
+    handshake, names the certificate problem and sends nothing; it refuses a message over its size limit."""
+    images, labels, classes = faces
+    one_batch = (images[:16], labels[:16], classes)
+    with serve_in_thread(small_trainer(classes, MODEL, lr=0.05), tmp_path / "server", tls_cert=pki / "cert.pem",
+                         tls_key=pki / "key.pem") as server:
+        port = server.server.port
+        job = lambda url: train_job(url, one_batch, TOKENS["device-0"], epochs=1)  # noqa: E731
+        trusted = run_java(java, job(f"wss://localhost:{port}"), tmp_path, "--ca-file", str(pki / "ca.pem"))
+        applied = server.server.records["device-0"].last_applied
+        wrong_ca = run_java(java, job(f"wss://localhost:{port}"), tmp_path, "--ca-file", str(pki / "other-ca.pem"))
+        wrong_name = run_java(java, job(f"wss://127.0.0.1:{port}"), tmp_path, "--ca-file", str(pki / "ca.pem"))
+        too_small = run_java(java, job(f"wss://localhost:{port}"), tmp_path, "--ca-file", str(pki / "ca.pem"),
+                             "--max-message-bytes", "64")
+        steps = server.trainer.steps
+    assert trusted.returncode == 0, trusted.stderr
+    assert [json.loads(line)["batch_id"] for line in trusted.stdout.splitlines()] == [1]
+    assert applied == 1 and steps == 1   # the refused devices below sent no batch
+    for refused in (wrong_ca, wrong_name):
+        assert refused.returncode == 5 and refused.stdout == "", refused.stderr
+        assert "ERROR TLS certificate of wss://" in refused.stderr and "not accepted" in refused.stderr
+    assert "unable to find valid certification path" in wrong_ca.stderr   # the issuer is not trusted
+    assert "No subject alternative names matching IP address 127.0.0.1" in wrong_name.stderr
+    # WELCOME is larger than 64 bytes: the connection is closed before the device takes it
+    assert too_small.returncode == 4 and "exceeds this device's limit of 64 bytes" in too_small.stderr, too_small.stderr
+
+
+def test_java_device_refuses_plain_ws_off_loopback(java, faces, tmp_path):
+    job = train_job("ws://face-edge.example:8765", faces, TOKENS["device-0"], epochs=1)
+    refused = run_java(java, job, tmp_path)
+    assert refused.returncode == 64 and refused.stdout == ""
+    assert "ws://face-edge.example:8765: plain ws:// to a non-loopback host would send the device token in clear" \
+        in refused.stderr and "--insecure" in refused.stderr
+    with_ca = run_java(java, {**job, "url": "ws://127.0.0.1:8765"}, tmp_path, "--ca-file", "ca.pem")
+    assert with_ca.returncode == 64 and "a CA file was given for a plain ws:// URL; use wss://" in with_ca.stderr
