@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
-from device_sdk.federated.dplc import DPLCConfig
+from device_sdk.federated.dplc import DPLCConfig, dplc_sigma
 from device_sdk.federated.private_head import HeadConfig
 from device_sdk.models import build_backbone, resolve_spec
 from edge_server.federated.experiment import load_shared, summary_row
 from edge_server.federated.methods import MethodConfig, PrivateHeadRun
+from edge_server.federated.privacyface_accounting import identity_epsilon
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAD = HeadConfig(epochs=2, batch_size=8, lr=0.01, head_lr_scale=10.0, kind="cosface", scale=32.0, margin=0.35,
@@ -45,6 +46,26 @@ def runs() -> list[tuple[str, MethodConfig | None]]:
     for t, eps in ((2, 1.0), (1, math.inf), (1, 1.0)):
         rows.append((f"privacyface T={t} eps/query={eps:g}",
                      MethodConfig("privacyface", **BASE, dplc=DPLCConfig(min_members=t, queries=2, epsilon=eps))))
+    # the cap radius's effect: a smaller rho, in both the release and the loss, without noise
+    small = DPLCConfig(rho=0.5, min_members=1, queries=2, epsilon=math.inf)
+    rows.append(("privacyface T=1 eps/query=inf rho=0.5",
+                 MethodConfig("privacyface", **{**BASE, "head": dataclasses.replace(HEAD, rho=0.5)}, dplc=small)))
+    return rows
+
+
+def dplc_tradeoff(dim: int, rounds: int) -> list[dict]:
+    """What smaller T costs: sigma per coordinate and the noise's expected norm sigma sqrt(d) (the cluster mean has
+    norm <= 1) for clusters of |S| = 1..4 (the most a 4-person client has) at the default rho, delta, Q; and the
+    identity-level epsilon after `rounds` DPLC calls (independent of |S|)."""
+    rows = []
+    for eps in (1.0, 8.0):
+        config = DPLCConfig(epsilon=eps)
+        composed = identity_epsilon(config, rounds, config.delta)
+        for size in (1, 2, 3, 4):
+            sigma = dplc_sigma(size, eps, config.delta, config.rho)
+            rows.append({"query_epsilon": eps, "size": size, "sigma": sigma, "noise_norm": sigma * math.sqrt(dim),
+                         "rounds": rounds, "queries": config.queries, "identity_epsilon": composed["epsilon"],
+                         "delta": config.delta})
     return rows
 
 
@@ -104,7 +125,8 @@ def main() -> None:
                   f"TAR@1e-2 {row['tar_at_far_1e-2']:.3f}, identity-level eps {row['epsilon']}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "max_users": args.max_users,
-                                    "backbone": str(args.backbone), "rows": rows}, indent=2))
+                                    "backbone": str(args.backbone), "rows": rows,
+                                    "dplc_tradeoff": dplc_tradeoff(shared.spec.embedding_dim, BASE["rounds"])}, indent=2))
     print(f"wrote {args.out} ({time.time() - started:.0f} s)")
 
 

@@ -93,7 +93,7 @@ def test_privacyface_round_relays_only_other_clients_clusters(lfw):
     torch.manual_seed(0)
     dplc = DPLCConfig(rho=0.01, min_members=1, queries=2, epsilon=math.inf)  # each centre alone in its cap
     run = PrivateHeadRun(MethodConfig("privacyface", rounds=2, users_per_client=2, clients_per_round=2,
-                                      head=HeadConfig(epochs=1, batch_size=4), dplc=dplc),
+                                      head=HeadConfig(epochs=1, batch_size=4, rho=0.01), dplc=dplc),
                          spec, load_population(lfw, spec.input_size, max_users=4), build_backbone(spec).state_dict())
     history = run.run(log=lambda s: None)
     assert history[0]["clusters_received_mean"] == 0  # nothing released before the first round

@@ -10,7 +10,7 @@ averaging; W_k is returned too, and what leaves the device depends on the method
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import numpy as np
@@ -20,6 +20,7 @@ from ..engine import to_input
 from ..models import ModelSpec, build_backbone
 from .client import _batches, _module_from_state
 from .consensus import consensus_loss
+from .dplc import scaled_rho
 from .update import Delta
 
 
@@ -33,7 +34,7 @@ class HeadConfig:
     kind: str = "cosface"
     scale: float = 32.0
     margin: float = 0.35
-    rho: float = 1.0  # the cluster margin of the consensus term (PrivacyFace's rho)
+    rho: float = field(default_factory=lambda: scaled_rho(128))  # the consensus term's cap radius (DPLC's rho)
     train_head: bool = True  # False: the fixed random head baseline
     flip: bool = True
 

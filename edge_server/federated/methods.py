@@ -59,6 +59,9 @@ class MethodConfig:
             raise ValueError("rounds, users_per_client, clients_per_round and server_lr must be positive")
         if (self.method == "fixed-head") == self.head.train_head:
             raise ValueError("fixed-head (and only it) needs head.train_head = False")
+        if self.method == "privacyface" and self.head.rho != self.dplc.rho:
+            raise ValueError(f"the loss's cap radius (head.rho {self.head.rho}) must be the released clusters' "
+                             f"(dplc.rho {self.dplc.rho})")
 
 
 class PrivateHeadRun:
