@@ -79,11 +79,20 @@ POINTS: list[tuple[str, dict, list[str]]] = [
        ["--release", "bottleneck", "--bottleneck-channels", "4", "--bottleneck-stride", "2",
         "--mechanism", "per-image", "--clip-norm", "16", "--noise-multiplier", f"{z:g}", "{pretrained}"])
       for z in (0.02, 0.05)),
+    # FaceMAE: the device releases its image with 75% of its 8 px patches zeroed; the server fills them in with an
+    # MAE pre-trained on public faces with the IRM loss (edge_server/facemae.py), frozen, and trains on that
+    ("facemae", {"ratio": 0.75, "patch": 8, "lambda_irm": 1}, ["--release", "mask", "{facemae}"]),
 ]
 
 # what a point's "{pretrained}" stands for: the devices load the attacker-aware weights, frozen, and the server's
-# tail starts from the same file
+# tail starts from the same file. "{facemae}": the server starts from the file holding the pre-trained MAE (the
+# device has no weights). Each: (the pre-training's command, its point params passed on, its demo arguments).
 PRETRAINED_ARGS = ["--device-weights", "{weights}", "--layer-training", "frozen", "--server-init", "{weights}"]
+PRETRAININGS = {
+    "{pretrained}": (["edge_server.ressfl"], ("lambda_rec", "lambda_id", "lambda_dcor", "clip_norm", "noise_multiplier"),
+                     PRETRAINED_ARGS),
+    "{facemae}": (["edge_server.facemae", "pretrain"], ("lambda_irm",), ["--server-init", "{weights}"]),
+}
 
 
 def point_name(transform: str, params: dict) -> str:
@@ -99,33 +108,38 @@ def reference_of(demo_args: list[str], undefended: str) -> str:
     return PRETRAINED_REFERENCE if "{pretrained}" in demo_args else undefended
 
 
-def pretrained_weights(name: str, params: dict, demo_args: list[str], args: argparse.Namespace) -> Path:
-    """The point's attacker-aware device part (`python -m edge_server.ressfl`), made once and kept
-    (re-made when its settings differ or with --force)."""
+def pretrained_weights(name: str, params: dict, demo_args: list[str], args: argparse.Namespace,
+                       placeholder: str = "{pretrained}") -> Path:
+    """The point's pre-trained weights: the attacker-aware device part (`python -m edge_server.ressfl`) or the
+    FaceMAE reconstruction (`python -m edge_server.facemae pretrain`), made once and kept (re-made when its
+    settings differ or with --force)."""
+    module, passed, _ = PRETRAININGS[placeholder]
     weights = args.out / "pretrained" / f"{name}.pt"
     recorded = weights.with_suffix(".args.json")
-    # the adversary's weights and the devices' noise: the pre-training sees the releases the devices will make
-    lambdas = [f"--{k.replace('_', '-')}={v:g}" for k, v in params.items()
-               if k.startswith("lambda_") or k in ("clip_norm", "noise_multiplier")]
+    # e.g. the adversary's weights and the devices' noise: the pre-training sees the releases the devices will make
+    lambdas = [f"--{k.replace('_', '-')}={v:g}" for k, v in params.items() if k in passed]
     model = argparse.ArgumentParser(add_help=False)
     add_model_args(model)
     known, _ = model.parse_known_args(["--model", args.model, *demo_args])
-    cmd = ["--data", str(args.data), *model_argv(known), *lambdas, *args.pretrain_args.split()]
+    extra = args.pretrain_args if placeholder == "{pretrained}" else args.facemae_args
+    cmd = ["--data", str(args.data), *model_argv(known), *lambdas, *extra.split()]
     if weights.exists() and recorded.exists() and same_arguments(json.loads(recorded.read_text()), cmd) and not args.force:
         return weights
     weights.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "edge_server.ressfl", "--out", str(weights), *cmd], check=True)
+    subprocess.run([sys.executable, "-m", *module, "--out", str(weights), *cmd], check=True)
     recorded.write_text(json.dumps(cmd))
     return weights
 
 
 def point_args(name: str, params: dict, demo_args: list[str], args: argparse.Namespace) -> list[str]:
-    """The point's splitface-demo arguments, with "{pretrained}" made real."""
-    if "{pretrained}" not in demo_args:
+    """The point's splitface-demo arguments, with "{pretrained}" or "{facemae}" made real."""
+    placeholder = next((a for a in demo_args if a in PRETRAININGS), None)
+    if placeholder is None:
         return demo_args
-    weights = str(pretrained_weights(name, params, [a for a in demo_args if a != "{pretrained}"], args).resolve())
-    return [b for a in demo_args for b in ([x.format(weights=weights) for x in PRETRAINED_ARGS]
-                                           if a == "{pretrained}" else [a])]
+    weights = str(pretrained_weights(name, params, [a for a in demo_args if a != placeholder], args,
+                                     placeholder).resolve())
+    return [b for a in demo_args for b in ([x.format(weights=weights) for x in PRETRAININGS[placeholder][2]]
+                                           if a == placeholder else [a])]
 
 
 def run_point(name: str, demo_args: list[str], args: argparse.Namespace) -> dict:
@@ -149,6 +163,22 @@ def audit(names: list[str], args: argparse.Namespace) -> dict[str, dict]:
     subprocess.run(cmd, check=True)
     headlines = {row["run"]: row for row in json.loads((out / "summary.json").read_text())}
     return {n: headlines[n] for n in names}
+
+
+def retrieval_risks(names: list[str], transforms: list[str], args: argparse.Namespace) -> dict[str, dict]:
+    """FaceMAE's retrieval risk R(A, S, K) of each facemae point's server-side reconstructions
+    (`python -m edge_server.facemae risk`), computed once per run and kept beside it."""
+    risks = {}
+    for name, transform in zip(names, transforms):
+        if transform != "facemae":
+            continue
+        run_dir = args.out / "runs" / name
+        path = run_dir / "retrieval_risk.json"
+        if not path.exists() or args.force:
+            subprocess.run([sys.executable, "-m", "edge_server.facemae", "risk", str(run_dir), "--data", str(args.data),
+                            "--out", str(path), "--threads", "2"], check=True)
+        risks[name] = json.loads(path.read_text())
+    return risks
 
 
 def row(transform: str, params: dict, outcome: dict, attack: dict, reference: dict) -> dict:
@@ -225,6 +255,15 @@ def table(rows: list[dict], config: dict) -> str:
             f"({r['pixel_linkage_chance']:.3f}) | {r['identity_r1']:.3f} ({r['identity_r1_chance']:.3f}) | "
             f"{r['identity_r1'] / r['identity_r1_chance']:.1f} | {r['attack']} | {r['recognizer_clean_r1']:.3f} | {eps} | "
             f"{r['device_macs'] / 1e6:.1f} | {r['device_ms']:.0f} | {r['wire_bytes']:,.0f} |")
+    for r in rows:
+        if "retrieval_risk" in r:
+            k = r["retrieval_risk"]
+            lines += ["", f"{r['transform']} {json.dumps(r['params'])}: FaceMAE's retrieval risk R(A,S,K) (dlib; A = "
+                      f"{k['queries_A']} held-out photos of the recorded people, S = the server's MAE reconstructions of "
+                      f"its {k['gallery_S']} recorded releases): R@1 {k['reconstructions_R@1']:.3f}, R@5 "
+                      f"{k['reconstructions_R@5']:.3f} (chance {k['chance_R@1']:.3f} / {k['chance_R@5']:.3f}; S = the "
+                      f"masked releases: {k['releases_R@1']:.3f} / {k['releases_R@5']:.3f}; S = the clean originals: "
+                      f"{k['originals_R@1']:.3f} / {k['originals_R@5']:.3f})."]
     return "\n".join(lines) + "\n"
 
 
@@ -266,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--audit-args", default="--threads 2 --substitute", help="more splitface-audit arguments")
     p.add_argument("--pretrain-args", default="--epochs 4 --threads 2",
                    help="more arguments of the attacker-aware pre-training (python -m edge_server.ressfl)")
+    p.add_argument("--facemae-args", default="--epochs 3 --threads 2",
+                   help="more arguments of the FaceMAE pre-training (python -m edge_server.facemae pretrain)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     wanted = set(args.only or [point_name(t, params) for t, params, _ in POINTS])
@@ -280,6 +321,10 @@ def main(argv: list[str] | None = None) -> None:
                       "view1_accuracy": o["view1"]["view1_accuracy"]} for n, o in zip(names, outcomes)}
     rows = [row(t, params, o, attacks[n], references[reference_of(a, names[0])])
             for (t, params, a), n, o in zip(points, names, outcomes)]
+    risks = retrieval_risks(names, [t for t, _, _ in points], args)
+    for r in rows:
+        if r["run"] in risks:
+            r["retrieval_risk"] = risks[r["run"]]
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
     best = best_point(rows)
     best["demo_args"] = demo_args[names.index(best["run"])]

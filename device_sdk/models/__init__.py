@@ -63,12 +63,14 @@ class ModelSpec:
     # k > 1: the device average-pools its output k x k before release (k^2 fewer values to clip,
     # noise and send) and the server upsamples it back; applied only where the model is split.
     release_pool: int = 1
-    # A release transform at the cut (device_sdk/transforms): "none", "bottleneck" or "dct".
+    # A release transform at the cut (device_sdk/transforms): "none", "bottleneck", "dct" or "mask".
     release: str = "none"
     bottleneck_channels: int = 8  # bottleneck: channels the device releases (1x1 conv, then tanh)
     bottleneck_stride: int = 1  # bottleneck: stride of that conv (the server upsamples back)
     dct_drop: int = 1  # dct: lowest zig-zag frequencies of each colour not released (1: the DC only)
     dct_keep: int = 0  # dct: > 0 releases a random subset of this many channels per image, the rest zeroed
+    mask_ratio: float = 0.75  # mask (FaceMAE): share of each image's patches zeroed before release
+    mask_patch: int = 8  # mask: side of the square patches, a power of two dividing input_size
 
     def __post_init__(self) -> None:
         # Fail at spec time (e.g. when a peer sends one) rather than deep in a build.
@@ -96,6 +98,11 @@ class ModelSpec:
         if not 0 <= self.dct_keep <= dct_channels(self) or (self.dct_keep and self.release != "dct"):
             raise ValueError(f"dct_keep must be 0 or, with release 'dct', at most {dct_channels(self)}; "
                              f"got {self.dct_keep}")
+        if not 0.0 <= self.mask_ratio < 1.0:
+            raise ValueError(f"mask_ratio must be in [0, 1), got {self.mask_ratio}")
+        if self.mask_patch < 2 or self.mask_patch & (self.mask_patch - 1) or self.input_size % self.mask_patch:
+            raise ValueError(f"mask_patch must be a power of two >= 2 dividing input_size {self.input_size}, "
+                             f"got {self.mask_patch}")
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict of str/int/float, safe for JSON and msgpack."""
@@ -113,7 +120,8 @@ class ModelSpec:
             raise ValueError(f"ModelSpec dict is missing {sorted(missing)}")
         kwargs: dict[str, Any] = {}
         for k, v in d.items():
-            kwargs[k] = str(v) if k in ("family", "release") else float(v) if k == "dropout" else int(v)
+            kind = fields[k].type   # "str" | "int" | "float" (postponed annotations)
+            kwargs[k] = str(v) if kind == "str" else float(v) if kind == "float" else int(v)
         return cls(**kwargs)
 
     @property

@@ -3,13 +3,17 @@
 Each transform is a pair of stages that `device_sdk.models.split_backbone` puts at the cut: one
 appended to the device part, its mirror prepended to the server part, so device + server is
 still one model (as with `release_pool`). The name and parameters travel in `ModelSpec`
-(`release`, `bottleneck_*`, `dct_*`), which both sides compare in HELLO.
+(`release`, `bottleneck_*`, `dct_*`, `mask_*`), which both sides compare in HELLO.
 
 - `bottleneck`: the device runs the backbone up to the split, then a 1x1 conv to
   `bottleneck_channels` (stride `bottleneck_stride`) and tanh; the server upsamples and maps back.
 - `dct`: the device runs no backbone stage: it releases the image's 8x8 block DCT, upsampled so
   that the frequency maps have the split's spatial size; the server maps them with a conv to the
   split's channels and continues after the split (the backbone's stages up to the split are unused).
+- `mask` (FaceMAE): the device runs no backbone stage: it releases the image with a random `mask_ratio` of
+  its `mask_patch`-sized patches zeroed (drawn per image and release, like `dct_keep`'s subset); the server
+  fills them in with a masked autoencoder pre-trained on public faces (`edge_server/facemae.py`), maps the
+  reconstruction to the split's channels and continues after the split.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from torch import nn
 
 from .bottleneck import Bottleneck, Expand
 from .dct import BLOCK, BlockDCT, FrequencyStem, random_keep_mask
+from .mask import ImageRelease, MaskedReconstruction, patch_grid, random_patch_mask
 
 if TYPE_CHECKING:
     from device_sdk.models import ModelSpec
@@ -50,6 +55,16 @@ def dct_upsample(spec: "ModelSpec", split_shape: Shape) -> int:
     return u
 
 
+def mask_stem(spec: "ModelSpec", split_shape: Shape) -> MaskedReconstruction:
+    """The server's stage of `mask`: the reconstruction is an image, so the split must keep its size."""
+    channels, h, w = split_shape
+    patch_grid(spec.input_size, spec.mask_patch)
+    if (h, w) != (spec.input_size, spec.input_size):
+        raise ValueError(f"mask: the server maps the reconstructed {spec.input_size} px image to the split's output, "
+                         f"which must keep that size (got {h}x{w}); split earlier (e.g. conv1)")
+    return MaskedReconstruction(spec.mask_patch, channels)
+
+
 def dct_channels(spec: "ModelSpec") -> int:
     """Frequency channels the device computes: 3 colours x (64 - dct_drop)."""
     return 3 * (BLOCK * BLOCK - spec.dct_drop)
@@ -64,12 +79,19 @@ TRANSFORMS: dict[str, Transform] = {
         device=lambda spec, shape: BlockDCT(dct_upsample(spec, shape), spec.dct_drop),
         server=lambda spec, shape: FrequencyStem(dct_channels(spec), shape[0]),
         replaces_device=True),
+    "mask": Transform(
+        device=lambda spec, shape: ImageRelease(),
+        server=mask_stem,
+        replaces_device=True),
 }
 RELEASES = ("none", *TRANSFORMS)
 
 
 def release_mask(spec: "ModelSpec", n: int, release_shape: Shape, generator: torch.Generator) -> torch.Tensor | None:
-    """The device's per-image random channel subset (dct_keep > 0), or None: multiply the release by it."""
+    """The device's per-image random choice, or None: multiply the release by it. `dct` with dct_keep > 0:
+    (n, C, 1, 1), a channel subset; `mask`: (n, 1, S, S), the visible patches."""
+    if spec.release == "mask":
+        return random_patch_mask(n, release_shape[-1], spec.mask_patch, spec.mask_ratio, generator)
     if spec.release != "dct" or not spec.dct_keep:
         return None
     return random_keep_mask(n, release_shape[0], spec.dct_keep, generator)
