@@ -668,9 +668,11 @@ def _human(n: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from device_sdk.options import add_model_arg, add_threads_arg, add_training_args, apply_threads
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="vgg_face_small", help="preset for the training benchmarks (default vgg_face_small)")
-    p.add_argument("--batch-size", type=int, default=64)
+    add_model_arg(p, "vgg_face_small")  # the training benchmarks' model
+    add_training_args(p, epochs=None, batch_size=64, lr=None)
     p.add_argument("--steps", type=int, default=8, help="timed training steps per configuration (default 8)")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per configuration (default 2)")
     p.add_argument("--num-classes", type=int, default=100)
@@ -679,18 +681,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--big-trips", type=int, default=5, help="timed round trips of the 8x64x224x224 case (default 5)")
     p.add_argument("--small-trips", type=int, default=50, help="timed round trips of the 8x16x64x64 case (default 50)")
     p.add_argument("--codec-reps", type=int, default=5)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    add_threads_arg(p)
     p.add_argument("--skip-training", action="store_true", help="only the bytes and transport benchmarks")
     p.add_argument("--note", default="", help="free text recorded in the report and JSON (e.g. which code was measured)")
     p.add_argument("--json", type=Path, default=ROOT / "results" / "bench_split.json")
     p.add_argument("--txt", type=Path, default=None, help="markdown report (default: the JSON path with .txt)")
     args = p.parse_args(argv)
 
-    import torch
-
     from device_sdk.models import resolve_spec
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     start = time.perf_counter()
     run_load = OtherLoad().__enter__()
     spec = resolve_spec(args.model)

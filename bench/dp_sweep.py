@@ -32,6 +32,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from device_sdk.options import add_clip_norm_arg, add_data_root_arg, add_model_arg, add_training_args  # noqa: E402
 from edge_server.demo import run_recorded  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,7 +108,7 @@ def plot_training(rows: list[dict], setting: str, out: Path) -> None:
 def plot_activations(args: argparse.Namespace, out: Path) -> None:
     """The paper's figure 2: one face's device-layer activations (x255, negatives removed) at several epsilon."""
     from device_sdk.data import load_lfw
-    from device_sdk.engine import DeviceEngine, PrivacyConfig
+    from device_sdk.engine import DeviceEngine, PrivacyEngine
     from device_sdk.models import resolve_spec
     from device_sdk.privacy.mechanisms import PerActivationGaussian, noise_generator
 
@@ -119,7 +120,7 @@ def plot_activations(args: argparse.Namespace, out: Path) -> None:
     for i, eps in enumerate(epsilons):
         mechanism = PerActivationGaussian(3.0 if eps == math.inf else eps, 1e-5)
         engine = DeviceEngine(resolve_spec(args.model), "conv1", "server", 2,
-                              privacy=PrivacyConfig(mechanism, layer_training="frozen"),
+                              privacy=PrivacyEngine(mechanism, layer_training="frozen"),
                               device_weights=args.public if args.public.exists() else None)
         with torch.no_grad():
             activations = engine.layer(torch.from_numpy(image).float() / 255)
@@ -160,18 +161,17 @@ def table(rows: list[dict], config: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", type=Path, required=True)
+    add_data_root_arg(p, required=True)
     p.add_argument("--out", type=Path, default=ROOT / "results" / "dp_sweep")
-    p.add_argument("--model", default="iresnet_small")
+    add_model_arg(p, "iresnet_small")
     p.add_argument("--public", type=Path, default=ROOT / "runs" / "public_iresnet_small.pt",
                    help="backbone pre-trained on the public split (splitface-server pretrain)")
     p.add_argument("--settings", nargs="+", default=["scratch", "finetune"], choices=("scratch", "finetune"))
     p.add_argument("--epsilons", nargs="+", type=float, default=[1, 2, 3, 5, 10, math.inf])
     p.add_argument("--image-targets", nargs="+", type=float, default=[10, 1000])
     p.add_argument("--pools", nargs="+", type=int, default=[1, 4])
-    p.add_argument("--clip-norm", type=float, default=10.0)
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--lr", type=float, default=0.05)
+    add_clip_norm_arg(p, 10.0)
+    add_training_args(p, epochs=3, batch_size=None, lr=0.05, lr_help="the server's learning rate")
     p.add_argument("--device-head-epsilons", nargs="*", type=float, default=[3, math.inf],
                    help="scratch: also run these with the classifier on the device (for the label-leakage audit)")
     p.add_argument("--record-max", type=int, default=256,

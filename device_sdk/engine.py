@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import copy
 import math
-import secrets
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -24,43 +22,15 @@ from .models import ModelSpec, activation_shape, build_classifier, build_device_
 from .models.lrn import PaperLRN
 from .models.weights import load_into
 from .optim import TrainConfig, exponential_decay, make_sgd
-from .privacy.accountant import PrivacyAccountant
-from .privacy.budget import BudgetGuard
 from .privacy.dpsgd import clipped_noisy_grad, dpsgd_event, per_sample_grads
-from .privacy.mechanisms import Mechanism, NoNoise, PerActivationGaussian, noise_generator
+from .privacy.engine import LAYER_TRAINING, PrivacyEngine, Release, release_key
+from .privacy.mechanisms import Mechanism, PerActivationGaussian
 from .runtimes.base import LayerRuntime
 from .transforms import release_mask
 
-LAYER_TRAINING = ("plain", "frozen", "dpsgd")
-RELEASE_KINDS = {"train": 1, "eval": 2, "dpsgd": 3}
-__all__ = ["DeviceEngine", "PrivacyConfig", "to_input", "initial_layer", "privatize", "bound_for", "release_key"]
-Release = tuple  # (kind, *ints), e.g. ("train", 12) or ("eval", 3, 0)
-
-
-@dataclass
-class PrivacyConfig:
-    """What the device does to its activations, and how its own layer learns.
-
-    layer_training: "plain" (ordinary SGD: the layer's weights carry every training image, which
-    voids any per-image guarantee for later releases), "frozen" (public weights, never updated),
-    or "dpsgd" (per-sample clipped, noised gradients: later releases are post-processing).
-    """
-    mechanism: Mechanism = field(default_factory=NoNoise)
-    delta: float = 1e-5
-    budget_epsilon: float = math.inf
-    budget_level: str = "image"
-    layer_training: str = "plain"
-    dpsgd_clip: float = 1.0
-    dpsgd_noise: float = 1.0
-    secret: int = field(default_factory=lambda: secrets.randbits(63))  # never leaves the device
-
-    def __post_init__(self) -> None:
-        if self.layer_training not in LAYER_TRAINING:
-            raise ValueError(f"layer_training must be one of {LAYER_TRAINING}, not {self.layer_training!r}")
-
-
-def release_key(release: Release) -> str:
-    return ":".join(str(x) for x in release)
+__all__ = ["DeviceEngine", "PrivacyEngine", "LAYER_TRAINING", "to_input", "initial_layer", "privatize", "bound_for",
+           "release_key"]
+PrivacyConfig = PrivacyEngine  # the name it had before it owned its state; kept for callers not yet renamed
 
 
 def initial_layer(spec: ModelSpec, split: str, seed: int, weights: Path | None = None) -> nn.Module:
@@ -98,19 +68,19 @@ def bound_for(mechanism: Mechanism, layer: nn.Module) -> None:
 
 class DeviceEngine:
     def __init__(self, spec: ModelSpec, split: str, head: str, num_classes: int,
-                 config: TrainConfig | None = None, privacy: PrivacyConfig | None = None,
+                 config: TrainConfig | None = None, privacy: PrivacyEngine | None = None,
                  device_weights: Path | None = None):
         if head not in ("server", "device"):
             raise ValueError(f"head must be 'server' or 'device', not {head!r}")
         self.spec, self.split, self.head, self.num_classes = spec, split, head, num_classes
         self.config = config or TrainConfig()
-        self.privacy = privacy or PrivacyConfig()
+        self.privacy = privacy if privacy is not None else PrivacyEngine()
         self.layer = initial_layer(spec, split, self.config.seed, device_weights)
-        self.mechanism = self.privacy.mechanism
-        if spec.release != "none" and isinstance(self.mechanism, PerActivationGaussian):
+        mechanism = self.privacy.mechanism
+        if spec.release != "none" and isinstance(mechanism, PerActivationGaussian):
             raise ValueError(f"the per-activation mechanism's sensitivity is the paper's LRN output; a {spec.release} "
                              f"release ends elsewhere: use the per-image mechanism")
-        bound_for(self.mechanism, self.layer)
+        bound_for(mechanism, self.layer)
         frozen = self.privacy.layer_training == "frozen"
         if not frozen and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.layer.modules()):
             # In training mode batch norm normalises each image with its batch's statistics (one image's release
@@ -121,8 +91,6 @@ class DeviceEngine:
         self.trainable = not frozen and any(True for _ in self.layer.parameters())
         if self.privacy.layer_training == "dpsgd" and not self.trainable:
             raise ValueError("the device part has no parameters: nothing for DP-SGD to train (use plain or frozen)")
-        self.accountant = PrivacyAccountant(self.privacy.delta)
-        self.guard = BudgetGuard(self.accountant, self.privacy.budget_epsilon, self.privacy.budget_level)
         self.classifier = build_classifier(spec, num_classes) if head == "device" else None
         params = list(self.classifier.parameters()) if self.classifier else []
         if frozen:
@@ -146,9 +114,9 @@ class DeviceEngine:
         per-sample gradients, so DP-SGD stays on the torch backend. A program with static weights serves
         only a frozen layer.
         """
-        if not hasattr(self.mechanism, "additive_noise"):
+        if not hasattr(self.privacy.mechanism, "additive_noise"):
             raise ValueError(f"the {runtime.name} backend supports the none and per-activation mechanisms, "
-                             f"not {self.mechanism.name} (use --backend torch)")
+                             f"not {self.privacy.mechanism.name} (use --backend torch)")
         if self.privacy.layer_training == "dpsgd":
             raise ValueError(f"the {runtime.name} backend has no per-sample gradients: DP-SGD needs --backend torch")
         if runtime.static_weights and self.trainable:
@@ -159,27 +127,27 @@ class DeviceEngine:
 
     # ---- releases ----------------------------------------------------------------------
     def _release(self, x: torch.Tensor, release: Release, image_ids: Sequence[int], identities: Sequence[int],
-                 extra: Sequence[tuple[Release, Any, bool]] = ()) -> dict[str, Any]:
-        """Privatize, and ask the guard before anything can be sent (raises BudgetExceeded)."""
-        kind, *numbers = release
-        generator = noise_generator(self.privacy.secret, RELEASE_KINDS[kind], *numbers)
-        if self.runtime is None:
-            activations = self.layer(x)
-            out = {"activations": activations, "released": privatize(self.spec, self.mechanism, activations, generator)}
-        else:
+                 also: Sequence[tuple[Release, Any, bool]] = ()) -> dict[str, Any]:
+        """Privatize through the privacy engine, which asks the guard before anything can be sent (raises
+        BudgetExceeded) and keys the noise by the release."""
+        mechanism = self.privacy.mechanism
+
+        def compute(generator: torch.Generator) -> dict[str, Any]:
+            if self.runtime is None:
+                activations = self.layer(x)
+                return {"activations": activations, "released": privatize(self.spec, mechanism, activations, generator)}
             # dct_keep: the channel subset is drawn first, from the same keyed generator, as `privatize` does
             mask = release_mask(self.spec, len(x), self.release_shape, generator)
-            noise = self.mechanism.additive_noise((len(x), *self.release_shape), generator)
+            noise = mechanism.additive_noise((len(x), *self.release_shape), generator)
             params = list(self.layer.parameters())
             if mask is None:
                 released = self.runtime.release(x, noise, params)
             else:  # the program adds its noise after the layer; the mask must come between
                 released = self.runtime.release(x, torch.zeros_like(noise), params) * mask + noise
-            out = {"noise": noise, "released": released}
-        event = self.mechanism.image_event(math.prod(self.release_shape))
-        for rel, ev, joint in [(release, event, False), *extra]:
-            self.guard.admit(release_key(rel), list(image_ids), list(identities), ev, joint=joint)
-        return out
+            return {"noise": noise, "released": released}
+
+        event = mechanism.image_event(math.prod(self.release_shape))
+        return self.privacy.release(release, list(image_ids), list(identities), event, compute, also=also)
 
     def forward(self, images: np.ndarray, release: Release, image_ids: Sequence[int],
                 identities: Sequence[int]) -> np.ndarray:
@@ -188,14 +156,15 @@ class DeviceEngine:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         x = to_input(images)
-        extra = []
+        also = []
         if self.privacy.layer_training == "dpsgd":
             # The step this batch will take, counted up front. One noise draw covers the whole sum, so an
             # identity with k images in the batch moves it k times as far: recorded jointly.
-            extra.append((("dpsgd", *release[1:]), dpsgd_event(self.privacy.dpsgd_noise), True))
+            also.append((("dpsgd", *release[1:]), dpsgd_event(self.privacy.dpsgd_noise), True))
         with torch.set_grad_enabled(self.trainable and self.runtime is None):
-            out = self._release(x, release, image_ids, identities, extra)
-        self._pending = {"x": x, "release": release, **out}
+            out = self._release(x, release, image_ids, identities, also)
+        self._pending = {"x": x, "release": release, "image_ids": list(image_ids), "identities": list(identities),
+                         **out}
         return out["released"].detach().numpy()
 
     @torch.no_grad()
@@ -239,8 +208,16 @@ class DeviceEngine:
             # The server's gradient is of the batch-mean loss; DP-SGD clips per-sample gradients of
             # per-sample losses and divides by N itself, so undo the mean first.
             per_sample = per_sample_grads(self.layer, pending["x"], output_grads * len(output_grads))
-            generator = noise_generator(self.privacy.secret, RELEASE_KINDS["dpsgd"], *pending["release"][1:])
-            noisy = clipped_noisy_grad(per_sample, self.privacy.dpsgd_clip, self.privacy.dpsgd_noise, generator)
+
+            def step(generator: torch.Generator) -> dict[str, Any]:
+                noisy = clipped_noisy_grad(per_sample, self.privacy.dpsgd_clip, self.privacy.dpsgd_noise, generator)
+                return {"grads": noisy, "released": torch.cat([g.flatten() for g in noisy.values()])}
+
+            # Counted at `forward` already; it costs again only if this step is not bit-identical to one taken
+            # before under the same key (a replay after a rollback whose server gradient changed).
+            noisy = self.privacy.release(("dpsgd", *pending["release"][1:]), pending["image_ids"],
+                                         pending["identities"], dpsgd_event(self.privacy.dpsgd_noise), step,
+                                         joint=True)["grads"]
             for name, p in self.layer.named_parameters():
                 p.grad = noisy[name]
         if self.optimizer is not None:
@@ -258,16 +235,8 @@ class DeviceEngine:
         return F.cross_entropy(logits, y).item(), int((logits.argmax(1) == y).sum())
 
     def privacy_report(self) -> dict[str, Any]:
-        """The accountant's figures, and whether the layer's training voids them."""
-        report = self.accountant.report()
-        report["mechanism"] = self.mechanism.describe()
-        report["layer_training"] = self.privacy.layer_training
-        report["guarantee_void"] = (self.trainable and self.privacy.layer_training == "plain"
-                                    and not isinstance(self.mechanism, NoNoise))
-        if report["guarantee_void"]:
-            report["note"] = ("the device layer trained without DP: its weights carry other images, so the per-image "
-                              "figures hold only for the first release; treat the guarantee as void")
-        return report
+        """The privacy engine's figures, and whether the layer's training voids them."""
+        return self.privacy.report(layer_trains=self.trainable)
 
     # ---- snapshots for server rollbacks ------------------------------------------------
     def _state(self) -> dict[str, Any]:

@@ -20,11 +20,13 @@ from tqdm import tqdm
 
 from .client import DeviceClient, Rollback
 from .data import DataSplit, FaceSet, partition
-from .engine import DeviceEngine, PrivacyConfig
+from .engine import DeviceEngine
 from .meter import summarize_costs
 from .models import ModelSpec
 from .optim import TrainConfig
 from .privacy.budget import BudgetExceeded
+from .privacy.engine import PrivacyEngine
+from .privacy.state import state_path
 from .runtimes import load_runtime
 
 log = logging.getLogger("splitface.simulator")
@@ -49,7 +51,8 @@ class SimConfig:
     reconnect_timeout_s: float = 120.0
     ca_file: Path | None = None            # CA certificates trusted for a wss:// server (host names checked)
     insecure: bool = False                 # allow plain ws:// to a host off loopback (tokens then travel in clear)
-    privacy: Callable[[], PrivacyConfig] = PrivacyConfig   # one per device: each has its own secret
+    privacy: Callable[[], PrivacyEngine] = PrivacyEngine   # one per device: each has its own secret
+    state_dir: Path | None = None          # each device's durable privacy state (None: kept in memory only)
     device_weights: Path | None = None
     backend: str = "torch"                 # torch | executorch | onnxruntime (device_sdk.runtimes)
     artifacts: Path | None = None          # exported programs for the backend (exported here if empty)
@@ -86,7 +89,10 @@ class SimulatedDevice:
         # Every device starts from the same initial layer (as if all downloaded one published model);
         # only their data, and so their updates, differ.
         train_cfg = TrainConfig(**{**asdict(config.train), "decay_steps": decay_steps})
-        engine = DeviceEngine(config.spec, config.split, config.head, num_classes, train_cfg, config.privacy(),
+        privacy = config.privacy()
+        if config.state_dir is not None:  # resume what this device spent, and its noise secret
+            privacy.open_state(state_path(config.state_dir, device_id))
+        engine = DeviceEngine(config.spec, config.split, config.head, num_classes, train_cfg, privacy,
                               config.device_weights)
         if config.backend != "torch":
             if config.artifacts is None:
@@ -147,7 +153,7 @@ class SimulatedDevice:
         rs = [self.batches[k] for k in ids]
         n = sum(r.n for r in rs)
         test_loss, test_acc = await self.evaluate(epoch)
-        privacy = self.client.engine.accountant.report()
+        privacy = self.client.engine.privacy.accountant.report()
         return {
             "epoch": epoch + 1,
             "train_loss": sum(r.loss * r.n for r in rs) / n,
@@ -229,7 +235,8 @@ async def simulate(config: SimConfig, data: DataSplit, tokens: dict[str, str]) -
                    "num_classes": len(data.class_names), "train_images": len(data.train),
                    "test_images": len(data.test), "seed": config.seed,
                    "device_weights": str(config.device_weights) if config.device_weights else None,
-                   "crop": config.crop, "data": config.data},
+                   "crop": config.crop, "data": config.data,
+                   "state_dir": str(config.state_dir) if config.state_dir else None},
         "wall_s": time.time() - started,
         "epochs": summarize(list(per_device)),
         "devices": list(per_device),

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
 
-from device_sdk.cli import add_data_args, add_model_args, load_data, model_spec
+from device_sdk.cli import load_data
 from device_sdk.client import Fault
-from device_sdk.optim import TrainConfig
+from device_sdk.options import (add_data_args, add_model_args, add_optimizer_args, add_threads_arg, add_training_args,
+                                apply_threads, model_spec, train_config)
 from protocol.messages import DEFAULT_MAX_MESSAGE_BYTES
 
 from .app import SERVER_FAULTS, EdgeServer, Limits, ServerConfig, server_info
@@ -39,6 +39,15 @@ def from_args(cls: type[T], args: argparse.Namespace) -> T:
     return cls(**values)
 
 
+def add_tail_args(p: argparse.ArgumentParser) -> None:
+    """What the server trains and what it records: `serve` and the demo that starts it."""
+    p.add_argument("--train-only", choices=("all", "classifier"), default="all",
+                   help="classifier: freeze the tail, train only the output layer")
+    p.add_argument("--record-max", type=int, default=0,
+                   help="play the curious server for the privacy audit: keep up to N received training samples per "
+                        "device in <run dir>/recordings/ (default 0: keep nothing)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="splitface-server", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -46,8 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     s = sub.add_parser("serve", help="train the server part for connecting devices")
     add_model_args(s)
     s.add_argument("--init", type=Path, default=None, help="start the tail from a saved backbone (see `pretrain`)")
-    s.add_argument("--train-only", choices=("all", "classifier"), default="all",
-                   help="classifier: freeze the tail, train only the output layer")
+    add_tail_args(s)
     s.add_argument("--num-classes", type=int, required=True, help="identities of the server-head classifier")
     s.add_argument("--tokens", type=Path, required=True, help="JSON of device id -> token digest (see `tokens`)")
     s.add_argument("--host", default="127.0.0.1")
@@ -55,11 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--run-dir", type=Path, default=Path("runs/server"), help="checkpoint and metrics; resumed if present")
     s.add_argument("--checkpoint-every", type=float, default=30.0, help="seconds between checkpoints")
     s.add_argument("--checkpoint-every-batches", type=int, default=0, help="also checkpoint after this many batches")
-    s.add_argument("--lr", type=float, default=0.01)
-    s.add_argument("--momentum", type=float, default=0.9)
-    s.add_argument("--weight-decay", type=float, default=0.0)
-    s.add_argument("--lr-decay", type=float, default=0.1, help="lr is multiplied by this over --decay-steps steps")
-    s.add_argument("--decay-steps", type=int, default=1000)
+    add_training_args(s, epochs=None, batch_size=None, lr=0.01)
+    add_optimizer_args(s, decay_steps=1000, decay_help="steps over which lr decays by --lr-decay")
     s.add_argument("--max-batch", type=int, default=64)
     s.add_argument("--max-message-mb", type=float, default=DEFAULT_MAX_MESSAGE_BYTES / 2 ** 20)
     s.add_argument("--pending-timeout", type=float, default=60.0,
@@ -76,21 +81,16 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--fault", default=None, metavar="KIND:N",
                    help="TESTS ONLY: exit hard at server step N (counted across restarts): " + ", ".join(SERVER_FAULTS))
     s.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    s.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    add_threads_arg(s)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--record-max", type=int, default=0,
-                   help="play the curious server for the privacy audit: keep up to N received training samples per "
-                        "device in <run dir>/recordings/ (default 0: keep nothing)")
 
     pt = sub.add_parser("pretrain", help="train the whole backbone on a public set and save it")
     add_model_args(pt)
     add_data_args(pt)
     pt.set_defaults(min_images=3, max_images=9)
-    pt.add_argument("--epochs", type=int, default=10)
-    pt.add_argument("--lr", type=float, default=0.1)
-    pt.add_argument("--batch-size", type=int, default=64)
+    add_training_args(pt, epochs=10, batch_size=64, lr=0.1)
     pt.add_argument("--out", type=Path, required=True)
-    pt.add_argument("--threads", type=int, default=0)
+    add_threads_arg(pt)
 
     t = sub.add_parser("tokens", help="issue tokens for devices; digests go to the file, tokens to stdout as JSON")
     t.add_argument("--file", type=Path, required=True)
@@ -101,8 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "tokens":
         print(json.dumps(issue_tokens(args.file, args.device_ids), indent=2))
         return
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     if args.command == "pretrain":
         data = load_data(args)
         meta = pretrain(model_spec(args), data, args.out, args.epochs, args.lr, args.batch_size, args.seed)
@@ -118,8 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         server_config.tls()  # before building the model: plain ws:// off loopback, a missing or bad certificate
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
-    config = TrainConfig(args.lr, args.momentum, args.weight_decay, args.lr_decay, args.decay_steps, args.seed)
-    trainer = ServerTrainer(model_spec(args), args.split, args.num_classes, config, args.device, args.init,
+    trainer = ServerTrainer(model_spec(args), args.split, args.num_classes, train_config(args), args.device, args.init,
                             args.train_only, from_args(StepGuard, args))
     info = server_info(trainer, args.max_batch, int(args.max_message_mb * 2 ** 20))
     server = EdgeServer(trainer, info, TokenAuthenticator(load_tokens(args.tokens)), server_config)

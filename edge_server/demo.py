@@ -17,30 +17,27 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from device_sdk.cli import add_data_args, add_model_args, data_argv, load_data, model_argv
+from device_sdk.cli import load_data
+from device_sdk.options import (add_data_args, add_devices_args, add_model_args, add_training_args, data_argv,
+                                model_argv)
 
 from .auth import issue_tokens
+from .cli import add_tail_args
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="splitface-demo", description=__doc__)
     add_data_args(p)
-    add_model_args(p)
-    p.set_defaults(model="iresnet_small")
+    add_model_args(p, model="iresnet_small")
     p.add_argument("--server-init", type=Path, default=None, help="start the server's tail from this saved backbone")
-    p.add_argument("--train-only", choices=("all", "classifier"), default="all", help="server: what it trains")
-    p.add_argument("--head", choices=("server", "device"), default="server")
-    p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=0.05, help="the server's learning rate")
+    add_tail_args(p)
+    add_devices_args(p)
+    add_training_args(p, epochs=3, batch_size=64, lr=0.05, lr_help="the server's learning rate")
     p.add_argument("--device-lr", type=float, default=0.005,
                    help="the devices' learning rate for their own layer; kept small so that the devices' layers "
                         "stay close to their shared start (see README: batch norm in the server tail)")
     p.add_argument("--run-dir", type=Path, default=None, help="default: runs/demo-<time>")
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--record-max", type=int, default=0,
-                   help="the server keeps up to N received training samples per device for the privacy audit")
     args, extra = p.parse_known_args(argv)
     run_dir = args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from device_sdk.cli import add_model_args, model_spec
+from device_sdk.options import (add_data_root_arg, add_model_args, add_noise_args, add_threads_arg, add_training_args,
+                                apply_threads, model_spec)
 from device_sdk.data import load_lfw
 from device_sdk.engine import to_input
 from device_sdk.models import ModelSpec, build_backbone, build_classifier, split_backbone
@@ -156,25 +157,21 @@ def attacker_aware_pretrain(spec: ModelSpec, split: str, lfw_root: Path, out: Pa
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m edge_server.ressfl", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", type=Path, required=True, help="LFW root (with View 1's people files)")
+    add_data_root_arg(p, required=True, help="LFW root (with View 1's people files)")
     p.add_argument("--out", type=Path, required=True, help="the backbone file to write")
     add_model_args(p)
-    p.add_argument("--epochs", type=int, default=10)
+    add_training_args(p, epochs=10, batch_size=64, lr=0.1)
     p.add_argument("--lambda-rec", type=float, default=1.0, help="weight of the decoder's failure (ResSFL)")
     p.add_argument("--lambda-id", type=float, default=1.0, help="weight of the identity matcher's failure")
     p.add_argument("--lambda-dcor", type=float, default=0.0, help="NoPeek's distance-correlation weight")
-    p.add_argument("--clip-norm", type=float, default=0.0, help="the devices' per-image clip norm C (with noise)")
-    p.add_argument("--noise-multiplier", type=float, default=0.0,
-                   help="pre-train on releases noised as the devices will noise them (std z C); 0: no noise")
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--batch-size", type=int, default=64)
+    add_noise_args(p, clip_norm=0.0, noise_multiplier=0.0,
+                   noise_help="pre-train on releases noised as the devices will noise them (std z C); 0: no noise")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None)
+    add_threads_arg(p)
     p.add_argument("--cache", type=Path, default=Path("runs") / "audit-cache",
                    help="dlib's embeddings of clean photos, shared with the audit")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     meta = attacker_aware_pretrain(model_spec(args), args.split, args.data, args.out, args.epochs, args.lambda_rec,
                                    args.lambda_id, args.lambda_dcor, args.lr, batch_size=args.batch_size,
                                    seed=args.seed, cache=args.cache, clip_norm=args.clip_norm,

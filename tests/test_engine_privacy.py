@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from device_sdk.engine import DeviceEngine, PrivacyConfig
+from device_sdk.engine import DeviceEngine
+from device_sdk.privacy.engine import PrivacyEngine
 from device_sdk.models import resolve_spec
 from device_sdk.optim import TrainConfig
 from device_sdk.privacy.budget import BudgetExceeded
@@ -23,7 +24,7 @@ GRAD = RNG.normal(0, 1e-3, (4, 16, 64, 64)).astype(np.float32)
 
 def _engine(**privacy) -> DeviceEngine:
     return DeviceEngine(SPEC, "conv1", "server", 3, TrainConfig(lr=0.1, momentum=0.0, seed=3),
-                        PrivacyConfig(**{"secret": 42, **privacy}))
+                        PrivacyEngine(**{"secret": 42, **privacy}))
 
 
 def _step(engine: DeviceEngine, batch_id: int = 1) -> np.ndarray:
@@ -53,7 +54,7 @@ def test_dpsgd_clips_noises_and_is_recorded_jointly():
     noisy = _engine(mechanism=PerImageGaussian(1.0, 5.0), layer_training="dpsgd", dpsgd_noise=5.0)
     _step(noisy)
     # image 11 and 12 share identity 1: the one DP-SGD draw counts for both jointly
-    assert noisy.accountant.epsilon_identity(1) > noisy.accountant.epsilon_image(11)
+    assert noisy.privacy.accountant.epsilon_identity(1) > noisy.privacy.accountant.epsilon_image(11)
 
 
 def test_frozen_layer_never_changes_and_the_noise_is_keyed():
@@ -63,9 +64,9 @@ def test_frozen_layer_never_changes_and_the_noise_is_keyed():
     assert all(torch.equal(a, b) for a, b in zip(before, _weights(engine), strict=True))
     again = engine.forward(IMAGES, ("train", 1), IDS, LABELS)   # a replay: same key, same noise, not recounted
     assert np.array_equal(first, again)
-    releases = engine.accountant.report()["releases"]
+    releases = engine.privacy.accountant.report()["releases"]
     other = engine.forward(IMAGES, ("train", 2), IDS, LABELS)
-    assert not np.array_equal(first, other) and engine.accountant.report()["releases"] > releases
+    assert not np.array_equal(first, other) and engine.privacy.accountant.report()["releases"] > releases
     assert np.linalg.norm(first - engine.evaluate_release(IMAGES, ("eval", 0, 0), IDS, LABELS)) > 0
 
 
@@ -74,7 +75,7 @@ def test_per_activation_clamps_the_lrn_input_and_the_guard_refuses():
     assert all(m.input_max == 1.0 for m in engine.layer.modules() if hasattr(m, "input_max"))
     with pytest.raises(BudgetExceeded):  # one per-activation release of 16x64x64 values is far past 1e3
         engine.forward(IMAGES, ("train", 1), IDS, LABELS)
-    assert engine.accountant.report()["releases"] == 0
+    assert engine.privacy.accountant.report()["releases"] == 0
 
 
 def test_plain_training_with_noise_is_flagged_void():

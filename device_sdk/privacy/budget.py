@@ -1,6 +1,7 @@
 """Refuse a release before it is sent if it would take any image (or identity) past the budget."""
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 from dp_accounting.dp_event import DpEvent
@@ -47,3 +48,17 @@ class BudgetGuard:
             worst = max(over, key=lambda k: over[k][1])
             raise BudgetExceeded(release, self.level, sorted(over), over[worst][0], over[worst][1], self.epsilon)
         self.accountant.record(release, image_ids, identities, event, joint=joint)
+
+    def admit_all(self, admissions: Sequence[tuple[str, DpEvent, bool]], image_ids: Sequence[int],
+                  identities: Sequence[int]) -> None:
+        """Admit several releases of the same images together, `(release, event, joint)` each: all of them are
+        recorded, or none (BudgetExceeded) if their composition takes anyone past the budget."""
+        if len(admissions) == 1:
+            release, event, joint = admissions[0]
+            self.admit(release, image_ids, identities, event, joint=joint)
+            return
+        trial = BudgetGuard(copy.deepcopy(self.accountant), self.epsilon, self.level)  # each counts for the next
+        for release, event, joint in admissions:
+            trial.admit(release, image_ids, identities, event, joint=joint)
+        for release, event, joint in admissions:
+            self.accountant.record(release, image_ids, identities, event, joint=joint)

@@ -67,6 +67,11 @@ class Mechanism:
         """JSON-able parameters, including the noise std actually added."""
         raise NotImplementedError
 
+    @property
+    def adds_noise(self) -> bool:
+        """Whether a release draws noise (a release made again on other values must then draw afresh)."""
+        return self.describe()["noise_std"] > 0
+
 
 class PerActivationGaussian(Mechanism):
     """The source paper's mechanism: classic Gaussian noise calibrated to ONE activation value.
@@ -165,3 +170,22 @@ def from_description(described: dict) -> Mechanism:
     if name == NoNoise.name:
         return NoNoise()
     raise ValueError(f"unknown mechanism {name!r}")
+
+
+MECHANISMS = ("none", "per-activation", "per-image")  # the names a device's options choose from
+
+
+def build_mechanism(name: str, *, epsilon: float | None = None, delta: float = 1e-5, clip_norm: float = 1.0,
+                    noise_multiplier: float | None = None) -> Mechanism:
+    """The mechanism called `name` (one of MECHANISMS) from explicit parameters; a missing one is an error."""
+    if name == "per-activation":
+        if epsilon is None:
+            raise ValueError("--mechanism per-activation needs --epsilon")
+        return PerActivationGaussian(epsilon, delta)
+    if name == "per-image":
+        if noise_multiplier is None:
+            raise ValueError("--mechanism per-image needs --noise-multiplier or --target-epsilon")
+        return PerImageGaussian(clip_norm, noise_multiplier)
+    if name == "none":
+        return NoNoise()
+    raise ValueError(f"unknown mechanism {name!r} (one of {', '.join(MECHANISMS)})")

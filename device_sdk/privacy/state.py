@@ -1,0 +1,76 @@
+"""The device's durable privacy state on disk: one JSON file per device, written atomically, checked on read.
+
+A device that forgot what it spent would start again at epsilon 0 and re-release every image, so a
+file that cannot be trusted is an error, never a reason to start afresh (docs/privacy.md, "Durable
+privacy state").
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+FORMAT = "splitface-device-privacy-state"
+VERSION = 1
+# A device id becomes a file name: no path separators, no leading dot (the protocol's ids are short names).
+_SAFE_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@+-]{0,127}$")
+
+
+class StateFileError(ValueError):
+    """The state file is unreadable, corrupt, edited, or for another device; the device must not release."""
+
+
+def state_path(state_dir: Path, device_id: str) -> Path:
+    """Where a device keeps its privacy state in `state_dir`."""
+    if not _SAFE_ID.match(device_id):
+        raise ValueError(f"device id {device_id!r} cannot name a state file (letters, digits and _ . @ + - only)")
+    return Path(state_dir) / f"{device_id}.privacy.json"
+
+
+def _digest(state: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(state, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_state(path: Path, state: dict[str, Any]) -> None:
+    """Write tmp + fsync + os.replace (+ fsync of the folder): after a crash the file is the old state or the
+    new one, whole, never a mix. The checksum catches a file damaged or edited afterwards."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    data = json.dumps({"format": FORMAT, "version": VERSION, "sha256": _digest(state), "state": state})
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the noise secret is in it
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the rename itself is durable
+    finally:
+        os.close(folder)
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """The state written by `write_state`; StateFileError for anything else."""
+    path = Path(path)
+    try:
+        envelope = json.loads(path.read_bytes())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise StateFileError(f"{path}: privacy state unreadable or corrupt ({exc}); refusing to release "
+                             f"(restore the file or retire this device id, never delete it to reset)") from exc
+    if not isinstance(envelope, dict) or envelope.get("format") != FORMAT:
+        raise StateFileError(f"{path}: not a device privacy state file")
+    if envelope.get("version") != VERSION:
+        raise StateFileError(f"{path}: privacy state version {envelope.get('version')!r}, this device reads {VERSION}")
+    state = envelope.get("state")
+    if not isinstance(state, dict) or envelope.get("sha256") != _digest(state):
+        raise StateFileError(f"{path}: privacy state fails its checksum (corrupt or edited); refusing to release")
+    return state
