@@ -301,7 +301,7 @@ def test_device_processes_across_a_server_kill_equal_the_in_process_run(lfw, tmp
               "--users-per-client", "4", "--clients-per-round", "2", "--batch-size", "4", "--local-epochs", "1",
               "--client-lr", "0.05", "--clip-norm", "0.5", "--method", "dp-fedemb", "--noise-multiplier", "1.0",
               "--rounds", "3", "--view1-limit", "20", "--threads", "1", "--backend", "websocket", "--port", str(port),
-              "--tokens", str(tmp_path / "tokens.json")]
+              "--round-deadline-s", "120", "--tokens", str(tmp_path / "tokens.json")]
     crashed = subprocess.Popen([*server, "--crash-in-round", "2"], cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     devices = []
@@ -312,17 +312,18 @@ def test_device_processes_across_a_server_kill_equal_the_in_process_run(lfw, tmp
         devices.append(subprocess.Popen(
             [sys.executable, "-m", "device_sdk.federated", "--url", f"ws://127.0.0.1:{port}", "--device-id",
              client_device_id(c), "--token-file", str(tmp_path / f"c{c}.token"), "--data", str(tmp_path / f"c{c}.npz"),
-             "--model", json.dumps(TINY.to_dict())], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True))
+             "--model", json.dumps(TINY.to_dict())], cwd=ROOT, stdout=open(tmp_path / f"c{c}.log", "w"),
+            stderr=subprocess.STDOUT, text=True))
     try:
         out, _ = crashed.communicate(timeout=300)
         assert crashed.returncode == CRASH_EXIT_CODE, out[-3000:]
         assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["round"] == 1
         resumed = subprocess.run(server, cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:] + device_logs(tmp_path)
         assert "resuming after round 1" in resumed.stdout
-        outputs = [d.communicate(timeout=60)[0] for d in devices]
-        assert all(d.returncode == 0 for d in devices), outputs
+        for d in devices:
+            d.wait(60)
+        assert all(d.returncode == 0 for d in devices), device_logs(tmp_path)
     finally:
         for process in (crashed, *devices):
             if process.poll() is None:
@@ -338,5 +339,10 @@ def test_device_processes_across_a_server_kill_equal_the_in_process_run(lfw, tmp
         torch.set_num_threads(threads)
     assert all(torch.equal(v, state["backbone"][k]) for k, v in whole.backbone.state_dict().items())
     assert state["accountant"] == whole.accountant.state()
-    trained = [json.loads(o.strip().splitlines()[-1])["rounds"] for o in outputs]
+    trained = [json.loads((tmp_path / f"c{c}.log").read_text().strip().splitlines()[-1])["rounds"]
+               for c in range(len(clients))]
     assert sum(len(r) for r in trained) >= sum(h["clients"] for h in state["history"])
+
+
+def device_logs(folder: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(folder.glob("c*.log")))
