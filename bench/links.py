@@ -42,6 +42,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 64 * 1024
+# A websocket ping or pong (what the endpoints send unasked) is at most this long as websockets sends it; a
+# chunk this small does not start a burst, or a ping in the middle of an upload would count as the download.
+CONTROL_FRAME_MAX = 32
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ LINKS = {"lte": Link("LTE", 5, 20, 50), "wifi": Link("Wi-Fi", 40, 100, 10), "5g"
 class Burst:
     """One direction's traffic since the last `Relay.mark()` (perf_counter times)."""
     bytes: int = 0
-    first_arrival: float | None = None    # first byte read from the sender
+    first_arrival: float | None = None    # first data chunk read from the sender
     last_delivery: float | None = None    # last byte written to the receiver
 
 
@@ -125,7 +128,11 @@ class Relay:
         except OSError:
             writer.close()
             return
-        await asyncio.gather(self._pipe(reader, up_writer, self.up), self._pipe(up_reader, writer, self.down))
+        try:
+            await asyncio.gather(self._pipe(reader, up_writer, self.up), self._pipe(up_reader, writer, self.down))
+        except asyncio.CancelledError:   # the relay is closing
+            writer.close()
+            up_writer.close()
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, d: _Direction) -> None:
         queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
@@ -145,7 +152,7 @@ class Relay:
         try:
             while chunk := await reader.read(CHUNK):
                 now = time.perf_counter()
-                if d.burst.first_arrival is None:
+                if d.burst.first_arrival is None and len(chunk) > CONTROL_FRAME_MAX:
                     d.burst.first_arrival = now
                 d.burst.bytes += len(chunk)
                 d.free_at = max(d.free_at, now) + len(chunk) / d.rate_bytes_s
