@@ -291,6 +291,18 @@ def plot(rows: list[dict], config: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def merged_rows(rows: list[dict], args: argparse.Namespace) -> list[dict]:
+    """With --only, the rows of the points not run now are kept from the existing summary.json (points still in
+    POINTS), so that a run of a few points updates the frontier instead of replacing it."""
+    known = [point_name(t, params) for t, params, _ in POINTS]
+    summary = args.out / "summary.json"
+    if args.only is None or not summary.exists():
+        return rows
+    kept = {r["run"]: r for r in json.loads(summary.read_text()) if r["run"] in known}
+    kept.update({r["run"]: r for r in rows})
+    return sorted(kept.values(), key=lambda r: known.index(r["run"]))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, required=True, help="LFW root (with View 1's people and pairs files)")
@@ -299,7 +311,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--record-max", type=int, default=256, help="releases per device the curious server records")
     p.add_argument("--view1-limit", type=int, default=None, help="only this many View 1 pairs (smoke tests)")
-    p.add_argument("--only", nargs="*", default=None, help="run only these points (names as in summary.json)")
+    p.add_argument("--only", nargs="*", default=None,
+                   help="run only these points (names as in summary.json); the other rows of summary.json are kept")
     p.add_argument("--force", action="store_true", help="re-train, re-evaluate and re-audit every point")
     p.add_argument("--demo-args", default="--threads 1", help="more splitface-demo arguments")
     p.add_argument("--audit-args", default="--threads 2 --substitute", help="more splitface-audit arguments")
@@ -325,9 +338,11 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         if r["run"] in risks:
             r["retrieval_risk"] = risks[r["run"]]
+    rows = merged_rows(rows, args)
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
     best = best_point(rows)
-    best["demo_args"] = demo_args[names.index(best["run"])]
+    _, best_params, best_args = next(p for p in POINTS if point_name(*p[:2]) == best["run"])
+    best["demo_args"] = point_args(best["run"], best_params, best_args, args)
     (args.out / "best.json").write_text(json.dumps(best, indent=2))
     text = table(rows, outcomes[0]["results"]["config"])
     (args.out / "table.md").write_text(text)
