@@ -92,6 +92,9 @@ def parser() -> argparse.ArgumentParser:
                    help="websocket: a round closes once this fraction of its sampled devices uploaded")
     b.add_argument("--round-deadline-s", type=float, default=600.0,
                    help="websocket: a round closes after this long whatever arrived; the rest are left out")
+    b.add_argument("--tls-cert", type=Path, default=None, help="websocket: PEM certificate chain (serve wss://)")
+    b.add_argument("--tls-key", type=Path, default=None, help="websocket: its private key")
+    b.add_argument("--insecure", action="store_true", help="websocket: allow plain ws:// off loopback")
     b.add_argument("--ray-address", default=None, help="ray: a cluster's address (default: a local Ray instance)")
     return p
 
@@ -121,7 +124,8 @@ def backend_for(args: argparse.Namespace, shared: Shared, config: FederatedConfi
             raise SystemExit(f"{tokens_file}: no device tokens (issue them with `splitface-server tokens`, "
                              f"or use --launch-devices)")
         with hosted_rounds(shared.spec, load_tokens(tokens_file), args.out / "server", args.host, args.port,
-                           args.quorum, args.round_deadline_s) as backend:
+                           args.quorum, args.round_deadline_s, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                           insecure=args.insecure) as backend:
             devices = launch_devices(backend.url, shared.spec, [shared.population.of_users(c) for c in clients],
                                      args.out / "devices", tokens) if tokens else []
             yield backend

@@ -112,10 +112,11 @@ def _result(upload: dict[str, Any] | None) -> ClientResult | None:
 @contextlib.contextmanager
 def hosted_rounds(spec: ModelSpec, digests: dict[str, str], run_dir: Path, host: str = "127.0.0.1", port: int = 0,
                   quorum: float = 1.0, deadline_s: float = 600.0, drain_s: float = 10.0,
-                  log: Callable[[str], None] = print) -> Iterator[WebsocketBackend]:
-    """A federated edge server for the duration of a run, and its backend. When the run ends normally the devices
-    are told it is finished and given `drain_s` to hear it and disconnect before the server stops."""
-    with federated_server(spec, digests, run_dir, host=host, port=port) as server:
+                  log: Callable[[str], None] = print, **config: Any) -> Iterator[WebsocketBackend]:
+    """A federated edge server for the duration of a run, and its backend (`config`: more ServerConfig fields,
+    e.g. tls_cert/tls_key). When the run ends normally the devices are told it is finished and given `drain_s`
+    to hear it and disconnect before the server stops."""
+    with federated_server(spec, digests, run_dir, host=host, port=port, **config) as server:
         log(f"federated rounds served at {server.url} (devices client-0, client-1, ...)")
         backend = WebsocketBackend(server, quorum, deadline_s)
         yield backend  # an exception (a crash) skips telling the devices: they reconnect to the next server
