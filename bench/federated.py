@@ -12,6 +12,9 @@ virtual clients. Resumable: a run with result.json is reused, a run with a check
 round (--force starts afresh).
 
     python bench/federated.py --data /path/to/lfw
+
+`--wire` instead writes results/federated/wire.json: the bytes of each round message per client and round for
+the bench's model (encoded by the protocol's own builders; f32 sizes do not depend on the values).
 """
 from __future__ import annotations
 
@@ -197,6 +200,37 @@ def figures(rows: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
+def wire_bytes(spec_name: str = "iresnet_small", users: int = 1073) -> dict:
+    """Bytes on the wire per sampled client and round (websocket backend, SPEC.md section 15), FedEmb and FedAvg."""
+    import numpy as np
+
+    from device_sdk.federated.wire import backbone_template, config_to_wire, state_to_wire, upload_shapes
+    from protocol import messages as m
+    from protocol.session import FederatedClientSession, RoundBoard
+
+    spec = resolve_spec(spec_name)
+    out = {"model": spec_name, "users_fedavg_head": users, "encoding": "f32"}
+    weights = state_to_wire(backbone_template(spec))
+    for method, head_shape in (("fedemb", None), ("fedavg", (users, spec.embedding_dim))):
+        shapes = upload_shapes(spec, head_shape)
+        head = None if head_shape is None else {"weight": np.zeros(head_shape, np.float32),
+                                                "bias": np.zeros(head_shape[0], np.float32)}
+        board = RoundBoard(spec.to_dict())
+        board.open(1, {"client-0": 2**31}, config_to_wire(CONFIG.local(CONFIG.clip_norm))[0], CONFIG.clip_norm, shapes,
+                   weights, head, quorum=1, deadline_s=600.0)
+        device = FederatedClientSession("client-0", "token", spec.to_dict())
+        update = device.update(1, {k: np.zeros(v, np.float32) for k, v in shapes.items()}, 0.0, 10, 1.0)
+        sizes = {"round_start": len(board.offer("client-0")), "model_request": len(device.model_request(1)),
+                 "model": len(board.model_for("client-0", 1)), "update": len(update),
+                 "update_ack": len(board.accept("client-0", m.decode(update))),
+                 "round_request": len(device.round_request()), "hello": len(device.hello())}
+        sizes["per_round_down"] = sizes["round_start"] + sizes["model"] + sizes["update_ack"]
+        sizes["per_round_up"] = sizes["model_request"] + sizes["update"] + sizes["round_request"]
+        sizes["trainable_values"] = int(sum(np.prod(v) for v in shapes.values()))
+        out[method] = sizes
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=None, help="LFW folder (default: $SPLITFACE_DATA, ...)")
@@ -210,7 +244,13 @@ def main() -> None:
     p.add_argument("--only", nargs="*", default=None, help="run only these runs (names as in the table)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--force", action="store_true")
+    p.add_argument("--wire", action="store_true", help="only write wire.json (round message sizes); no training")
     args = p.parse_args()
+    if args.wire:
+        sizes = wire_bytes()
+        (args.out / "wire.json").write_text(json.dumps(sizes, indent=2) + "\n")
+        print(json.dumps(sizes, indent=2))
+        return
     torch.set_num_threads(args.threads)
     started = time.time()
     shared = load_shared(resolve_spec("iresnet_small"), args.data, args.backbone, args.pretrain_epochs,
