@@ -33,6 +33,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from device_sdk.options import add_clip_norm_arg, add_data_root_arg, add_model_arg, add_training_args  # noqa: E402
+from edge_server.cli import add_record_max_arg  # noqa: E402
 from edge_server.demo import run_recorded  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,8 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     add_training_args(p, epochs=3, batch_size=None, lr=0.05, lr_help="the server's learning rate")
     p.add_argument("--device-head-epsilons", nargs="*", type=float, default=[3, math.inf],
                    help="scratch: also run these with the classifier on the device (for the label-leakage audit)")
-    p.add_argument("--record-max", type=int, default=256,
-                   help="the server records this many training releases per device for splitface-audit")
+    add_record_max_arg(p, default=256)
     p.add_argument("--force", action="store_true", help="re-run settings that already have results")
     p.add_argument("--demo-args", default="", help="more splitface-demo arguments, e.g. '--max-identities 20'")
     args = p.parse_args(argv)

@@ -43,7 +43,11 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--people", choices=LFW_PEOPLE, default="all",
                    help="LFW: everyone, or only View 1's DevTrain people (peopleDevTrain.txt), so that View 1's "
                         "test pairs are people the model never saw (python -m edge_server.evaluation)")
-    p.add_argument("--seed", type=int, default=0)
+    add_seed_arg(p)
+
+
+def add_seed_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=0, help="seeds the data split, the shuffles and the initial weights")
 
 
 def data_argv(args: argparse.Namespace) -> list[str]:

@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 
 from device_sdk.cli import load_data
 from device_sdk.client import Fault
-from device_sdk.options import (add_data_args, add_model_args, add_optimizer_args, add_threads_arg, add_training_args,
-                                apply_threads, model_spec, train_config)
+from device_sdk.options import (add_data_args, add_model_args, add_optimizer_args, add_seed_arg, add_threads_arg,
+                                add_training_args, apply_threads, model_spec, train_config)
 from protocol.messages import DEFAULT_MAX_MESSAGE_BYTES
 
 from .app import SERVER_FAULTS, EdgeServer, Limits, ServerConfig, server_info
@@ -43,9 +43,13 @@ def add_tail_args(p: argparse.ArgumentParser) -> None:
     """What the server trains and what it records: `serve` and the demo that starts it."""
     p.add_argument("--train-only", choices=("all", "classifier"), default="all",
                    help="classifier: freeze the tail, train only the output layer")
-    p.add_argument("--record-max", type=int, default=0,
+    add_record_max_arg(p)
+
+
+def add_record_max_arg(p: argparse.ArgumentParser, default: int = 0) -> None:
+    p.add_argument("--record-max", type=int, default=default,
                    help="play the curious server for the privacy audit: keep up to N received training samples per "
-                        "device in <run dir>/recordings/ (default 0: keep nothing)")
+                        f"device in <run dir>/recordings/ (default {default}; 0: keep nothing)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="TESTS ONLY: exit hard at server step N (counted across restarts): " + ", ".join(SERVER_FAULTS))
     s.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     add_threads_arg(s)
-    s.add_argument("--seed", type=int, default=0)
+    add_seed_arg(s)
 
     pt = sub.add_parser("pretrain", help="train the whole backbone on a public set and save it")
     add_model_args(pt)

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from device_sdk.options import (add_data_root_arg, add_model_args, add_noise_args, add_threads_arg, add_training_args,
-                                apply_threads, model_spec)
+from device_sdk.options import (add_data_root_arg, add_model_args, add_noise_args, add_seed_arg, add_threads_arg,
+                                add_training_args, apply_threads, model_spec)
 from device_sdk.data import load_lfw
 from device_sdk.engine import to_input
 from device_sdk.models import ModelSpec, build_backbone, build_classifier, split_backbone
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lambda-dcor", type=float, default=0.0, help="NoPeek's distance-correlation weight")
     add_noise_args(p, clip_norm=0.0, noise_multiplier=0.0,
                    noise_help="pre-train on releases noised as the devices will noise them (std z C); 0: no noise")
-    p.add_argument("--seed", type=int, default=0)
+    add_seed_arg(p)
     add_threads_arg(p)
     p.add_argument("--cache", type=Path, default=Path("runs") / "audit-cache",
                    help="dlib's embeddings of clean photos, shared with the audit")
