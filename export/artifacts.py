@@ -1,13 +1,17 @@
 """Write the device programs to disk: ExecuTorch (XNNPACK release, portable training) and ONNX.
 
 Artifacts of one export, all for a batch size fixed at export time:
-- release.pte       ExecuTorch, lowered to XNNPACK: (images, noise, *weights) -> released
+- release.pte       ExecuTorch, lowered to XNNPACK: (images, noise[, mask], *weights) -> released
 - train.pte         ExecuTorch joint forward-backward on portable kernels:
                     (images, noise, server_grad) -> (surrogate loss, released) + weight gradients;
                     its weights live in the program and are overwritten in place before each call
-- release.onnx      ONNX: (images, noise, *weights) -> released
+- release.onnx      ONNX: (images, noise[, mask], *weights) -> released
 - vjp.onnx          ONNX: (images, server_grad, *weights) -> weight gradients
-  (train.pte and vjp.onnx only when the layer has parameters: the dct release has none)
+  (train.pte and vjp.onnx only when the layer has parameters, the dct release has none, and only
+  when `LayerVJP` covers its modules: a deeper split's batch norms get release programs only, and
+  the manifest says why the runtimes refuse to train it)
+The mask input exists when the release transform hides part of each release (the dct release's
+random channel subset, `mask_shape`): released = layer(images) * mask + noise.
 - manifest.json     shapes, weight names, batch size, how weights are loaded, verification results
 
 Weights: loaded at run time (inputs, or copied into the training program's parameters), so
@@ -22,11 +26,15 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from .programs import LayerVJP, ReleaseProgram, TrainingProgram, param_names
+if TYPE_CHECKING:
+    from device_sdk.models import ModelSpec
+
+from .programs import LayerVJP, ReleaseProgram, TrainingProgram, param_names, training_refusal
 
 RELEASE_PTE, TRAIN_PTE, RELEASE_ONNX, VJP_ONNX, MANIFEST = (
     "release.pte", "train.pte", "release.onnx", "vjp.onnx", "manifest.json")
@@ -43,6 +51,13 @@ class Manifest:
     weights: str = "loaded at run time: release programs take them as inputs; train.pte's are overwritten in place"
     verification: dict = field(default_factory=dict)
     weights_digest: str | None = None  # static_weights: digest of the weights baked into release.pte
+    mask_shape: list[int] | None = None  # the release program's mask input, when the transform has one
+    training_refusal: str | None = None  # why no training program was exported for a layer with parameters
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the runtimes can compute this layer's weight gradient (trivially so without parameters)."""
+        return self.training_refusal is None
 
     def save(self, out: Path) -> None:
         (out / MANIFEST).write_text(json.dumps(asdict(self), indent=2))
@@ -71,12 +86,33 @@ def weights_digest(weights: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def export_release_pte(layer: nn.Module, images: torch.Tensor, noise: torch.Tensor, static_weights: bool) -> bytes:
+def transform_mask(spec: "ModelSpec", layer: nn.Module) -> tuple[int, ...] | None:
+    """One image's mask shape if `spec`'s release transform hides part of each release, else None: the
+    transform's own mask function (`release_mask`) decides, so the programs and the engine agree."""
+    from device_sdk.transforms import release_mask
+
+    training = layer.training
+    with torch.no_grad():  # in eval mode: a batch norm's running statistics must not see this zero image
+        shape = tuple(layer.eval()(torch.zeros(1, 3, spec.input_size, spec.input_size)).shape[1:])
+    layer.train(training)
+    mask = release_mask(spec, 1, shape, torch.Generator().manual_seed(0))
+    return None if mask is None else tuple(mask.shape[1:])
+
+
+def example_mask(mask_shape: list[int] | tuple[int, ...] | None) -> list[torch.Tensor]:
+    """The mask argument of a release program: none, or a 0/1 tensor of the transform's mask shape."""
+    if mask_shape is None:
+        return []
+    return [(torch.rand(tuple(mask_shape), generator=torch.Generator().manual_seed(0)) < 0.5).float()]
+
+
+def export_release_pte(layer: nn.Module, images: torch.Tensor, noise: torch.Tensor, static_weights: bool,
+                       mask_shape: list[int] | None = None) -> bytes:
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
-    program = ReleaseProgram(layer, weights_as_inputs=not static_weights).eval()
-    args = (images, noise) if static_weights else (images, noise, *weights_of(layer))
+    program = ReleaseProgram(layer, weights_as_inputs=not static_weights, masked=mask_shape is not None).eval()
+    args = (images, noise, *example_mask(mask_shape), *([] if static_weights else weights_of(layer)))
     edge = to_edge_transform_and_lower(torch.export.export(program, args), partitioner=[XnnpackPartitioner()])
     return edge.to_executorch().buffer
 
@@ -96,23 +132,38 @@ def export_onnx(module: nn.Module, args: tuple, path: Path, input_names: list[st
     program.save(str(path))
 
 
-def export_all(layer: nn.Module, input_size: int, batch_size: int, out: Path, static_weights: bool = False) -> Manifest:
-    """Every artifact for `layer` (its current weights and clamp), into `out`; not yet verified."""
+def export_all(layer: nn.Module, input_size: int, batch_size: int, out: Path, static_weights: bool = False,
+               mask: tuple[int, ...] | None = None) -> Manifest:
+    """Every artifact for `layer` (its current weights and clamp), into `out`; not yet verified.
+
+    `mask`: one image's mask shape, when the release transform zeroes part of each release
+    (`device_sdk.transforms.release_mask`: (channels, 1, 1)); the release programs then take the
+    batch's mask as an input.
+    """
     out.mkdir(parents=True, exist_ok=True)
     layer = layer.eval()
     images, noise = example_inputs(layer, batch_size, input_size)
     names = param_names(layer)
     weights = weights_of(layer)
-    (out / RELEASE_PTE).write_bytes(export_release_pte(layer, images, noise, static_weights))
-    export_onnx(ReleaseProgram(layer, weights_as_inputs=True), (images, noise, *weights), out / RELEASE_ONNX,
-                ["images", "noise", *names], ["released"])
-    if names:  # a layer without parameters (the dct release) has nothing to train: no backward programs
+    mask_shape = None
+    if mask is not None:
+        release = tuple(noise.shape[1:])
+        if len(mask) != len(release) or any(m not in (1, r) for m, r in zip(mask, release)):
+            raise ValueError(f"a mask of shape {tuple(mask)} per image does not broadcast over the release {release}")
+        mask_shape = [batch_size, *mask]
+    refusal = training_refusal(layer)
+    (out / RELEASE_PTE).write_bytes(export_release_pte(layer, images, noise, static_weights, mask_shape))
+    export_onnx(ReleaseProgram(layer, weights_as_inputs=True, masked=mask_shape is not None),
+                (images, noise, *example_mask(mask_shape), *weights), out / RELEASE_ONNX,
+                ["images", "noise", *(["mask"] if mask_shape else []), *names], ["released"])
+    if names and refusal is None:  # nothing to train (the dct release), or no program that trains it correctly
         (out / TRAIN_PTE).write_bytes(export_train_pte(layer, images, noise))
         export_onnx(LayerVJP(layer), (images, noise, *weights), out / VJP_ONNX,
                     ["images", "grad", *names], [f"grad:{n}" for n in names])
     lrn_max = [m.input_max for m in layer.modules() if hasattr(m, "input_max")]
     manifest = Manifest(batch_size, list(images.shape), list(noise.shape), names, static_weights,
                         lrn_max[0] if lrn_max else None,
-                        weights_digest=weights_digest(weights) if static_weights else None)
+                        weights_digest=weights_digest(weights) if static_weights else None,
+                        mask_shape=mask_shape, training_refusal=refusal)
     manifest.save(out)
     return manifest

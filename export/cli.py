@@ -22,6 +22,7 @@ from device_sdk.models import build_device_part
 from device_sdk.models.lrn import PaperLRN
 from device_sdk.models.weights import load_into
 
+from .artifacts import transform_mask
 from .verify import ExportMismatch, export_verified
 
 
@@ -62,12 +63,15 @@ def main(argv: list[str] | None = None) -> None:
             lrn.input_max = 1.0
     images = real_images(args.data, args.batch_size, spec.input_size, args.seed)
     try:
-        manifest = export_verified(layer, spec.input_size, args.batch_size, args.out, images, args.static_weights)
+        manifest = export_verified(layer, spec.input_size, args.batch_size, args.out, images, args.static_weights,
+                                   transform_mask(spec, layer))
     except ExportMismatch as exc:
         sys.exit(f"export verification FAILED: {exc}")
     for name, check in manifest.verification["checks"].items():
         print(f"ok  {name}: release max abs err {check['release_max_abs_err']:.2e}, "
               f"gradient max rel err {check['grad_max_rel_err']:.2e}")
+    if not manifest.trainable:
+        print(f"release programs only: the runtimes refuse to train this device part ({manifest.training_refusal})")
     print(f"verified (release atol {manifest.verification['release_atol']}, gradient rtol "
           f"{manifest.verification['grad_rtol']}); artifacts in {args.out}")
 

@@ -1,9 +1,11 @@
 """The device layer as the three programs a phone runs, written as plain torch modules.
 
-- `ReleaseProgram`: released = layer(images) + noise. The noise is an input because the
-  runtimes have no random kernels and because the device's privacy code (accountant, budget
-  guard, keyed noise) must decide it. The weights are inputs too when the layer trains (the
-  forward program then always uses the current weights), or constants for a frozen layer.
+- `ReleaseProgram`: released = layer(images) + noise, or layer(images) * mask + noise for a
+  transform that hides part of each release (the dct release's per-image channel subset). The
+  noise and the mask are inputs because the runtimes have no random kernels and because the
+  device's privacy code (accountant, budget guard, keyed noise) must decide them. The weights are
+  inputs too when the layer trains (the forward program then always uses the current weights), or
+  constants for a frozen layer.
 - `TrainingProgram`: the surrogate loss sum(released * server_grad), whose parameter gradient
   is the vector-Jacobian product the device needs. ExecuTorch turns it into a joint
   forward-backward program.
@@ -39,17 +41,36 @@ def layer_parts(layer: nn.Module) -> list[nn.Module]:
     return leaves
 
 
+def training_refusal(layer: nn.Module) -> str | None:
+    """Why no training program can be exported for `layer`, or None when one can (or nothing trains).
+
+    Both backward programs cover the chain `LayerVJP` writes out by hand; a device part with other
+    modules (IResNet's `layer1`: batch norm, PReLU, residual adds) gets release programs only, and the
+    runtimes refuse to train it instead of computing a wrong gradient.
+    """
+    if not param_names(layer):
+        return None
+    try:
+        layer_parts(layer)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 class ReleaseProgram(nn.Module):
-    def __init__(self, layer: nn.Module, weights_as_inputs: bool):
+    def __init__(self, layer: nn.Module, weights_as_inputs: bool, masked: bool = False):
         super().__init__()
         self.layer, self.weights_as_inputs, self.names = layer, weights_as_inputs, param_names(layer)
+        self.masked = masked
 
-    def forward(self, images: torch.Tensor, noise: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, images: torch.Tensor, noise: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        mask, weights = (rest[0], rest[1:]) if self.masked else (None, rest)
         if self.weights_as_inputs:
             activations = torch.func.functional_call(self.layer, dict(zip(self.names, weights)), (images,))
         else:
             activations = self.layer(images)
-        return activations + noise
+        # The mask comes before the noise: the noise covers every value, released or zeroed.
+        return (activations if mask is None else activations * mask) + noise
 
 
 class TrainingProgram(nn.Module):

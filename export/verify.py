@@ -6,7 +6,9 @@ Tolerances (float32 throughout):
 - weight gradients: max |runtime - torch| <= 1e-3 * max |torch| (sums over a batch of
   64x64..224x224 maps reorder differently in each runtime; relative to the gradient's scale).
 Each check runs on random images and, when given, real face images, with the layer's weights
-and with perturbed weights (which proves the weights are read at run time, not baked in).
+and with perturbed weights (which proves the weights are read at run time, not baked in), and
+with a random 0/1 mask when the release program takes one. A layer the export could not train
+(`Manifest.training_refusal`) is checked for its release, and its runtimes must refuse to train.
 """
 from __future__ import annotations
 
@@ -27,27 +29,31 @@ class ExportMismatch(RuntimeError):
 
 
 def reference(layer: nn.Module, images: torch.Tensor, noise: torch.Tensor, grad: torch.Tensor,
-              weights: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Eager PyTorch: the release and d sum(release * grad) / d weights, for the given weights."""
+              weights: list[torch.Tensor], mask: torch.Tensor | None = None,
+              grads: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Eager PyTorch: the release and (if `grads`) d sum(release * grad) / d weights, for the given weights."""
     names = [n for n, _ in layer.named_parameters()]
     leaves = [w.detach().clone().requires_grad_(True) for w in weights]
-    released = torch.func.functional_call(layer, dict(zip(names, leaves)), (images,)) + noise
-    if not leaves:  # nothing to differentiate (the dct release)
+    activations = torch.func.functional_call(layer, dict(zip(names, leaves)), (images,))
+    released = (activations if mask is None else activations * mask) + noise
+    if not leaves or not grads:  # nothing to differentiate (the dct release), or not asked
         return released.detach(), []
-    grads = torch.autograd.grad((released * grad).sum(), leaves)
-    return released.detach(), [g.detach() for g in grads]
+    weight_grads = torch.autograd.grad((released * grad).sum(), leaves)
+    return released.detach(), [g.detach() for g in weight_grads]
 
 
 def check(layer: nn.Module, runtime, images: torch.Tensor, weights: list[torch.Tensor], label: str,
-          seed: int = 0) -> dict:
+          seed: int = 0, mask_shape: list[int] | None = None) -> dict:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         shape = layer(images[:1]).shape[1:]
     noise = 0.1 * torch.randn((len(images), *shape), generator=g)
     grad = torch.randn((len(images), *shape), generator=g)
-    want_release, want_grads = reference(layer, images, noise, grad, weights)
-    got_release = runtime.release(images, noise, weights)
-    got_grads = runtime.weight_grads(images, noise, grad, weights)
+    mask = None if mask_shape is None else (torch.rand(mask_shape, generator=g) < 0.5).float()
+    trains = runtime.manifest.trainable
+    want_release, want_grads = reference(layer, images, noise, grad, weights, mask, grads=trains)
+    got_release = runtime.release(images, noise, weights, mask)
+    got_grads = runtime.weight_grads(images, noise, grad, weights, mask) if trains else []
     release_err = float((got_release - want_release).abs().max())
     grad_err = max((float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in zip(got_grads, want_grads)),
                    default=0.0)
@@ -79,14 +85,15 @@ def verify(layer: nn.Module, artifacts: Path, real_images: np.ndarray | None = N
         for input_name, images in inputs.items():
             for weight_name, ws in variants.items():
                 label = f"{input_name} images, {weight_name}"
-                results[f"{runtime.name}: {label}"] = check(layer, runtime, images, ws, label)
+                results[f"{runtime.name}: {label}"] = check(layer, runtime, images, ws, label,
+                                                            mask_shape=manifest.mask_shape)
     manifest.verification = {"release_atol": RELEASE_ATOL, "grad_rtol": GRAD_RTOL, "checks": results}
     manifest.save(artifacts)
     return manifest.verification
 
 
 def export_verified(layer: nn.Module, input_size: int, batch_size: int, out: Path, real_images: np.ndarray | None = None,
-                    static_weights: bool = False) -> Manifest:
-    export_all(layer, input_size, batch_size, out, static_weights)
+                    static_weights: bool = False, mask: tuple[int, ...] | None = None) -> Manifest:
+    export_all(layer, input_size, batch_size, out, static_weights, mask)
     verify(layer, out, real_images)
     return Manifest.load(out)

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 from torch import nn
 
-from .base import LayerRuntime, padded
+from .base import LayerRuntime, NotTrainable, padded
 
-__all__ = ["BACKENDS", "LayerRuntime", "padded", "load_runtime"]
+__all__ = ["BACKENDS", "LayerRuntime", "NotTrainable", "padded", "load_runtime"]
 
 BACKENDS = ("torch", "executorch", "onnxruntime")
 

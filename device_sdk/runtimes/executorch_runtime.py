@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from .base import padded
+from .base import mask_args, padded, training_args
 
 
 class StaleWeights(ValueError):
@@ -26,14 +26,17 @@ class ExecuTorchRuntime:
         self.manifest, self.batch_size = manifest, manifest.batch_size
         # release.pte computes with the weights baked in at export: only a layer that never changes may use it
         self.static_weights = bool(manifest.static_weights)
+        self.trainable = manifest.trainable
         self._release = portable_lib._load_for_executorch(str(artifacts / RELEASE_PTE))
         # A layer without parameters (the dct release) has no training program.
-        self._train = _load_for_executorch_for_training(str(artifacts / TRAIN_PTE)) if manifest.weight_names else None
+        self._train = (_load_for_executorch_for_training(str(artifacts / TRAIN_PTE))
+                       if manifest.weight_names and self.trainable else None)
         self._params: list[torch.Tensor] | None = None
 
-    def release(self, images: torch.Tensor, noise: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    def release(self, images: torch.Tensor, noise: torch.Tensor, weights: list[torch.Tensor],
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         n = len(images)
-        args = [padded(images, self.batch_size), padded(noise, self.batch_size)]
+        args = [padded(images, self.batch_size), padded(noise, self.batch_size), *mask_args(self.manifest, n, mask)]
         if self.static_weights:
             from export.artifacts import weights_digest
 
@@ -46,7 +49,8 @@ class ExecuTorchRuntime:
         return self._release.forward(args)[0][:n].clone()
 
     def weight_grads(self, images: torch.Tensor, noise: torch.Tensor, grad: torch.Tensor,
-                     weights: list[torch.Tensor]) -> list[torch.Tensor]:
+                     weights: list[torch.Tensor], mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+        grad = training_args(self.manifest, self.name, grad, mask)
         if self._train is None:
             return []
         args = (padded(images, self.batch_size), padded(noise, self.batch_size), padded(grad, self.batch_size))
