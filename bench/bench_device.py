@@ -1,6 +1,8 @@
 """What a device batch costs on each backend, side by side in one run: batch 8, VGG-Face conv1 at
 224x224 and IResNet conv1 at 112x112, eager PyTorch vs ExecuTorch vs ONNX Runtime, one thread vs
-all cores, next to the source paper's Nexus 6P figures.
+all cores, next to the source paper's Nexus 6P figures; for IResNet-18 also each release transform of
+the privacy frontier (bottleneck, dct, dct with its channel subset, FaceMAE's patch mask where it
+exists) through the same runtimes, with MACs and wire bytes per image for every row.
 
 Each configuration runs in its own process, so peak RSS is that configuration's alone. The device
 builds only its own stages (`build_device_part`), as the SDK does; for VGG-Face at one thread each
@@ -14,6 +16,7 @@ trimmed mean (10% each end), p50 and p99 as the mobile benchmarks report them.
     python bench/bench_device.py --data ../shared/data/lfw   # writes results/bench_device.{txt,json}
     python bench/bench_device.py --data ../shared/data/lfw --runs 3 --warmup 1 --threads 1   # what results/ holds,
     python bench/bench_device.py --data ../shared/data/lfw --runs 3 --lrn-window             # then its LRN table
+    python bench/bench_device.py --data ../shared/data/lfw --runs 3 --noise                  # and its noise table
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +38,49 @@ RELOWER = "executorch-relower"  # the release re-lowered to XNNPACK after each w
 BACKENDS = ("torch", "executorch", "onnxruntime", RELOWER)
 BUILDS = {"device": "device part only", "full": "whole backbone, split",
           "banded": "device part only, LRN window as the former banded 1x1 conv"}
+# Release transforms (the frontier's points, each at its split; spec changes, split), measured for RELEASE_MODEL.
+RELEASES = {"none": ({}, "conv1"),
+            "bottleneck": ({"release": "bottleneck", "bottleneck_channels": 4, "bottleneck_stride": 2}, "conv1"),
+            "dct": ({"release": "dct", "dct_drop": 4}, "layer2"),
+            "dct-keep": ({"release": "dct", "dct_drop": 4, "dct_keep": 36}, "layer2"),
+            "mask": ({"release": "mask", "mask_patch": 8, "mask_ratio": 0.75}, "conv1")}
+RELEASE_MODEL = "iresnet18"
+RELEASE_BACKENDS = ("torch", "executorch", "onnxruntime")
+
+
+def release_spec(model: str, release: str):
+    """The model spec and split of a release configuration."""
+    from device_sdk.models import resolve_spec
+
+    changes, split = RELEASES[release]
+    return replace(resolve_spec(model), **changes), split
+
+
+def available_releases() -> list[str]:
+    """The transforms this checkout has (FaceMAE's `mask` arrived separately)."""
+    from device_sdk.transforms import TRANSFORMS
+
+    return [r for r, (changes, _) in RELEASES.items() if changes.get("release", "none") in ("none", *TRANSFORMS)]
+
+
+def macs_per_image(layer, input_size: int) -> int:
+    """Multiply-accumulates of the device part for one image (torch's flop counter: 2 flops per MAC)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        layer(torch.zeros(1, 3, input_size, input_size))
+    return counter.get_total_flops() // 2
+
+
+def wire_bytes_per_image(release) -> dict[str, int]:
+    """One image's release as the protocol sends it (the msgpack tensor map), in each encoding."""
+    import msgpack
+
+    from protocol.tensor import encode_tensor
+
+    one = release[:1].detach().numpy()
+    return {enc: len(msgpack.packb(encode_tensor(one, enc), use_bin_type=True)) for enc in ("f32", "f16", "i8")}
 
 
 def banded_window_sum(lrn, t):
@@ -50,7 +97,7 @@ PAPER = {"load_s": "< 0.4", "forward_s": "< 0.6", "backward_s": "< 0.2 per sampl
 
 
 def measure(model: str, backend: str, threads: int, data: str, runs: int, warmup: int, artifacts: Path,
-            build: str = "device") -> dict:
+            build: str = "device", release: str = "none") -> dict:
     """One configuration, in this process (the programs were exported and verified into `artifacts` already)."""
     import numpy as np
     import torch
@@ -58,16 +105,17 @@ def measure(model: str, backend: str, threads: int, data: str, runs: int, warmup
     from device_sdk.data import find_lfw_root, load_lfw
     from device_sdk.engine import to_input
     from device_sdk.meter import EnergyCounter, latency_stats, peak_rss_bytes
-    from device_sdk.models import build_backbone, build_device_part, resolve_spec, split_backbone
+    from device_sdk.models import build_backbone, build_device_part, split_backbone
     from device_sdk.models.lrn import PaperLRN
     from device_sdk.runtimes import load_runtime
+    from device_sdk.transforms import release_mask
     from export.verify import reference
 
     import_rss = peak_rss_bytes()  # Python, torch and the SDK, before any model, data or runtime library
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    spec = resolve_spec(model)
-    layer = split_backbone(build_backbone(spec), "conv1")[0] if build == "full" else build_device_part(spec, "conv1")
+    spec, split = release_spec(model, release)
+    layer = split_backbone(build_backbone(spec), split)[0] if build == "full" else build_device_part(spec, split)
     if build == "banded":
         PaperLRN.window_sum = banded_window_sum  # this measuring process only
     for lrn in (m for m in layer.modules() if isinstance(m, PaperLRN)):
@@ -81,15 +129,17 @@ def measure(model: str, backend: str, threads: int, data: str, runs: int, warmup
         load_s.append(time.perf_counter() - t)
     weights = [p.detach() for p in layer.parameters()]
     with torch.no_grad():
-        noise = 0.1 * torch.randn_like(layer(images))
+        released = layer(images)
+    noise = 0.1 * torch.randn_like(released)
     grad = torch.randn_like(noise)
+    mask = release_mask(spec, len(images), tuple(released.shape[1:]), torch.Generator().manual_seed(0))
     if backend == "torch":
         def forward() -> None:
             with torch.no_grad():
-                layer(images) + noise
+                (layer(images) if mask is None else layer(images) * mask) + noise
 
         def backward() -> None:
-            reference(layer, images, noise, grad, weights)
+            reference(layer, images, noise, grad, weights, mask)
         export_s = None
     else:
         t = time.perf_counter()
@@ -98,10 +148,10 @@ def measure(model: str, backend: str, threads: int, data: str, runs: int, warmup
         export_s = time.perf_counter() - t  # loading only: exported before
 
         def forward() -> None:
-            runtime.release(images, noise, weights)
+            runtime.release(images, noise, weights, mask)
 
         def backward() -> None:
-            runtime.weight_grads(images, noise, grad, weights)
+            runtime.weight_grads(images, noise, grad, weights, mask)
     steps = [("forward_s", forward), ("backward_s", backward)]
     if backend == RELOWER:
         # XNNPACK runs the conv only with constant weights: after every weight change, lower a static-weight
@@ -139,6 +189,9 @@ def measure(model: str, backend: str, threads: int, data: str, runs: int, warmup
         e1 = energy.read_joules()
         joules.append(None if e0 is None else e1 - e0)
     return {"model": model, "input": spec.input_size, "backend": backend, "threads": threads, "build": build,
+            "release": release, "split": split, "released_shape": list(released.shape[1:]),
+            "trains": bool(weights), "macs_per_image": macs_per_image(layer, spec.input_size),
+            "wire_bytes_per_image": wire_bytes_per_image(released),
             "load_s": latency_stats(load_s, warmup), **{k: latency_stats(v, warmup) for k, v in timings.items()},
             "program_load_s": export_s, "peak_rss_bytes": peak_rss_bytes(), "import_rss_bytes": import_rss,
             "energy_j_per_batch": None if energy.reason else sum(joules[warmup:]) / runs, "energy_note": energy.reason}
@@ -196,6 +249,69 @@ def lrn_window(runs: int, threads: int = 1) -> list[dict]:
     return out
 
 
+NOISE_VALUES = 8 * 64 * 112 * 112  # one IResNet-18 conv1 release of a batch of 8
+NOISE_SIGMA2 = 400  # the exact sampler's variance in quantisation steps (sigma = 20 steps)
+
+
+def noise_speed(runs: int, threads: list[int]) -> list[dict]:
+    """Drawing one release's noise (8 x 64 x 112 x 112 values) three ways, each checked for its variance
+    first: torch.randn on a seeded Mersenne Twister generator (today's source), ChaCha20 keyed from the OS
+    CSPRNG with Box-Muller in float32 (the fast option), and the exact option's discrete Gaussian sampled in
+    integers (CKS20). The exact sampler is numpy and single-threaded: it runs at one thread only."""
+    import numpy as np
+    import torch
+
+    from device_sdk.meter import latency_stats
+    from device_sdk.privacy.discrete import DiscreteGaussian
+    from device_sdk.privacy.fastnoise import NoiseStream, fresh_key, gaussian
+
+    n = NOISE_VALUES
+    generator = torch.Generator().manual_seed(int.from_bytes(fresh_key()[:8], "little"))
+    samplers = {
+        "torch.randn (Mersenne Twister, float32)": (lambda: torch.randn(n, generator=generator), 1.0),
+        "ChaCha20 + Box-Muller (fast, float32)": (lambda: gaussian((n,), NoiseStream(fresh_key())), 1.0),
+        "ChaCha20 + discrete Gaussian (exact, int64)":
+            (lambda: torch.from_numpy(DiscreteGaussian(NOISE_SIGMA2).sample(n, NoiseStream(fresh_key()))),
+             DiscreteGaussian(NOISE_SIGMA2).variance())}
+    out = []
+    for t in threads:
+        torch.set_num_threads(t)
+        for name, (draw, variance) in samplers.items():
+            if "discrete" in name and t > 1:
+                continue
+            sample = draw()
+            got = float(sample[:1_000_000].to(torch.float64).var())
+            if abs(got - variance) > 0.02 * variance:
+                raise SystemExit(f"{name}: variance {got}, expected {variance}")
+            del sample
+            seconds = []
+            for _ in range(runs):
+                start = time.perf_counter()
+                draw()
+                seconds.append(time.perf_counter() - start)
+            out.append({"sampler": name, "threads": t, "values": n, "seconds": latency_stats(seconds)})
+            print(f"{name}, {t} threads: {np.mean(seconds) * 1e3:.0f} ms", flush=True)
+    return out
+
+
+def noise_table(rows: list[dict]) -> str:
+    lines = [f"Noise for one release of {rows[0]['values']:,} values (IResNet-18 conv1 at 112 px, batch 8), ms as mean / min over "
+             f"the timed calls after one call checked for its variance; exact sampler at sigma^2 = {NOISE_SIGMA2} "
+             "quantisation steps; the CPU is shared, so compare within a column:", "",
+             "| sampler | guarantee | " + " | ".join(f"{t} thread{'s' if t > 1 else ''}"
+                                                    for t in dict.fromkeys(r["threads"] for r in rows)) + " |",
+             "|---|---|" + "---|" * len(set(r["threads"] for r in rows))]
+    guarantee = {"torch": "float sampler; Mersenne Twister, not a CSPRNG", "Box-Muller": "float sampler (low bits leak)",
+                 "discrete": "exact on the integers"}
+    for sampler in dict.fromkeys(r["sampler"] for r in rows):
+        g = next(v for k, v in guarantee.items() if k in sampler)
+        cells = {r["threads"]: r["seconds"] for r in rows if r["sampler"] == sampler}
+        lines.append(f"| {sampler} | {g} | " + " | ".join(
+            f"{cells[t]['mean'] * 1e3:.0f} / {cells[t]['min'] * 1e3:.0f}" if t in cells else "not run (single-threaded)"
+            for t in dict.fromkeys(r["threads"] for r in rows)) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def lrn_table(rows: list[dict]) -> str:
     lines = ["LRN window sum alone (8 x 64 x 224 x 224, one thread), ms as mean / min over the timed calls, "
              "after one call that checks the output against eager PyTorch; the CPU is shared:", "", "| runtime | 5-tap slices | former banded 1x1 conv |",
@@ -212,22 +328,28 @@ def row(r: dict) -> str:
         return f"{stats['mean'] * 1e3:.0f} / {stats['trimmed_mean'] * 1e3:.0f} / {stats['p50'] * 1e3:.0f} / {stats['p99'] * 1e3:.0f}"
     energy = "unavailable" if r["energy_j_per_batch"] is None else f"{r['energy_j_per_batch']:.2f} J"
     update = ms(r["update_s"]) if "update_s" in r else "none (weights are inputs)"
-    return (f"| {r['model']} {r['input']}px | {r['backend']} | {r['threads']} | {BUILDS[r['build']]} | {ms(r['load_s'])} | "
-            f"{update} | {ms(r['forward_s'])} | "
-            f"{ms(r['backward_s'])} | {r['peak_rss_bytes'] / 2**20:.0f} MB | {r['import_rss_bytes'] / 2**20:.0f} MB | "
-            f"{energy} |")
+    wire = r["wire_bytes_per_image"]
+    release = r["release"] if r["release"] == "none" else f"{r['release']} ({json.dumps(RELEASES[r['release']][0])})"
+    return (f"| {r['model']} {r['input']}px | {release} at {r['split']} | {r['backend']} | {r['threads']} | "
+            f"{BUILDS[r['build']]} | {r['macs_per_image'] / 1e6:.1f} | {wire['f32']:,} / {wire['i8']:,} | "
+            f"{ms(r['load_s'])} | {update} | {ms(r['forward_s'])} | "
+            f"{ms(r['backward_s']) if r['trains'] else 'nothing trains'} | {r['peak_rss_bytes'] / 2**20:.0f} MB | "
+            f"{r['import_rss_bytes'] / 2**20:.0f} MB | {energy} |")
 
 
 def table(results: list[dict], machine: str) -> str:
     lines = [f"Device-layer cost per batch of 8, measured on {machine}. Not a phone: compare backends and thread "
              "counts with each other; the paper's Nexus 6P figures are for orientation only.",
              "", "Times in ms as mean / trimmed mean / p50 / p99, warm-up excluded. Forward = the release "
-             "(conv1 + ReLU + LRN + noise); backward = the weight gradient from the server's gradient.", "",
-             "| model | backend | threads | build | load 8 images | weight update | forward | backward | peak RSS "
-             "| of which imports | energy |",
-             "|---|---|---:|---|---|---|---|---|---:|---:|---|"]
+             "(conv1 + ReLU + LRN, then the release transform if any, times its mask if any, plus the noise given as an "
+             "input); backward = the weight gradient from the server's gradient. MMAC: multiply-accumulates of the "
+             "device part per image (torch's flop counter). Wire: one image's release as the protocol's tensor map, in "
+             "bytes, f32 / i8.", "",
+             "| model | release | backend | threads | build | MMAC/image | wire bytes/image (f32 / i8) | load 8 images "
+             "| weight update | forward | backward | peak RSS | of which imports | energy |",
+             "|---|---|---|---:|---|---:|---:|---|---|---|---|---:|---:|---|"]
     lines += [row(r) for r in results]
-    lines += [f"| **paper, Nexus 6P** (VGG-Face) | | | | {PAPER['load_s']} s | | {PAPER['forward_s']} s | "
+    lines += [f"| **paper, Nexus 6P** (VGG-Face) | | | | | | | {PAPER['load_s']} s | | {PAPER['forward_s']} s | "
               f"{PAPER['backward_s']} s | {PAPER['peak_rss']} | | {PAPER['energy']} |", ""]
     lines += ["Peak RSS is the whole measuring process's peak, PyTorch's import included (the programs were "
               "exported and verified in another process first); 'of which imports' is the peak right after importing "
@@ -246,7 +368,11 @@ def table(results: list[dict], machine: str) -> str:
               "constants and loaded ('weight update': torch.export + lowering + serialising + loading, on this host; "
               "a phone has no exporter, so this measures what re-lowering would cost, not a path a phone can take), "
               "then run; its backward is the same training program as executorch's. Verified against eager PyTorch "
-              "with changed weights before timing.", ""]
+              "with changed weights before timing.",
+              f"Release transforms ({RELEASE_MODEL} only, the frontier's points at their splits): every program was "
+              "exported and verified against eager PyTorch first (`python -m export`); the dct device part has no "
+              "weights (nothing trains); dct-keep and mask pass their per-image mask to the release program as an "
+              "input. The wire bytes are the dense tensor's: a mask's zeros cost as much as values.", ""]
     notes = {r["energy_note"] for r in results if r["energy_note"]}
     lines += [f"Energy: {n}." for n in notes]
     return "\n".join(lines) + "\n"
@@ -264,62 +390,100 @@ def main(argv: list[str] | None = None) -> None:
                    help="thread counts to measure (default: 1 and all cores)")
     p.add_argument("--artifacts", type=Path, default=None,
                    help="keep the exported programs in DIR/<model> and reuse verified ones (default: a fresh export)")
+    p.add_argument("--releases", nargs="+", default=None, choices=list(RELEASES),
+                   help=f"release transforms measured for {RELEASE_MODEL} (default: every one this checkout has)")
     p.add_argument("--lrn-window", action="store_true",
                    help="only time the LRN window sum per runtime (5-tap vs banded) and add it to the results in --out")
+    p.add_argument("--noise", action="store_true",
+                   help="only time the noise samplers (torch.randn, fast, exact) and add them to the results in --out")
     p.add_argument("--one", help=argparse.SUPPRESS)  # model,backend,threads,artifacts,build: one configuration
     args = p.parse_args(argv)
     if args.one:
-        model, backend, threads, artifacts, build = args.one.split(",")
+        model, backend, threads, artifacts, build, release = args.one.split(",")
         print("RESULT " + json.dumps(measure(model, backend, int(threads), args.data, args.runs, args.warmup,
-                                             Path(artifacts), build)))
+                                             Path(artifacts), build, release)))
         return
-    if args.lrn_window:
+    if args.lrn_window or args.noise:
         saved = json.loads(args.out.with_suffix(".json").read_text())
-        saved["lrn_window"] = lrn_window(args.runs)
-        text = table(saved["results"], saved["machine"]) + "\n" + lrn_table(saved["lrn_window"])
+        if args.lrn_window:
+            saved["lrn_window"] = lrn_window(args.runs)
+        if args.noise:
+            saved["noise"] = noise_speed(args.runs, sorted(set(args.threads or {1, os.cpu_count() or 1})))
+        saved["load_after"] = os.getloadavg()
+        args.out.with_suffix(".json").write_text(json.dumps(saved, indent=2))
+        text = full_text(saved)
         print(text)
         args.out.with_suffix(".txt").write_text(text)
-        args.out.with_suffix(".json").write_text(json.dumps(saved, indent=2))
         return
     cores = os.cpu_count() or 1
     results = []
+    load_before = os.getloadavg()
     for model in args.models:
-        artifacts = (args.artifacts / model) if args.artifacts else Path(tempfile.mkdtemp(prefix=f"bench-{model}-"))
-        if (artifacts / "manifest.json").exists() and "checks" in (artifacts / "manifest.json").read_text():
-            print(f"reusing the verified programs in {artifacts}", flush=True)
-            export = None
-        else:
-            print(f"exporting and verifying {model} into {artifacts} ...", flush=True)
-            export = subprocess.run([sys.executable, "-m", "export", "--model", model, "--batch-size", "8", "--dp-clamp",
-                                     "--out", str(artifacts)], capture_output=True, text=True, cwd=ROOT)
-        if export is not None and export.returncode != 0:
-            raise SystemExit(f"export of {model} failed:\n{export.stdout[-2000:]}{export.stderr[-3000:]}")
-        for backend in args.backends:
-            for threads in [1] if backend == RELOWER else sorted(set(args.threads or {1, cores})):
-                builds = ["device"]
-                if model == "vgg_face" and threads == 1 and backend in ("torch", "executorch"):
-                    builds += ["full", "banded"] if backend == "torch" else ["full"]
-                for build in builds:
-                    cmd = [sys.executable, __file__, "--data", args.data, "--runs", str(args.runs), "--warmup",
-                           str(args.warmup), "--one", f"{model},{backend},{threads},{artifacts},{build}"]
-                    proc = subprocess.run(cmd, capture_output=True, text=True)
-                    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-                    if proc.returncode != 0 or not line:
-                        raise SystemExit(f"{model} {backend} {threads} threads {build} failed:\n{proc.stderr[-3000:]}")
-                    results.append(json.loads(line[0][len("RESULT "):]))
-                    print(row(results[-1]), flush=True)
-                    write(args.out, results, cores)  # after every row: a later failure keeps what was measured
+        releases = [r for r in (args.releases or available_releases()) if model == RELEASE_MODEL or r == "none"]
+        for release in releases:
+            artifacts = export_programs(model, release, args.artifacts)
+            backends = [b for b in args.backends if release == "none" or b in RELEASE_BACKENDS]
+            for backend in backends:
+                for threads in [1] if backend == RELOWER else sorted(set(args.threads or {1, cores})):
+                    builds = ["device"]
+                    if model == "vgg_face" and threads == 1 and backend in ("torch", "executorch"):
+                        builds += ["full", "banded"] if backend == "torch" else ["full"]
+                    for build in builds:
+                        cmd = [sys.executable, __file__, "--data", args.data, "--runs", str(args.runs), "--warmup",
+                               str(args.warmup), "--one", f"{model},{backend},{threads},{artifacts},{build},{release}"]
+                        proc = subprocess.run(cmd, capture_output=True, text=True)
+                        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+                        if proc.returncode != 0 or not line:
+                            raise SystemExit(f"{model} {release} {backend} {threads} threads {build} failed:\n"
+                                             f"{proc.stderr[-3000:]}")
+                        results.append(json.loads(line[0][len("RESULT "):]))
+                        print(row(results[-1]), flush=True)
+                        # after every row: a later failure keeps what was measured
+                        write(args.out, results, cores, load_before)
     print(table(results, machine_name(cores)))
+
+
+def export_programs(model: str, release: str, keep: Path | None) -> Path:
+    """Export and verify the configuration's programs in another process (its memory stays out of the rows),
+    or reuse verified ones kept from an earlier run."""
+    artifacts = (keep / f"{model}-{release}") if keep else Path(tempfile.mkdtemp(prefix=f"bench-{model}-{release}-"))
+    if (artifacts / "manifest.json").exists() and "checks" in (artifacts / "manifest.json").read_text():
+        print(f"reusing the verified programs in {artifacts}", flush=True)
+        return artifacts
+    print(f"exporting and verifying {model} ({release}) into {artifacts} ...", flush=True)
+    spec, split = release_spec(model, release)
+    described = model if release == "none" else json.dumps(spec.to_dict())
+    export = subprocess.run([sys.executable, "-m", "export", "--model", described, "--split", split, "--batch-size", "8",
+                             "--dp-clamp", "--out", str(artifacts)], capture_output=True, text=True, cwd=ROOT)
+    if export.returncode != 0:
+        raise SystemExit(f"export of {model} ({release}) failed:\n{export.stdout[-2000:]}{export.stderr[-3000:]}")
+    return artifacts
 
 
 def machine_name(cores: int) -> str:
     return f"{platform.processor() or platform.machine()}, {cores} cores, {platform.system()} (shared CI-class VM)"
 
 
-def write(out: Path, results: list[dict], cores: int) -> None:
-    out.with_suffix(".txt").write_text(table(results, machine_name(cores)))
-    out.with_suffix(".json").write_text(json.dumps({"machine": machine_name(cores), "paper_nexus_6p": PAPER,
-                                                    "results": results}, indent=2))
+def full_text(saved: dict) -> str:
+    """The results file's text: the main table, then the LRN and noise tables when measured."""
+    text = table(saved["results"], saved["machine"])
+    load = saved.get("load_before")
+    if load:
+        text += (f"\nMachine load (1/5/15-minute averages on {os.cpu_count()} cores; other jobs ran at the same "
+                 f"time): {' / '.join(f'{x:.1f}' for x in load)} when the rows started, "
+                 f"{' / '.join(f'{x:.1f}' for x in saved['load_after'])} after the last.\n")
+    if "lrn_window" in saved:
+        text += "\n" + lrn_table(saved["lrn_window"])
+    if "noise" in saved:
+        text += "\n" + noise_table(saved["noise"])
+    return text
+
+
+def write(out: Path, results: list[dict], cores: int, load_before: tuple[float, ...]) -> None:
+    saved = {"machine": machine_name(cores), "paper_nexus_6p": PAPER, "results": results,
+             "load_before": load_before, "load_after": os.getloadavg()}
+    out.with_suffix(".json").write_text(json.dumps(saved, indent=2))
+    out.with_suffix(".txt").write_text(full_text(saved))
 
 
 if __name__ == "__main__":
