@@ -351,17 +351,16 @@ def device_logs(folder: Path) -> str:
 def test_device_trains_from_the_round_messages_as_in_process(population, init_state):
     """The device's path (ROUND_START + MODEL bytes -> train_client -> UPDATE bytes) gives the in-process client's
     update bit for bit, here with the global head in MODEL (FedAvg; FedEmb's local head: the socket tests)."""
-    global_head = True
     from edge_server.federated.engine import ClientTask
     images, labels = population.of_users(np.array([0, 1, 2]))
     torch.manual_seed(1)
-    head = {"weight": torch.randn(6, 16) * 0.01, "bias": torch.zeros(6)} if global_head else None
+    head = {"weight": torch.randn(6, 16) * 0.01, "bias": torch.zeros(6)}
     task = ClientTask(1, 0, TINY, init_state, images, labels, LocalConfig(batch_size=4, lr=0.05, clip_norm=0.5), 123,
                       head)
     config, clip = config_to_wire(task.config)
     board = RoundBoard(TINY.to_dict())
-    board.open(1, {"client-0": task.seed}, config, clip, upload_shapes(TINY, None if head is None else (6, 16)),
-               state_to_wire(init_state), None if head is None else state_to_wire(head), 1, 60.0)
+    board.open(1, {"client-0": task.seed}, config, clip, upload_shapes(TINY, (6, 16)), state_to_wire(init_state),
+               state_to_wire(head), 1, 60.0)
     device = FederatedDevice("ws://127.0.0.1:1", "client-0", TOKEN, TINY, images, labels)
     update = m.decode(device._train(m.decode(board.offer("client-0")), m.decode(board.model_for("client-0", 1))))
     expected = run_task(task)
