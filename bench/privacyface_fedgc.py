@@ -42,6 +42,7 @@ def runs() -> list[tuple[str, MethodConfig | None]]:
         ("fedpe", MethodConfig("fedpe", **BASE)),
         ("fixed-head", MethodConfig("fixed-head", **{**BASE, "head": fixed})),
         ("fedgc lambda=20", MethodConfig("fedgc", **BASE)),
+        ("fedgc lambda=20 s=32", MethodConfig("fedgc", **BASE, fedgc_scale=32.0)),  # the local loss's scale
     ]
     for t, eps in ((2, 1.0), (1, math.inf), (1, 1.0)):
         rows.append((f"privacyface T={t} eps/query={eps:g}",
