@@ -368,3 +368,30 @@ def test_device_trains_from_the_round_messages_as_in_process(population, init_st
     assert all(np.array_equal(update["delta"][k], v.numpy()) for k, v in expected.delta.items())
     assert update["norm"] == expected.norm and update["loss"] == expected.loss
     assert m.decode(board.accept("client-0", update))["type"] == m.UPDATE_ACK
+
+
+def test_hostile_round_messages_get_protocol_errors_and_store_nothing_bad():
+    """Seeded mutations (protocol.mutate) of every federated vector fed to an admitted federated session with a
+    round open: each gets a well-formed reply, never an exception, and whatever was stored is a valid update."""
+    import random
+
+    from protocol.mutate import mutate
+    from protocol.vectors import generate as gen
+    vectors = [p.read_bytes() for p in sorted((Path(gen.__file__).parent / "federated").glob("*.msgpack"))]
+    rng = random.Random(0)
+    codes: set[str] = set()
+    for i in range(600):
+        board = gen.federated_board()
+        session = ServerSession(ServerInfo(model=gen.MODEL, split="", activation_shape=(), embedding_dim=1,
+                                           num_classes=0, max_batch=0, heads=()),
+                                lambda d, t: t == gen.TOKEN, {}, lambda d: 0, board)
+        assert isinstance(session.receive(FederatedClientSession(gen.FEDERATED_DEVICE, gen.TOKEN,
+                                                                 dict(gen.MODEL)).hello()), Admit)
+        _, data = mutate(rng.choice(vectors), rng)
+        reply = m.decode(session.receive(data).data)
+        codes.add(reply.get("code", reply["type"]))
+        for upload in board.current.uploads.values():
+            assert list(upload["delta"]) == ["conv.weight"] and upload["delta"]["conv.weight"].shape == (2, 2)
+            assert np.isfinite(upload["delta"]["conv.weight"]).all()
+            assert np.linalg.norm(upload["delta"]["conv.weight"].astype(np.float64)) <= 0.05
+    assert {"bad_message", "bad_tensor", "bad_state"} <= codes  # the mutations reached every kind of refusal
