@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from device_sdk.federated.dplc import DPLCConfig, dplc_sigma
 from device_sdk.federated.private_head import HeadConfig
 from device_sdk.models import build_backbone, resolve_spec
 from edge_server.federated.experiment import load_shared, summary_row
-from edge_server.federated.methods import MethodConfig, PrivateHeadRun
+from edge_server.federated.methods import MethodConfig, PrivateHeadRun, class_embedding_linkage
 from edge_server.federated.privacyface_accounting import identity_epsilon
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,6 +85,8 @@ def run_one(shared, name: str, config: MethodConfig | None) -> dict:
              "clients_per_round": config.clients_per_round, "dplc_calls_max": int(run.dplc_calls.max()),
              "history": history, "config": json.loads(json.dumps(dataclasses.asdict(config), default=str)),
              "privacy": privacy, "wall_s": time.time() - started}
+    if config.method in ("fedpe", "fedgc"):  # FedGC uploads these heads; FedPE's stay home (a reference)
+        extra.update(class_embedding_linkage(run, shared.evaluator.public_images))
     if config.method == "privacyface":
         released = [h["clusters_released"] for h in history]
         extra.update({"clusters_released_total": int(sum(released)), "dplc_min_members": config.dplc.min_members,
@@ -125,7 +126,9 @@ def main() -> None:
             print(f"{name}: View 1 {row['view1_accuracy']:.3f} +- {row['view1_std']:.3f}, "
                   f"TAR@1e-2 {row['tar_at_far_1e-2']:.3f}, identity-level eps {row['epsilon']}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "max_users": args.max_users,
+    command = ["python", "bench/privacyface_fedgc.py", "--data", "LFW", "--backbone", str(args.backbone)] + \
+        (["--max-users", str(args.max_users)] if args.max_users != 200 else [])  # every run, from the cache or not
+    args.out.write_text(json.dumps({"command": " ".join(command), "max_users": args.max_users,
                                     "backbone": str(args.backbone), "rows": rows,
                                     "dplc_tradeoff": dplc_tradeoff(shared.spec.embedding_dim, BASE["rounds"])}, indent=2))
     print(f"wrote {args.out} ({time.time() - started:.0f} s)")

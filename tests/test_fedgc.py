@@ -106,3 +106,23 @@ def test_a_fedgc_round_trains_and_corrects_every_head_it_holds(tiny_federation):
     start = {c: fixed._first_head(c, *population.of_users(fixed.clients[c])) for c in range(len(fixed.clients))}
     fixed.run(log=lambda s: None)
     assert all(torch.equal(fixed.heads[c], start[c]) for c in fixed.heads)  # the fixed head never trains
+
+
+@pytest.mark.slow
+def test_class_embedding_linkage_finds_a_head_row_equal_to_a_photos_embedding(tiny_federation):
+    from device_sdk.federated.private_head import HeadConfig
+    from edge_server.federated.evaluate import recalibrate_bn
+    from edge_server.federated.methods import MethodConfig, PrivateHeadRun, class_embedding_linkage
+    spec, population, init = tiny_federation
+    run = PrivateHeadRun(MethodConfig("fedpe", rounds=1, users_per_client=2, clients_per_round=2,
+                                      head=HeadConfig(epochs=1, batch_size=4)), spec, population, init)
+    public = population.images[::2]
+    model = recalibrate_bn(run.backbone, public)
+    with torch.no_grad():
+        for c, users in enumerate(run.clients):  # each row: the embedding of one photo of its own person
+            first = [int(np.flatnonzero(population.labels == u)[0]) for u in users]
+            run.heads[c] = model(torch.from_numpy(population.images[first]).float() / 255)
+    link = class_embedding_linkage(run, public)
+    assert link["linkage_rows"] == 4 and link["linkage_top1"] == 1.0
+    shares = [float((population.labels == u).mean()) for u in range(4)]
+    assert link["linkage_chance"] == pytest.approx(sum(shares) / 4)

@@ -31,7 +31,9 @@ from device_sdk.federated.private_head import HeadConfig, class_means, train_pri
 from device_sdk.models import ModelSpec, build_backbone
 
 from .aggregation import check_update
+from ..evaluation.verification import embed_in_batches
 from .engine import derived_seed
+from .evaluate import recalibrate_bn
 from .fedgc import gradient_correction
 from .population import Population, virtual_clients
 from .privacyface_accounting import identity_epsilon
@@ -149,3 +151,22 @@ class PrivateHeadRun:
             log(f"{self.config.method} round {row['round']}/{self.config.rounds}: loss {row['loss']:.3f}{extra} "
                 f"({row['wall_s']:.1f} s)")
         return history
+
+
+@torch.no_grad()
+def class_embedding_linkage(run: PrivateHeadRun, public_images: np.ndarray) -> dict[str, float]:
+    """What a server holding the heads learns: for each held class embedding (row i of client c's head is the
+    person clients[c][i]), is the private photo whose embedding (the run's backbone, batch norm re-estimated on
+    public images) is nearest to it a photo of that person? Returns the top-1 rate over all held rows, chance
+    (the average share of the photos that are the row's person's) and the rows counted."""
+    model = recalibrate_bn(run.backbone, public_images)
+    photos = F.normalize(torch.from_numpy(embed_in_batches(lambda x: model(torch.from_numpy(x)).numpy(),
+                                                           run.population.images)), dim=1)
+    hits, chance, rows = 0, 0.0, 0
+    for c, head in run.heads.items():
+        users = np.unique(run.population.of_users(run.clients[c])[1])
+        nearest = (F.normalize(head.float(), dim=1) @ photos.T).argmax(dim=1).numpy()
+        hits += int((run.population.labels[nearest] == users).sum())
+        chance += float(sum((run.population.labels == u).mean() for u in users))
+        rows += len(users)
+    return {"linkage_top1": hits / rows, "linkage_chance": chance / rows, "linkage_rows": rows}
