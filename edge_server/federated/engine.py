@@ -264,7 +264,8 @@ class FederatedRun:
             self._save()
             acc = f" view1 {row['view1_accuracy']:.3f}" if "view1_accuracy" in row else ""
             eps = f" eps {row['epsilon']:.3g}" if row.get("epsilon") is not None else ""
-            log(f"round {self.round}/{self.config.rounds}: {row['clients']} clients, {row['users']} users, "
+            log(f"round {self.round}/{self.config.rounds}: {row['clients']} of {row['sampled']} sampled clients, "
+                f"{row['users']} users, "
                 f"loss {row['loss'] if row['loss'] is None else round(row['loss'], 3)}{eps}{acc} "
                 f"({row['wall_s']:.1f} s)")
         return self.history
