@@ -87,3 +87,22 @@ def test_deeper_split_releases_match_eager_and_runtimes_refuse_to_train(tmp_path
         np.testing.assert_allclose(runtime.release(images, noise, weights), layer(images).detach(), atol=1e-4)
         with pytest.raises(NotTrainable, match="BatchNorm2d"):
             runtime.weight_grads(images, noise, torch.ones_like(noise), weights)
+
+
+@pytest.mark.slow  # an export: a few seconds
+def test_facemae_patch_mask_is_a_program_input_and_matches_eager(tmp_path):
+    spec = replace(PRESETS["iresnet_small"], release="mask", mask_patch=8, mask_ratio=0.75)
+    layer = build_device_part(spec, "conv1")  # the image, clamped to [0, 1]: nothing to train
+    mask_shape = transform_mask(spec, layer)
+    assert mask_shape == (1, 64, 64)
+    manifest = export_verified(layer, 64, 2, tmp_path, mask=mask_shape)
+    assert manifest.mask_shape == [2, 1, 64, 64] and manifest.weight_names == []
+    assert all(c["ok"] for c in manifest.verification["checks"].values())
+    images = torch.rand(2, 3, 64, 64) * 1.2  # values above 1 exercise the clamp
+    mask = release_mask(spec, 2, (3, 64, 64), torch.Generator().manual_seed(3))  # the engine's draw
+    noise = 0.05 * torch.randn(2, 3, 64, 64)
+    want = images.clamp(0, 1) * mask + noise
+    for backend in ("executorch", "onnxruntime"):
+        got = load_runtime(backend, layer, 64, 2, tmp_path).release(images, noise, [], mask)
+        assert (got - want).abs().max() < 1e-5
+    assert mask.mean(dim=(1, 2, 3)).tolist() == [0.25, 0.25]  # 16 of the 64 patches visible
