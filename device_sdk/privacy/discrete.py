@@ -44,11 +44,12 @@ MAX_LOOP = 64  # the K of Algorithm 1 reaches k with probability <= 1/(k-1)!: 64
 def bernoulli_exp_at_most_one(num: np.ndarray, den: int, stream: NoiseStream) -> np.ndarray:
     """Per lane, a Bernoulli(exp(-num/den)) with 0 <= num <= den (CKS20 Algorithm 1, gamma <= 1): K counts
     up while Bernoulli(gamma / K) succeeds; the result is whether the first failure came at an odd K."""
-    out = np.empty(len(num), dtype=bool)
-    lanes = np.arange(len(num))
-    k = 1
     if den == 1 and bool((num == 1).all()):  # exp(-1): Bernoulli(1/1) always succeeds, so start at K = 2
-        k = 2
+        out = np.empty(len(num), dtype=bool)
+        lanes, k = np.arange(len(num)), 2
+    else:  # K = 1 over every lane without index arrays (most lanes stop here)
+        out = stream.uniform_below(den, len(num)) >= num  # failed at K = 1 (odd): True
+        lanes, k = np.flatnonzero(~out), 2
     while lanes.size:
         if k > MAX_LOOP:
             raise RuntimeError("Bernoulli(exp(-gamma)) ran past its loop bound (probability < 1e-80)")
