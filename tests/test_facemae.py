@@ -124,3 +124,19 @@ def test_pretraining_smoke_writes_a_file_the_server_loads(tmp_path, lfw):
     _, seeded = split_backbone(build_backbone(MASK), "conv1")
     assert torch.equal(tail.stages["layer1"].state_dict()[next(iter(tail.stages["layer1"].state_dict()))],
                        seeded.stages["layer1"].state_dict()[next(iter(seeded.stages["layer1"].state_dict()))])
+
+
+def test_frontier_only_updates_its_rows_and_has_the_facemae_point(tmp_path):
+    """`bench/frontier.py --only P` (how the facemae point was added) keeps the other points' rows, in POINTS order."""
+    import argparse
+    import json
+
+    from bench import frontier
+    names = [frontier.point_name(t, p) for t, p, _ in frontier.POINTS]
+    assert "facemae-ratio0.75-patch8-lambda_irm1" in names
+    (tmp_path / "summary.json").write_text(json.dumps([{"run": n, "old": True} for n in names[:3]] +
+                                                      [{"run": "gone-point", "old": True}]))
+    args = argparse.Namespace(out=tmp_path, only=[names[-1]])
+    rows = frontier.merged_rows([{"run": names[-1]}, {"run": names[0], "old": False}], args)
+    assert [r["run"] for r in rows] == [*names[:3], names[-1]] and rows[0]["old"] is False and rows[1]["old"]
+    assert frontier.merged_rows([{"run": names[0]}], argparse.Namespace(out=tmp_path, only=None)) == [{"run": names[0]}]
