@@ -19,15 +19,19 @@ BACKENDS = ("torch", "executorch", "onnxruntime")
 
 
 def load_runtime(backend: str, layer: nn.Module, input_size: int, batch_size: int, artifacts: Path,
-                 threads: int | None = None, real_images: np.ndarray | None = None) -> LayerRuntime:
-    """The runtime for `backend`, exporting (and verifying) `layer` into `artifacts` first if it is empty."""
+                 threads: int | None = None, real_images: np.ndarray | None = None,
+                 mask: tuple[int, ...] | None = None) -> LayerRuntime:
+    """The runtime for `backend`, exporting (and verifying) `layer` into `artifacts` first if it is empty.
+
+    `mask`: one image's mask shape when the release transform has one (`export.artifacts.transform_mask`),
+    so that an export made here takes the mask as a program input."""
     if backend not in BACKENDS or backend == "torch":
         raise ValueError(f"backend must be one of {BACKENDS[1:]} here, not {backend!r}")
     from export.artifacts import MANIFEST, Manifest
     from export.verify import export_verified
 
     if not (artifacts / MANIFEST).exists():
-        export_verified(layer, input_size, batch_size, artifacts, real_images)
+        export_verified(layer, input_size, batch_size, artifacts, real_images, mask=mask)
     manifest = Manifest.load(artifacts)
     lrn_max = [m.input_max for m in layer.modules() if hasattr(m, "input_max")]
     layer_max = lrn_max[0] if lrn_max else None
