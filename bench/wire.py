@@ -175,16 +175,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--only", nargs="*", default=None, help="run only these points (f32 always runs: the reference)")
     p.add_argument("--view1-limit", type=int, default=None, help="only this many View 1 pairs (smoke tests)")
     p.add_argument("--force", action="store_true", help="re-train and re-evaluate every point")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: evaluate and tabulate the points whose training has finished")
     p.add_argument("--demo-args", default="--threads 1", help="more splitface-demo arguments")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     points = [pt for pt in POINTS if args.only is None or pt[0] in args.only or pt == POINTS[0]]
+    if args.report_only:   # the points whose training has finished; the others are reported as not measured
+        runs = args.out / "runs"
+        points = [pt for pt in points if all((runs / f"{pt[0]}-seed{s}" / "results.json").exists() for s in args.seeds)]
     rows = [run_point(name, enc, demo, seed, args) for seed in args.seeds for name, enc, demo in points]
+    missing = [name for name, _, _ in POINTS if name not in {p[0] for p in points}]
     summary = summarise(rows)
     config = json.loads((args.out / "runs" / rows[0]["run"] / "results.json").read_text())["config"]
     (args.out / "summary.json").write_text(json.dumps({"target": TARGET, "points": summary, "runs": rows,
-                                                       "seed_spread": spread(rows)}, indent=2) + "\n")
+                                                       "seed_spread": spread(rows), "not_measured": missing},
+                                                      indent=2) + "\n")
     text = table(summary, rows, config)
+    if missing:
+        text += f"\nNot measured in this run: {', '.join(missing)}.\n"
     (args.out / "table.md").write_text(text)
     print(text)
 
