@@ -25,8 +25,9 @@ DATA = ["--min-images", "20", "--max-identities", "20"]
 NUM_CLASSES = 20
 
 
-def _start_server(run_dir: Path, port: int = 0, **extra: str) -> tuple[subprocess.Popen, int]:
-    cmd = [sys.executable, "-m", "edge_server", "serve", "--model", MODEL, "--num-classes", str(NUM_CLASSES),
+def _start_server(run_dir: Path, port: int = 0, num_classes: int = NUM_CLASSES,
+                  **extra: str) -> tuple[subprocess.Popen, int]:
+    cmd = [sys.executable, "-m", "edge_server", "serve", "--model", MODEL, "--num-classes", str(num_classes),
            "--tokens", str(run_dir / "tokens.json"), "--port", str(port), "--run-dir", str(run_dir),
            "--lr", "0.05", "--decay-steps", "400", "--threads", "1"]
     for k, v in extra.items():
@@ -68,7 +69,7 @@ def test_two_devices_learn_on_lfw(tmp_path, lfw, head):
         out, _ = sim.communicate(timeout=900)
         assert sim.returncode == 0, out
     finally:
-        server_out = _stop(server)
+        _stop(server)   # SIGINT: the server checkpoints at shutdown
     results = json.loads((tmp_path / "results.json").read_text())
     epochs = results["epochs"]
     assert len(epochs) == 3 and len(results["devices"]) == 2
@@ -77,10 +78,22 @@ def test_two_devices_learn_on_lfw(tmp_path, lfw, head):
     majority = np.bincount(test_labels).max() / len(test_labels)  # always answering the largest identity
     # Well above chance: beats uniform guessing fivefold and always-the-largest-identity by 10 points.
     assert epochs[-1]["test_acc"] > max(5 / NUM_CLASSES, majority + 0.10), (epochs, majority)
+    # Exactly once: every batch a device committed was applied once by the server (its step count, each device's
+    # progress in the checkpoint it wrote at shutdown, and its metrics), and every training image was seen once
+    # per epoch.
+    final = load_checkpoint(tmp_path / "checkpoint.pt")
+    committed = {d["device_id"]: sum(e["batches"] for e in d["epochs"]) for d in results["devices"]}
+    samples = {d["device_id"]: 3 * d["train_samples"] for d in results["devices"]}
+    assert {d: r["last_applied"] for d, r in final["devices"].items()} == committed
+    assert final["trainer"]["steps"] == sum(committed.values())
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert set(metrics["devices"]) == {"device-0", "device-1"}
-    assert metrics["global"]["bytes_in"] > 0 and metrics["global"]["samples_per_s"] > 0
-    assert "checkpoint" in server_out
+    assert {d: c["batches"] for d, c in metrics["devices"].items()} == committed
+    assert {d: c["samples"] for d, c in metrics["devices"].items()} == samples
+    assert metrics["errors"] == {}
+    for d in results["devices"]:   # the server received at least every training message the device sent
+        assert metrics["devices"][d["device_id"]]["bytes_in"] > sum(e["bytes_sent"] for e in d["epochs"])
+    # The server head computes the loss from labels it receives; with the device head it never sees a label.
+    assert metrics["global"]["labelled"] == (metrics["global"]["samples"] if head == "server" else 0)
 
 
 def test_killed_server_resumes_and_devices_finish(tmp_path, lfw):
