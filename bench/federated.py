@@ -15,12 +15,17 @@ round (--force starts afresh).
 
 `--wire` instead writes results/federated/wire.json: the bytes of each round message per client and round for
 the bench's model (encoded by the protocol's own builders; f32 sizes do not depend on the values).
+`--backends` instead runs one short DP-FedEmb run (random-init backbone: the backends, not accuracy) on each
+backend in turn - in-process, Ray (local, 2 CPUs), websocket with one device process per virtual client on
+this machine - and writes results/federated/backends.json: wall time per round side by side and whether each
+final global model equals the in-process one bit for bit (every client on one torch thread).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -231,6 +236,64 @@ def wire_bytes(spec_name: str = "iresnet_small", users: int = 1073) -> dict:
     return out
 
 
+def compare_backends(lfw: str | None, out: Path, users: int = 24, rounds: int = 3) -> dict:
+    """The same run on the three backends; wall time of the rounds and bit-for-bit equality with in-process."""
+    import tempfile
+
+    import ray
+
+    from device_sdk.models import build_backbone
+    from edge_server.auth import hash_token
+    from edge_server.federated import FederatedRun, in_process, load_population, virtual_clients
+    from edge_server.federated.ray_backend import ray_backend
+    from edge_server.federated.websocket import client_device_id, hosted_rounds, launch_devices
+
+    torch.set_num_threads(1)
+    spec = resolve_spec("iresnet_small")
+    population = load_population(lfw, spec.input_size, max_users=users, seed=0)
+    config = dataclasses.replace(CONFIG, method="dp-fedemb", noise_multiplier=1.0, rounds=rounds, users_per_client=6,
+                                 clients_per_round=users / 6, local_epochs=1)
+    torch.manual_seed(0)
+    init = build_backbone(spec).state_dict()
+    clients = virtual_clients(len(population.users), config.users_per_client, config.seed)
+    result = {"model": "iresnet_small", "method": config.method, "users": users, "virtual_clients": len(clients),
+              "rounds": rounds, "local_epochs": config.local_epochs, "batch_size": config.batch_size, "backends": {}}
+    models = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        def timed(name: str, backend) -> None:
+            run = FederatedRun(config, spec, population, init, Path(tmp) / name, backend)
+            started = time.perf_counter()
+            run.run(log=lambda line: print(f"{name}: {line}", flush=True))
+            wall = time.perf_counter() - started
+            models[name] = run.backbone.state_dict()
+            ref = models["in-process"]
+            result["backends"][name] = {
+                "wall_s": wall, "round_wall_s": [row["wall_s"] for row in run.history],
+                "clients_per_round": [row["clients"] for row in run.history],
+                "equal_to_in_process": all(torch.equal(ref[k], v) for k, v in models[name].items()),
+                "max_abs_diff": max(float((ref[k].double() - v.double()).abs().max()) for k, v in models[name].items())}
+
+        timed("in-process", in_process)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            timed("ray", ray_backend)
+        finally:
+            ray.shutdown()
+        tokens = {client_device_id(c): f"bench-token-{c}" for c in range(len(clients))}
+        with hosted_rounds(spec, {d: hash_token(t) for d, t in tokens.items()}, Path(tmp) / "server") as backend:
+            devices = launch_devices(backend.url, spec, [population.of_users(c) for c in clients],
+                                     Path(tmp) / "devices", tokens)
+            timed("websocket", backend)
+        for process in devices:
+            process.wait(60)
+    result["note"] = ("wall_s counts the rounds only; the first round of ray and websocket includes starting the Ray "
+                      "workers / the device processes; one run each on a shared machine (load average in load_average)")
+    result["load_average"] = list(os.getloadavg())
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "backends.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=None, help="LFW folder (default: $SPLITFACE_DATA, ...)")
@@ -245,7 +308,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--force", action="store_true")
     p.add_argument("--wire", action="store_true", help="only write wire.json (round message sizes); no training")
+    p.add_argument("--backends", action="store_true", help="only compare the backends (backends.json)")
     args = p.parse_args()
+    if args.backends:
+        print(json.dumps(compare_backends(args.data, args.out), indent=2))
+        return
     if args.wire:
         sizes = wire_bytes()
         (args.out / "wire.json").write_text(json.dumps(sizes, indent=2) + "\n")
