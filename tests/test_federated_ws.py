@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from device_sdk.client import UntrustedServer
 from device_sdk.federated import LocalConfig
 from device_sdk.federated.device import FederatedDevice
 from device_sdk.federated.wire import (backbone_template, config_from_wire, config_to_wire, state_from_wire,
@@ -395,3 +396,26 @@ def test_hostile_round_messages_get_protocol_errors_and_store_nothing_bad():
             assert np.isfinite(upload["delta"]["conv.weight"]).all()
             assert np.linalg.norm(upload["delta"]["conv.weight"].astype(np.float64)) <= 0.05
     assert {"bad_message", "bad_tensor", "bad_state"} <= codes  # the mutations reached every kind of refusal
+
+
+def test_federated_devices_use_wss_and_refuse_an_untrusted_server(tmp_path):
+    """The federated server serves wss:// like the split one; a device trusting its CA joins (and hears the run is
+    finished), one trusting another CA fails clearly instead of sending its token."""
+    import trustme
+    ca, other = trustme.CA(), trustme.CA()
+    cert = ca.issue_cert("localhost")
+    cert.private_key_and_cert_chain_pem.write_to_path(tmp_path / "cert.pem")
+    cert.private_key_pem.write_to_path(tmp_path / "key.pem")
+    ca.cert_pem.write_to_path(tmp_path / "ca.pem")
+    other.cert_pem.write_to_path(tmp_path / "other.pem")
+    server = federated_server(TINY, {"client-0": hash_token(TOKEN)}, tmp_path / "server", host="localhost",
+                              tls_cert=tmp_path / "cert.pem", tls_key=tmp_path / "key.pem")
+    images, labels = np.zeros((2, 3, 16, 16), np.uint8), np.array([0, 1])
+    with server as thread:
+        assert thread.url.startswith("wss://")
+        WebsocketBackend(thread).finish()
+        trusting = FederatedDevice(thread.url, "client-0", TOKEN, TINY, images, labels, ca_file=tmp_path / "ca.pem")
+        assert asyncio.run(trusting.run()) == []
+        wary = FederatedDevice(thread.url, "client-0", TOKEN, TINY, images, labels, ca_file=tmp_path / "other.pem")
+        with pytest.raises(UntrustedServer, match="not accepted"):  # at once, not after the reconnect timeout
+            asyncio.run(wary.run())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from protocol import messages as m
 from protocol.errors import ErrorCode, RemoteError
 from protocol.session import FederatedClientSession
 
-from ..client import tls_context
+from ..client import UntrustedServer, tls_context
 from ..models import ModelSpec, build_classifier
 from .client import train_client
 from .wire import backbone_template, config_from_wire, state_from_wire
@@ -62,6 +63,10 @@ class FederatedDevice:
             except RemoteError:
                 await self.close()
                 raise  # unauthorised, wrong model: retrying cannot help
+            except ssl.SSLCertVerificationError as exc:
+                await self.close()
+                raise UntrustedServer(f"{self.session.device_id}: TLS certificate of {self.url} not accepted: "
+                                      f"{exc.verify_message or exc}") from exc
             except (OSError, ConnectionClosed, InvalidHandshake, TimeoutError) as exc:
                 await self.close()
                 if time.monotonic() + delay > deadline:
