@@ -23,6 +23,9 @@ pytestmark = pytest.mark.slow  # real processes or real-face training: the full 
 MODEL = "iresnet_small"
 DATA = ["--min-images", "20", "--max-identities", "20"]
 NUM_CLASSES = 20
+# Two epochs clear the accuracy bar below by a wide margin (measured: test accuracy 0.68-0.77 after epoch 2 in
+# both heads against a bar of 0.45); a third added a third of the time and no check.
+LEARN_EPOCHS = 2
 
 
 def _start_server(run_dir: Path, port: int = 0, num_classes: int = NUM_CLASSES,
@@ -65,14 +68,14 @@ def test_two_devices_learn_on_lfw(tmp_path, lfw, head):
     tokens = _setup(tmp_path)
     server, port = _start_server(tmp_path)
     try:
-        sim = _simulator(port, lfw, tmp_path, tokens, epochs=3, head=head)
+        sim = _simulator(port, lfw, tmp_path, tokens, epochs=LEARN_EPOCHS, head=head)
         out, _ = sim.communicate(timeout=900)
         assert sim.returncode == 0, out
     finally:
         _stop(server)   # SIGINT: the server checkpoints at shutdown
     results = json.loads((tmp_path / "results.json").read_text())
     epochs = results["epochs"]
-    assert len(epochs) == 3 and len(results["devices"]) == 2
+    assert len(epochs) == LEARN_EPOCHS and len(results["devices"]) == 2
     assert epochs[-1]["train_loss"] < epochs[0]["train_loss"] - 0.3, epochs
     test_labels = load_lfw(lfw, min_images=20, max_identities=20).test.labels
     majority = np.bincount(test_labels).max() / len(test_labels)  # always answering the largest identity
@@ -83,7 +86,7 @@ def test_two_devices_learn_on_lfw(tmp_path, lfw, head):
     # per epoch.
     final = load_checkpoint(tmp_path / "checkpoint.pt")
     committed = {d["device_id"]: sum(e["batches"] for e in d["epochs"]) for d in results["devices"]}
-    samples = {d["device_id"]: 3 * d["train_samples"] for d in results["devices"]}
+    samples = {d["device_id"]: LEARN_EPOCHS * d["train_samples"] for d in results["devices"]}
     assert {d: r["last_applied"] for d, r in final["devices"].items()} == committed
     assert final["trainer"]["steps"] == sum(committed.values())
     metrics = json.loads((tmp_path / "metrics.json").read_text())
