@@ -88,6 +88,9 @@ def add_model_args(p: argparse.ArgumentParser, model: str = "vgg_face_small") ->
                    help="dct: lowest zig-zag frequencies of each colour not released (1: the DC only; 0: none)")
     g.add_argument("--dct-keep", type=int, default=0,
                    help="dct: release a random subset of this many channels per image, the others zeroed (0: all)")
+    g.add_argument("--mask-ratio", type=float, default=0.75,
+                   help="mask (FaceMAE): share of each image's patches zeroed before release")
+    g.add_argument("--mask-patch", type=int, default=8, help="mask: side of the square patches, in pixels")
 
 
 MODEL_OPTIONS = RELEASE_KEYS  # the spec keys set by options of their own

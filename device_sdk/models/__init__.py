@@ -46,7 +46,8 @@ __all__ = [
 
 FAMILIES = ("vgg_face", "iresnet")
 # Keys that change only what is released at the cut, not the backbone's own stages (saved weights ignore them).
-RELEASE_KEYS = ("release_pool", "release", "bottleneck_channels", "bottleneck_stride", "dct_drop", "dct_keep")
+RELEASE_KEYS = ("release_pool", "release", "bottleneck_channels", "bottleneck_stride", "dct_drop", "dct_keep",
+                "mask_ratio", "mask_patch")
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,8 @@ def load_into(part: nn.Module, path: Path, spec: ModelSpec) -> dict[str, Any]:
         raise ValueError(f"{path}: not a splitface backbone file")
     has_release = any(k.split(".")[1] in RELEASE_STAGES for k in saved["state"])
     ignored = () if has_release else RELEASE_KEYS   # trained release stages fit only the same transform
-    saved_spec = {k: v for k, v in saved["spec"].items() if k not in ignored}
+    # a file saved before a ModelSpec field existed holds that field's default
+    saved_spec = {k: v for k, v in ModelSpec.from_dict(saved["spec"]).to_dict().items() if k not in ignored}
     wanted = {k: v for k, v in spec.to_dict().items() if k not in ignored}
     if saved_spec != wanted:
         raise ValueError(f"{path} holds {saved['spec']}, not {spec.to_dict()}")
