@@ -63,19 +63,19 @@ def test_state_file_is_written_whole_and_checked(tmp_path):
 
 def test_a_corrupt_state_file_is_an_error_never_a_reset(tmp_path):
     path = tmp_path / "device-0.privacy.json"
-    engine = frozen_engine(path)
-    engine.forward(IMAGES, ("train", 1), IDS, LABELS)
-    spent = engine.privacy.accountant.max_epsilon_image()
+    engine = PrivacyEngine(PerImageGaussian(1.0, Z), delta=DELTA, state_path=path)
+    engine.release(("train", 1), IDS, LABELS, engine.mechanism.image_event(16),
+                   lambda g: {"released": engine.mechanism.privatize(torch.ones(4, 16), g)})
+    assert engine.accountant.max_epsilon_image() == pytest.approx(eps(1), rel=1e-6)
     body = json.loads(path.read_text())
     body["state"]["accountant"]["images"][0][2][0][1] = 0  # "this image was never released": the checksum says no
     path.write_text(json.dumps(body))
     with pytest.raises(StateFileError, match="checksum"):
-        frozen_engine(path)
+        PrivacyEngine(PerImageGaussian(1.0, Z), delta=DELTA, state_path=path)
     path.write_bytes(path.read_bytes()[:100])  # a torn write cannot happen (os.replace), a damaged disk can
     with pytest.raises(StateFileError, match="corrupt"):
         frozen_engine(path)
     assert path.read_bytes() == json.dumps(body).encode()[:100]  # refused, not overwritten with a fresh state
-    assert spent == pytest.approx(eps(1), rel=1e-6)
 
 
 def test_a_restarted_engine_resumes_its_epsilon_secret_and_budget(tmp_path):
