@@ -44,6 +44,7 @@ from protocol.session import (
 )
 
 from protocol import messages as m
+from protocol.transport import SERVER_WS_OPTIONS, reuse_large_buffers, send_fragments
 
 from .auth import AuthThrottle, throttled
 from .checkpoint import NonFiniteState, ReplyStore, load_checkpoint, save_checkpoint
@@ -296,11 +297,11 @@ class EdgeServer:
                 loop.add_signal_handler(sig, self._stop.set)
             except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
                 pass
+        reuse_large_buffers()  # large messages' buffers are reused, not page-faulted afresh (protocol/transport.py)
         # Until HELLO succeeds a connection may send only small messages; _perform raises the limit on admission.
         async with serve(self.handle, self.config.host, self.config.port, ssl=self.ssl, process_request=self._screen,
                          max_size=min(self.config.limits.pre_auth_max_bytes, self.info.max_message_bytes),
-                         compression=None, max_queue=4, write_limit=2 ** 24, ping_interval=30,
-                         ping_timeout=120, close_timeout=2) as server:  # a trickler cannot answer a close
+                         close_timeout=2, **SERVER_WS_OPTIONS) as server:  # a trickler cannot answer a close
             self.port = next(iter(server.sockets)).getsockname()[1]
             log.info("listening on %s://%s:%d", "wss" if self.ssl else "ws", self.config.host, self.port)
             exporter = self._start_exporter()
@@ -416,7 +417,7 @@ class EdgeServer:
                 if session.device_id:
                     self.metrics.traffic(session.device_id, bytes_in=len(data))
                 reply = await self._perform(conn, action)
-                await ws.send(reply)
+                await send_fragments(ws, reply)
                 if session.device_id:
                     self.metrics.traffic(session.device_id, bytes_out=len(reply))
                 if conn.applied_step:

@@ -24,6 +24,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from protocol import messages as m
 from protocol.errors import ErrorCode, RemoteError
 from protocol.session import FederatedClientSession
+from protocol.transport import CLIENT_WS_OPTIONS, send_fragments
 
 from ..client import UntrustedServer, tls_context
 from ..models import ModelSpec, build_classifier
@@ -55,9 +56,8 @@ class FederatedDevice:
         deadline, delay = time.monotonic() + self.reconnect_timeout_s, 0.2
         while True:
             try:
-                self._ws = await connect(self.url, max_size=m.DEFAULT_MAX_MESSAGE_BYTES, compression=None,
-                                         open_timeout=10, ping_interval=30, ping_timeout=120, close_timeout=2,
-                                         ssl=self.ssl)
+                self._ws = await connect(self.url, max_size=m.DEFAULT_MAX_MESSAGE_BYTES, ssl=self.ssl,
+                                         **CLIENT_WS_OPTIONS)
                 await self._ws.send(self.session.hello())
                 return self.session.receive(await self._ws.recv(), {m.ROUND_START, m.ROUND_WAIT})
             except RemoteError:
@@ -75,7 +75,7 @@ class FederatedDevice:
                 delay = min(delay * 2, 2.0)
 
     async def _ask(self, data: bytes, expect: set[str], round_id: int | None = None) -> dict[str, Any]:
-        await self._ws.send(data)
+        await send_fragments(self._ws, data)
         return self.session.receive(await self._ws.recv(), expect, round_id)
 
     async def close(self) -> None:
