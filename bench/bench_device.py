@@ -295,13 +295,15 @@ def noise_speed(runs: int, threads: list[int]) -> list[dict]:
 
 
 def noise_table(rows: list[dict]) -> str:
-    lines = [f"Noise for one release of {rows[0]['values']:,} values (IResNet-18 conv1 at 112 px, batch 8), ms as mean / min over "
+    lines = [f"Noise for one release of {rows[0]['values']:,} values (IResNet-18 conv1 at 112 px, batch 8), "
+             "ms as mean / min over "
              f"the timed calls after one call checked for its variance; exact sampler at sigma^2 = {NOISE_SIGMA2} "
              "quantisation steps; the CPU is shared, so compare within a column:", "",
              "| sampler | guarantee | " + " | ".join(f"{t} thread{'s' if t > 1 else ''}"
                                                     for t in dict.fromkeys(r["threads"] for r in rows)) + " |",
              "|---|---|" + "---|" * len(set(r["threads"] for r in rows))]
-    guarantee = {"torch": "float sampler; Mersenne Twister, not a CSPRNG", "Box-Muller": "float sampler (low bits leak)",
+    guarantee = {"torch": "float sampler; Mersenne Twister, not a CSPRNG",
+                 "Box-Muller": "float sampler (low bits leak)",
                  "discrete": "exact on the integers"}
     for sampler in dict.fromkeys(r["sampler"] for r in rows):
         g = next(v for k, v in guarantee.items() if k in sampler)
@@ -341,7 +343,8 @@ def table(results: list[dict], machine: str) -> str:
     lines = [f"Device-layer cost per batch of 8, measured on {machine}. Not a phone: compare backends and thread "
              "counts with each other; the paper's Nexus 6P figures are for orientation only.",
              "", "Times in ms as mean / trimmed mean / p50 / p99, warm-up excluded. Forward = the release "
-             "(conv1 + ReLU + LRN, then the release transform if any, times its mask if any, plus the noise given as an "
+             "(conv1 + ReLU + LRN, then the release transform if any, times its mask if any, plus the noise given as "
+             "an "
              "input); backward = the weight gradient from the server's gradient. MMAC: multiply-accumulates of the "
              "device part per image (torch's flop counter). Wire: one image's release as the protocol's tensor map, in "
              "bytes, f32 / i8.", "",
@@ -453,8 +456,9 @@ def export_programs(model: str, release: str, keep: Path | None) -> Path:
     print(f"exporting and verifying {model} ({release}) into {artifacts} ...", flush=True)
     spec, split = release_spec(model, release)
     described = model if release == "none" else json.dumps(spec.to_dict())
-    export = subprocess.run([sys.executable, "-m", "export", "--model", described, "--split", split, "--batch-size", "8",
-                             "--dp-clamp", "--out", str(artifacts)], capture_output=True, text=True, cwd=ROOT)
+    export = subprocess.run([sys.executable, "-m", "export", "--model", described, "--split", split,
+                             "--batch-size", "8", "--dp-clamp", "--out", str(artifacts)],
+                            capture_output=True, text=True, cwd=ROOT)
     if export.returncode != 0:
         raise SystemExit(f"export of {model} ({release}) failed:\n{export.stdout[-2000:]}{export.stderr[-3000:]}")
     return artifacts
