@@ -124,6 +124,7 @@ class ServerConfig:
     log_every_s: float = 10.0
     pending_timeout_s: float = 60.0       # device head: the U-turn's hold on the model, from when it took it
     record_max: int = 0                   # > 0: keep up to this many received training samples per device (audit)
+    reply_retention_s: float = 3600.0     # a device away longer than this loses its stored last reply (see _forget_replies)
     limits: Limits = field(default_factory=Limits)
     metrics_port: int | None = None       # Prometheus endpoint (0: a free port); None: none
     metrics_host: str = "127.0.0.1"
@@ -198,6 +199,7 @@ class EdgeServer:
         self.model_lock = asyncio.Lock()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="compute")
         self.connections: dict[str, tuple[ServerConnection, asyncio.Event]] = {}
+        self.away_since: dict[str, float] = {}   # device id -> monotonic time its last connection closed
         self.open_by_address: Counter[str] = Counter()
         self.auth_throttle = config.limits.auth_throttle()
         self._batches_since_checkpoint = 0
@@ -229,6 +231,7 @@ class EdgeServer:
         self.records = {d: DeviceRecord(r["last_applied"], self._stored_reply(d, r["reply"]))
                         for d, r in state["devices"].items()}
         self.durable = {d: r.last_applied for d, r in self.records.items()}
+        self.away_since = {d: time.monotonic() for d in self.records}   # none is connected yet
         if "metrics" in state:  # counted as of the checkpoint, like the batches it holds
             self.metrics = Metrics.from_state(state["metrics"])
         log.info("resumed from %s at server step %d (%s)", self.config.checkpoint_path, self.trainer.steps,
@@ -259,6 +262,7 @@ class EdgeServer:
         the checkpoint holds one reply per device in the middle of a batch, not one per device."""
         state = {"identity": self._identity(), "trainer": self.trainer.state_dict(),
                  "metrics": self.metrics.state(), "saved_at": time.time()}
+        self._forget_replies()
         records = {d: (r.last_applied, r.last_reply) for d, r in self.records.items()}
         try:
             await self._compute(self._save, state, records)
@@ -282,6 +286,21 @@ class EdgeServer:
                             for d, (applied, reply) in records.items()}
         save_checkpoint(self.config.checkpoint_path, state)
         self.replies.prune({r["reply"] for r in state["devices"].values() if r["reply"]})
+
+    def _stale_replies(self) -> list[str]:
+        """Devices away for longer than reply_retention_s that still have a stored reply."""
+        now = time.monotonic()
+        return [d for d, since in self.away_since.items() if now - since > self.config.reply_retention_s
+                and d not in self.connections and self.records.get(d, DeviceRecord()).last_reply is not None]
+
+    def _forget_replies(self) -> None:
+        """Bounded retention: a device that left for good (a phone uninstalled, a run ended) would otherwise keep
+        its last reply, a whole gradient, on disk for ever. Its progress stays, so exactly-once holds: a retry of
+        that batch after the retention is refused out_of_order (the device restarts its epoch), never applied twice."""
+        for d in self._stale_replies():
+            self.records[d].last_reply = None
+            log.info("%s: away for over %.0f s; its last reply (batch %d) is no longer kept", d,
+                     self.config.reply_retention_s, self.records[d].last_applied)
 
     def durable_through(self, device_id: str) -> int:
         return self.durable.get(device_id, 0)
@@ -339,7 +358,8 @@ class EdgeServer:
         while True:
             await asyncio.sleep(0.5)
             now = time.monotonic()
-            if self._batches_since_checkpoint and now - last_ckpt >= self.config.checkpoint_every_s:
+            due = self._batches_since_checkpoint and now - last_ckpt >= self.config.checkpoint_every_s
+            if due or self._stale_replies():  # the checkpoint drops stale replies and deletes their files
                 await self.checkpoint()
                 last_ckpt = now
             if now - last_log >= self.config.log_every_s:
@@ -356,6 +376,7 @@ class EdgeServer:
             await old_ws.close(CLOSE_REPLACED, "replaced by a newer connection")
             await old_done.wait()
         self.connections[device_id] = (ws, done)
+        self.away_since.pop(device_id, None)
 
     def _refusal(self, address: str) -> str | None:
         limits = self.config.limits
@@ -437,6 +458,7 @@ class EdgeServer:
                 self._release(conn)
             if session.device_id and self.connections.get(session.device_id, (None,))[0] is ws:
                 del self.connections[session.device_id]
+                self.away_since[session.device_id] = time.monotonic()
             self.open_by_address[address] -= 1
             if not self.open_by_address[address]:
                 del self.open_by_address[address]

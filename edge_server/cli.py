@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--max-message-mb", type=float, default=DEFAULT_MAX_MESSAGE_BYTES / 2 ** 20)
     s.add_argument("--pending-timeout", type=float, default=60.0,
                    help="device head: seconds a device may hold the shared model from its FORWARD to its gradient")
+    s.add_argument("--reply-retention", type=float, default=3600.0,
+                   help="seconds a disconnected device's last reply is kept for its retry (then: its progress only)")
     add_dataclass_options(s, Limits, "limits against hostile or broken clients (docs/operations.md)")
     add_dataclass_options(s, StepGuard, "poisoning guard: what a batch must look like to reach the model")
     s.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain: serve wss:// (with --tls-key)")
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     server_config = ServerConfig(args.host, args.port, args.run_dir, args.checkpoint_every,
                                  args.checkpoint_every_batches, pending_timeout_s=args.pending_timeout,
+                                 reply_retention_s=args.reply_retention,
                                  record_max=args.record_max, limits=from_args(Limits, args),
                                  metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                                  tls_cert=args.tls_cert, tls_key=args.tls_key, insecure=args.insecure)

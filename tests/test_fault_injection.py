@@ -129,6 +129,45 @@ def test_checkpoint_keeps_only_the_replies_a_retry_can_need(tmp_path):
     assert steps == 2
 
 
+def test_a_device_away_past_the_retention_loses_its_reply_not_its_progress(tmp_path):
+    """Bounded retention (--reply-retention): the last reply of a device that went away is deleted from disk
+    once it has been away longer than the retention, without waiting for another batch; its progress stays, so
+    a late retry of that batch is refused, never applied twice, and its next batch trains."""
+    spec = resolve_spec(MODEL).to_dict()
+    session = ClientSession("b", "token-b", spec, SPLIT, "server", N, NUM_CLASSES)
+    activations = np.random.default_rng(0).random((N, 4, SIZE, SIZE), dtype=np.float32)
+
+    async def ask(url: str, *messages: bytes) -> list[dict]:
+        async with connect(url, max_size=64 << 20, compression=None) as ws:
+            await ws.send(session.hello())
+            session.accept_welcome(await ws.recv())
+            replies = []
+            for message in messages:
+                await ws.send(message)
+                replies.append(m.decode(await ws.recv()))
+            return replies
+
+    def stored() -> list[str]:
+        replies = tmp_path / "replies"
+        return sorted(p.name for p in replies.iterdir()) if replies.is_dir() else []
+
+    with in_process_server(tmp_path, {"b": "token-b"}, reply_retention_s=3.0, checkpoint_every_batches=1) as server:
+        first, = asyncio.run(ask(server.url, session.forward(1, activations, [0, 1, 2, 3])))
+        assert first["type"] == m.BACKWARD
+        assert stored() == [ReplyStore.name("b", 1)]   # checkpointed with the batch, for a retry after a restart
+        for _ in range(150):   # the housekeeping loop checkpoints within a second of the retention running out
+            if not stored() and server.server.records["b"].last_reply is None:
+                break
+            threading.Event().wait(0.1)
+        assert stored() == []
+        retry, second = asyncio.run(ask(server.url, session.forward(1, activations, [0, 1, 2, 3]),
+                                        session.forward(2, activations, [0, 1, 2, 3])))
+        steps = server.trainer.steps
+    assert retry["code"] == "out_of_order" and second["type"] == m.BACKWARD
+    assert steps == 2
+    assert load_checkpoint(tmp_path / "checkpoint.pt")["devices"]["b"]["last_applied"] == 2
+
+
 def _devices_in_thread(url: str, tokens: dict[str, str], heads: dict[str, str], total: int) -> tuple[threading.Thread, dict]:
     """Devices training `total` batches each in a thread of their own (the test restarts servers meanwhile)."""
     out: dict = {}
