@@ -299,7 +299,8 @@ def merged_rows(rows: list[dict], args: argparse.Namespace) -> list[dict]:
     summary = args.out / "summary.json"
     if args.only is None or not summary.exists():
         return rows
-    kept = {r["run"]: r for r in json.loads(summary.read_text()) if r["run"] in known}
+    # rows written before rows named their reference were all relative to the undefended point
+    kept = {r["run"]: {"reference": known[0], **r} for r in json.loads(summary.read_text()) if r["run"] in known}
     kept.update({r["run"]: r for r in rows})
     return sorted(kept.values(), key=lambda r: known.index(r["run"]))
 
