@@ -60,7 +60,6 @@ def test_a_release_is_repeated_on_resend_and_fresh_otherwise():
     engine.commit(2, np.ones_like(first))   # no device parameters: nothing to step
 
 
-@pytest.mark.slow
 def test_eager_release_is_what_the_server_records_and_the_mae_stays_frozen(tmp_path):
     """Over the real websocket: each recorded release is the image itself on exactly 16 whole patches and
     zeros elsewhere, a different choice per image; two training steps move the server's stem, not its MAE."""
