@@ -27,7 +27,8 @@ def test_frontier_runs_its_full_size_configuration_and_resumes(tmp_path, lfw):
     out = tmp_path / "full"
     cmd = [sys.executable, str(ROOT / "bench" / "frontier.py"), "--data", str(lfw), "--out", str(out),
            "--model", "iresnet50", "--only", "dct-drop4-keep36", "--epochs", "1", "--record-max", "8",
-           "--view1-limit", "20", "--demo-args=--threads 2 --max-identities 2 --devices 1 --batch-size 8",
+           "--view1-limit", "20",
+           "--demo-args=--threads 2 --max-identities 2 --max-images 11 --devices 1 --batch-size 8",
            f"--audit-args=--recognizers eigenfaces --public-images 64 --decoder-epochs 1 --matcher-epochs 1 "
            f"--cache {tmp_path / 'cache'}"]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
