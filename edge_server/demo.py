@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TextIO
 
 from device_sdk.cli import load_data
+from device_sdk.models import ModelSpec
 from device_sdk.options import (add_data_args, add_devices_args, add_model_args, add_training_args, data_argv,
                                 model_argv)
 
@@ -167,7 +168,9 @@ def audited_point(results: dict, frontier: Path = FRONTIER) -> dict | None:
         return None
     def release(r: dict) -> tuple:
         privacy = r["devices"][0]["privacy"]
-        return (r["config"]["model"], r["config"]["split"], r["config"]["head"], r["config"].get("device_weights"),
+        # a run recorded before a ModelSpec field existed holds that field's default
+        model = ModelSpec.from_dict(r["config"]["model"]).to_dict()
+        return (model, r["config"]["split"], r["config"]["head"], r["config"].get("device_weights"),
                 privacy["mechanism"], privacy["layer_training"])
 
     for row in json.loads(summary.read_text()):
