@@ -48,32 +48,10 @@ TARGET = {"bytes_ratio": 0.25, "accuracy_loss": 0.005}
 
 def view1_over_wire(run_dir: Path, data: Path, encoding: str, limit: int | None) -> dict[str, Any]:
     """View 1 of a finished run, the release passed through `encoding` and back as the wire carries it."""
-    import torch
+    from edge_server.evaluation.run import evaluate_run
 
-    from device_sdk.engine import privatize
-    from device_sdk.models import ModelSpec
-    from device_sdk.privacy.mechanisms import from_description, noise_generator
-    from edge_server.evaluation.run import EVALUATION_SEED, evaluate_run, load_split_model, seen_people
-    from edge_server.evaluation.verification import evaluate_embedder
-    from protocol.tensor import decode_tensor, encode_tensor
-
-    if encoding == "f32":
-        return evaluate_run(run_dir, data, limit)   # exactly `python -m edge_server.evaluation`
-    layer, tail, results = load_split_model(run_dir)
-    spec = ModelSpec.from_dict(results["config"]["model"])
-    mechanism = from_description(results["devices"][0]["privacy"]["mechanism"])
-    generator = noise_generator(EVALUATION_SEED, 2)
-
-    @torch.no_grad()
-    def embed(images: np.ndarray) -> np.ndarray:
-        release = privatize(spec, mechanism, layer(torch.from_numpy(images)), generator).numpy()
-        wire = decode_tensor(encode_tensor(release, encoding))
-        return tail(torch.from_numpy(np.array(wire))).numpy()
-
-    report = evaluate_embedder(embed, data, spec.input_size, results["config"].get("crop", 160), limit)
-    return {"run": run_dir.name, "device_layer": results["devices"][0]["device_id"],
-            "release": f"as deployed: layer, transform, mechanism (evaluator's own noise), then {encoding} and back",
-            "test_acc": results["epochs"][-1]["test_acc"], **seen_people(data, results, limit), **report}
+    # f32 is exactly `python -m edge_server.evaluation`: the evaluator's release is already f32
+    return evaluate_run(run_dir, data, limit, None if encoding == "f32" else encoding)
 
 
 def run_point(name: str, encoding: str, demo_args: list[str], seed: int, args: argparse.Namespace) -> dict[str, Any]:

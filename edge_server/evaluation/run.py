@@ -17,6 +17,7 @@ from device_sdk.cli import load_selection
 from device_sdk.engine import bound_for, privatize
 from device_sdk.models import ModelSpec, build_backbone, split_backbone
 from device_sdk.privacy.mechanisms import from_description, noise_generator
+from protocol.tensor import decode_tensor, encode_tensor
 
 from ..checkpoint import load_checkpoint
 from .verification import evaluate_embedder, view1_pairs
@@ -58,11 +59,13 @@ def seen_people(lfw_root: str | Path | None, results: dict, limit: int | None = 
             "pairs_with_seen_people": int(seen.sum())}
 
 
-def evaluate_run(run_dir: str | Path, lfw_root: str | Path | None, limit: int | None = None) -> dict:
+def evaluate_run(run_dir: str | Path, lfw_root: str | Path | None, limit: int | None = None,
+                 encoding: str | None = None) -> dict:
     """View 1 report of a run: DevTest images released as device 0 releases them (its layer, the
     transform's random subset, the mechanism's noise, drawn here from a fixed seed of the
     evaluator's own), then the server's tail. That is what enrolling or verifying a face through the
-    deployed system computes; the run's own test accuracy is measured the same way."""
+    deployed system computes; the run's own test accuracy is measured the same way. `encoding`
+    (f16, i8): the release also passes through that wire encoding and back, as the protocol carries it."""
     run_dir = Path(run_dir)
     layer, tail, results = load_split_model(run_dir)
     spec = ModelSpec.from_dict(results["config"]["model"])
@@ -71,10 +74,14 @@ def evaluate_run(run_dir: str | Path, lfw_root: str | Path | None, limit: int | 
 
     @torch.no_grad()
     def embed(images: np.ndarray) -> np.ndarray:
-        return tail(privatize(spec, mechanism, layer(torch.from_numpy(images)), generator)).numpy()
+        release = privatize(spec, mechanism, layer(torch.from_numpy(images)), generator)
+        if encoding is not None:
+            release = torch.from_numpy(np.array(decode_tensor(encode_tensor(release.numpy(), encoding))))
+        return tail(release).numpy()
 
     report = evaluate_embedder(embed, lfw_root, spec.input_size, results["config"].get("crop", 160), limit)
+    wire = f", then {encoding} and back" if encoding is not None else ""
     return {"run": run_dir.name, "device_layer": results["devices"][0]["device_id"],
-            "release": "as deployed: layer, transform, mechanism (evaluator's own noise)",
+            "release": f"as deployed: layer, transform, mechanism (evaluator's own noise){wire}",
             "test_acc": results["epochs"][-1]["test_acc"] if results["epochs"] else None,
             **seen_people(lfw_root, results, limit), **report}
