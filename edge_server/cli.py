@@ -19,6 +19,8 @@ from protocol.messages import DEFAULT_MAX_MESSAGE_BYTES
 
 from .app import SERVER_FAULTS, EdgeServer, Limits, ServerConfig, server_info
 from .auth import TokenAuthenticator, issue_tokens, load_tokens
+from .federated.options import SERVE_PREFIX, add_run_args, run_args
+from .federated.served import HostedRun
 from .pretrain import pretrain
 from .trainer import ServerTrainer, StepGuard
 
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     add_threads_arg(s)
     add_seed_arg(s)
+    add_run_args(s, SERVE_PREFIX)  # a federated run beside the split sessions (edge_server/federated/served.py)
 
     pt = sub.add_parser("pretrain", help="train the whole backbone on a public set and save it")
     add_model_args(pt)
@@ -124,12 +127,27 @@ def main(argv: list[str] | None = None) -> None:
         server_config.tls()  # before building the model: plain ws:// off loopback, a missing or bad certificate
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
+    max_message_bytes = int(args.max_message_mb * 2 ** 20)
+    federated = None
+    if args.federated_out is not None:
+        try:
+            federated = HostedRun(run_args(args, SERVE_PREFIX), max_message_bytes)
+        except ValueError as exc:
+            parser.error(f"--{SERVE_PREFIX}...: {exc}")
     trainer = ServerTrainer(model_spec(args), args.split, args.num_classes, train_config(args), args.device, args.init,
                             args.train_only, from_args(StepGuard, args))
-    info = server_info(trainer, args.max_batch, int(args.max_message_mb * 2 ** 20))
-    server = EdgeServer(trainer, info, TokenAuthenticator(load_tokens(args.tokens)), server_config)
+    info = server_info(trainer, args.max_batch, max_message_bytes)
+    server = EdgeServer(trainer, info, TokenAuthenticator(load_tokens(args.tokens)), server_config,
+                        board=federated.board if federated else None)
     logging.getLogger("splitface.server").info("training %s split at %s on %s", args.model, args.split, trainer.device)
-    asyncio.run(server.run(on_ready=lambda port: print(f"READY {port}", flush=True)))
+
+    def ready(port: int) -> None:
+        print(f"READY {port}", flush=True)
+        if federated is not None:
+            federated.start(server, asyncio.get_running_loop())
+    asyncio.run(server.run(on_ready=ready))
+    if federated is not None and federated.error is not None:
+        sys.exit(f"splitface-server: the federated run failed: {federated.error}")
 
 
 if __name__ == "__main__":

@@ -285,26 +285,32 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_device_processes_across_a_server_kill_equal_the_in_process_run(lfw, tmp_path):
-    """Three device processes train a 3-round DP-FedEmb run over websockets; the server process dies in round 2
-    (update applied in memory, not checkpointed) and is restarted; the devices reconnect. The final global model
-    and accountant equal the uninterrupted in-process run's bit for bit (all sides on one torch thread)."""
+    """Three device processes train a 3-round DP-FedEmb run over websockets. The run starts under
+    `python -m edge_server.federated --backend websocket`, whose process dies in round 2 (update applied in memory,
+    not checkpointed); `splitface-server serve` resumes it with the same options (as --federated-*) while serving a
+    split session at once (a `splitface-sim` device process trains an epoch); the federated devices reconnect. The
+    final global model and accountant equal the uninterrupted in-process run's bit for bit (all on one thread)."""
     population = load_population(lfw, TINY.input_size, max_users=12, seed=0)
     config = dataclasses.replace(CONFIG_WS, rounds=3, users_per_client=4, clients_per_round=2.0)
     clients = virtual_clients(len(population.users), config.users_per_client, config.seed)
     torch.manual_seed(0)
     init = build_backbone(TINY)
     save_backbone(tmp_path / "init.pt", TINY, init)
-    tokens = {client_device_id(c): f"token-{c}" for c in range(len(clients))}
+    tokens = {d: f"token-{d}" for d in [*(client_device_id(c) for c in range(len(clients))), "split-0"]}
     (tmp_path / "tokens.json").write_text(json.dumps({d: hash_token(t) for d, t in tokens.items()}))
+    (tmp_path / "split-tokens.json").write_text(json.dumps({"split-0": tokens["split-0"]}))
     port = _free_port()
-    server = [sys.executable, "-m", "edge_server.federated", "--data", str(lfw), "--model", json.dumps(TINY.to_dict()),
-              "--init", str(tmp_path / "init.pt"), "--out", str(tmp_path / "run"), "--max-users", "12",
-              "--users-per-client", "4", "--clients-per-round", "2", "--batch-size", "4", "--local-epochs", "1",
-              "--client-lr", "0.05", "--clip-norm", "0.5", "--method", "dp-fedemb", "--noise-multiplier", "1.0",
-              "--rounds", "3", "--view1-limit", "20", "--threads", "1", "--backend", "websocket", "--port", str(port),
-              "--round-deadline-s", "120", "--tokens", str(tmp_path / "tokens.json")]
-    crashed = subprocess.Popen([*server, "--crash-in-round", "2"], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    run = {"data": lfw, "model": json.dumps(TINY.to_dict()), "init": tmp_path / "init.pt", "out": tmp_path / "run",
+           "max-users": 12, "users-per-client": 4, "clients-per-round": 2, "batch-size": 4, "local-epochs": 1,
+           "client-lr": 0.05, "clip-norm": 0.5, "method": "dp-fedemb", "noise-multiplier": 1.0, "rounds": 3,
+           "view1-limit": 20, "round-deadline-s": 120}
+
+    def options(prefix: str) -> list[str]:  # the same run's options, as either command declares them
+        return [a for k, v in run.items() for a in (f"--{prefix}{k}", str(v))]
+    crashed = subprocess.Popen([sys.executable, "-m", "edge_server.federated", *options(""), "--threads", "1",
+                                "--backend", "websocket", "--port", str(port), "--tokens", str(tmp_path / "tokens.json"),
+                                "--crash-in-round", "2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
     devices = []
     for c, members in enumerate(clients):
         images, labels = population.of_users(members)
@@ -315,20 +321,40 @@ def test_device_processes_across_a_server_kill_equal_the_in_process_run(lfw, tmp
              client_device_id(c), "--token-file", str(tmp_path / f"c{c}.token"), "--data", str(tmp_path / f"c{c}.npz"),
              "--model", json.dumps(TINY.to_dict())], cwd=ROOT, stdout=open(tmp_path / f"c{c}.log", "w"),
             stderr=subprocess.STDOUT, text=True))
+    served = split = None
     try:
         out, _ = crashed.communicate(timeout=300)
         assert crashed.returncode == CRASH_EXIT_CODE, out[-3000:]
         assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["round"] == 1
-        resumed = subprocess.run(server, cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:] + device_logs(tmp_path)
-        assert "resuming after round 1" in resumed.stdout
+        log = tmp_path / "serve.log"
+        served = subprocess.Popen(
+            [sys.executable, "-m", "edge_server.cli", "serve", "--model", json.dumps(TINY.to_dict()), "--num-classes",
+             "2", "--tokens", str(tmp_path / "tokens.json"), "--port", str(port), "--run-dir", str(tmp_path / "split"),
+             "--max-batch", "8", "--threads", "1", *options("federated-")], cwd=ROOT, stdout=open(log, "w"),
+            stderr=subprocess.STDOUT)
+        split = subprocess.Popen(
+            [sys.executable, "-m", "device_sdk", "--server", f"ws://127.0.0.1:{port}", "--tokens",
+             str(tmp_path / "split-tokens.json"), "--data", str(lfw), "--model", json.dumps(TINY.to_dict()),
+             "--min-images", "10", "--max-images", "11", "--max-identities", "2", "--devices", "1", "--epochs", "1",
+             "--batch-size", "8", "--crop", "160", "--threads", "1", "--no-progress", "--reconnect-timeout", "120",
+             "--results", str(tmp_path / "split" / "sim.json")], cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        split_out, _ = split.communicate(timeout=300)
+        assert split.returncode == 0, split_out[-3000:] + log.read_text()[-3000:]
         for d in devices:
-            d.wait(60)
-        assert all(d.returncode == 0 for d in devices), device_logs(tmp_path)
+            d.wait(300)
+        assert all(d.returncode == 0 for d in devices), device_logs(tmp_path) + log.read_text()[-3000:]
+        assert served.poll() is None, log.read_text()[-3000:]  # the federated run over, split is still served
+        served.terminate()
+        assert served.wait(60) == 0, log.read_text()[-3000:]
     finally:
-        for process in (crashed, *devices):
-            if process.poll() is None:
+        for process in (crashed, *devices, served, split):
+            if process is not None and process.poll() is None:
                 process.kill()
+    text = log.read_text()
+    assert "resuming after round 1" in text and "user-level epsilon" in text, text[-3000:]
+    sim = json.loads((tmp_path / "split" / "sim.json").read_text())["devices"][0]  # its epoch, trained by the server
+    assert len(sim["epochs"]) == 1 and sim["epochs"][0]["samples"] == sim["train_samples"] > 0
     state = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
     assert state["round"] == 3 and [h["round"] for h in state["history"]] == [1, 2, 3]
     threads = torch.get_num_threads()

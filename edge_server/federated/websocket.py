@@ -57,10 +57,28 @@ def federated_server(spec: ModelSpec, digests: dict[str, str], run_dir: Path, co
                                    ServerConfig(host=host, port=port, run_dir=run_dir, **config), board=board))
 
 
-class WebsocketBackend:
-    """A round's clients trained by the devices connected to `server` (an EdgeServer thread with a board)."""
+class ServedLoop:
+    """What WebsocketBackend drives (ServerThread's `server`, `call` and `url`) for an EdgeServer running on an
+    event loop the caller does not own: `splitface-server serve`, whose server keeps the main thread (and its
+    signals) while the round logic runs on a thread of its own."""
 
-    def __init__(self, server: ServerThread, quorum: float = 1.0, deadline_s: float = 600.0):
+    def __init__(self, server: EdgeServer, loop: asyncio.AbstractEventLoop):
+        self.server, self.loop = server, loop
+
+    def call(self, coroutine: Any) -> Any:
+        """Run a coroutine on the server's loop (where the board lives) and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    @property
+    def url(self) -> str:
+        return f"{'wss' if self.server.ssl else 'ws'}://{self.server.config.host}:{self.server.port}"
+
+
+class WebsocketBackend:
+    """A round's clients trained by the devices connected to `server` (an EdgeServer with a board, on a
+    ServerThread or a ServedLoop)."""
+
+    def __init__(self, server: ServerThread | ServedLoop, quorum: float = 1.0, deadline_s: float = 600.0):
         if not 0 < quorum <= 1 or not deadline_s > 0:
             raise ValueError(f"quorum must be in (0, 1] and deadline_s > 0, got {quorum}, {deadline_s}")
         if server.server.board is None:
