@@ -1,23 +1,18 @@
-"""Federated runs end to end through `python -m edge_server.federated` (slow: real processes, LFW decoding,
-View 1 scoring): the documented command's output, and exactly-once rounds across a process that dies."""
+"""Federated runs end to end through `python -m edge_server.federated` (slow: LFW decoding, View 1 scoring): the
+documented command's output; `splitface-server serve` takes the same run options."""
 from __future__ import annotations
 
+import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from device_sdk.models import ModelSpec, build_backbone
-from device_sdk.models.weights import load_into, save_backbone
-from edge_server.checkpoint import load_checkpoint
-from edge_server.federated import FederatedRun, load_population
-from edge_server.federated.__main__ import config_from, parser, run
-from edge_server.federated.engine import CRASH_EXIT_CODE
+from device_sdk.models.weights import save_backbone
+from edge_server.federated.__main__ import parser, run
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ModelSpec("iresnet", 16, width=4, depth=18, embedding_size=16, dropout=0.0)
 
 
@@ -51,24 +46,22 @@ def test_small_experiment_end_to_end(lfw, init_file, tmp_path, capsys):
     assert [h["round"] for h in saved["history"]] == [1, 2] and saved["history"][0]["view1_accuracy"] is not None
 
 
-@pytest.mark.slow
-def test_rounds_are_applied_exactly_once_across_a_killed_process(lfw, init_file, tmp_path):
-    extra = ("--method", "dp-fedemb", "--rounds", "3", "--noise-multiplier", "1.0")
-    command = [sys.executable, "-m", "edge_server.federated", *cli_args(lfw, init_file, tmp_path, *extra)]
-    crashed = subprocess.run([*command, "--crash-in-round", "2"], cwd=ROOT, capture_output=True, text=True)
-    assert crashed.returncode == CRASH_EXIT_CODE, crashed.stderr[-2000:]
-    assert load_checkpoint(tmp_path / "checkpoint.pt")["round"] == 1
-    resumed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resuming after round 1" in resumed.stdout
-    state = load_checkpoint(tmp_path / "checkpoint.pt")
-    assert state["round"] == 3 and [h["round"] for h in state["history"]] == [1, 2, 3]
-    # the same run never interrupted, in this process
-    args = parser().parse_args(cli_args(lfw, init_file, tmp_path / "whole", *extra))
-    init = build_backbone(TINY)
-    load_into(init, init_file, TINY)
-    whole = FederatedRun(config_from(args), TINY, load_population(lfw, TINY.input_size, max_users=12, seed=0),
-                         init.state_dict(), tmp_path / "whole")
-    whole.run(log=lambda _: None)
-    assert all(torch.equal(v, state["backbone"][k]) for k, v in whole.backbone.state_dict().items())
-    assert state["accountant"] == whole.accountant.state()
+def test_serve_takes_the_same_run_options_and_refuses_bad_ones(lfw, init_file, tmp_path, capsys):
+    """`splitface-server serve --federated-*` declares the experiment's options once with the federated CLI (a
+    run started by one resumes under the other: test_federated_ws's kill test); a bad run fails before serving.
+    (Exactly-once rounds across a killed process: test_federated_ws, in-process: test_federated.py.)"""
+    from edge_server import cli
+    from edge_server.federated.options import SERVE_PREFIX, add_run_args, run_args
+    run = cli_args(lfw, init_file, tmp_path, "--method", "dp-fedemb", "--noise-multiplier", "1.0")
+    del run[run.index("--threads"):run.index("--threads") + 2]  # serve's own option
+    prefixed = [f"--{SERVE_PREFIX}{a[2:]}" if a.startswith("--") else a for a in run]
+    serve = argparse.ArgumentParser()
+    add_run_args(serve, SERVE_PREFIX)
+    theirs, ours = vars(run_args(serve.parse_args(prefixed), SERVE_PREFIX)), vars(parser().parse_args(run))
+    assert theirs == {k: ours[k] for k in theirs} and {"noise_multiplier", "quorum", "out"} <= set(theirs)
+    base = ["serve", "--num-classes", "2", "--tokens", str(tmp_path / "tokens.json"), "--port", "0"]
+    for bad, message in ((["--federated-noise-multiplier", "0"], "noise"),
+                         (["--federated-method", "centralized"], "centralized")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main([*base, *prefixed, *bad])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
