@@ -39,6 +39,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 from device_sdk.models import resolve_spec  # noqa: E402
+from device_sdk.options import add_data_root_arg, add_threads_arg, apply_threads  # noqa: E402
 from edge_server.federated import FederatedConfig, extrapolate  # noqa: E402
 from edge_server.federated.experiment import (load_shared, run_centralized, run_federated,  # noqa: E402
                                               run_public_only)
@@ -296,7 +297,7 @@ def compare_backends(lfw: str | None, out: Path, users: int = 24, rounds: int = 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=None, help="LFW folder (default: $SPLITFACE_DATA, ...)")
+    add_data_root_arg(p)
     p.add_argument("--out", type=Path, default=ROOT / "results" / "federated")
     p.add_argument("--backbone", type=Path, default=ROOT / "runs" / "federated" / "public_backbone.pt",
                    help="the public backbone (pre-trained there if missing)")
@@ -305,7 +306,7 @@ def main() -> None:
     p.add_argument("--progress-pairs", type=int, default=200, help="DevTest pairs for the per-round curve")
     p.add_argument("--eval-every", type=int, default=2)
     p.add_argument("--only", nargs="*", default=None, help="run only these runs (names as in the table)")
-    p.add_argument("--threads", type=int, default=1)
+    add_threads_arg(p, 1)
     p.add_argument("--force", action="store_true")
     p.add_argument("--wire", action="store_true", help="only write wire.json (round message sizes); no training")
     p.add_argument("--backends", action="store_true", help="only compare the backends (backends.json)")
@@ -318,7 +319,7 @@ def main() -> None:
         (args.out / "wire.json").write_text(json.dumps(sizes, indent=2) + "\n")
         print(json.dumps(sizes, indent=2))
         return
-    torch.set_num_threads(args.threads)
+    apply_threads(args)
     started = time.time()
     shared = load_shared(resolve_spec("iresnet_small"), args.data, args.backbone, args.pretrain_epochs,
                          args.max_users, progress_pairs=args.progress_pairs)

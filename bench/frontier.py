@@ -44,9 +44,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from device_sdk.cli import add_model_args, model_argv  # noqa: E402
+from device_sdk.options import (add_data_root_arg, add_model_arg, add_model_args, add_training_args,  # noqa: E402
+                                model_argv)
 from device_sdk.engine import initial_layer  # noqa: E402
 from device_sdk.models import ModelSpec  # noqa: E402
+from edge_server.cli import add_record_max_arg  # noqa: E402
 from edge_server.demo import run_recorded, same_arguments  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -307,11 +309,11 @@ def merged_rows(rows: list[dict], args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", type=Path, required=True, help="LFW root (with View 1's people and pairs files)")
+    add_data_root_arg(p, required=True, help="LFW root (with View 1's people and pairs files)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "frontier")
-    p.add_argument("--model", default="iresnet_small")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--record-max", type=int, default=256, help="releases per device the curious server records")
+    add_model_arg(p, "iresnet_small")
+    add_training_args(p, epochs=3, batch_size=None, lr=None)
+    add_record_max_arg(p, default=256)
     p.add_argument("--view1-limit", type=int, default=None, help="only this many View 1 pairs (smoke tests)")
     p.add_argument("--only", nargs="*", default=None,
                    help="run only these points (names as in summary.json); the other rows of summary.json are kept")

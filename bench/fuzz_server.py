@@ -39,6 +39,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from device_sdk.client import DeviceClient
 from device_sdk.engine import DeviceEngine
 from device_sdk.models import activation_shape, resolve_spec
+from device_sdk.options import add_seed_arg
 from edge_server.auth import hash_token
 from protocol import messages as m
 from protocol import mutate
@@ -449,7 +450,7 @@ def run(messages: int, seed: int, deadline: float, workdir: Path, server_root: P
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=10_000)
-    parser.add_argument("--seed", type=int, default=0)
+    add_seed_arg(parser, help="seeds the fuzzer's choice and mutation of messages")
     parser.add_argument("--deadline", type=float, default=10.0, help="seconds a message may wait for its answer")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "reliability" / "fuzz.json")
     parser.add_argument("--keep", type=Path, default=None, help="keep the server's run dir and log here")

@@ -292,14 +292,16 @@ async def bench(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from device_sdk.options import add_devices_arg, add_threads_arg
+
     parser = argparse.ArgumentParser(prog="python -m bench.hostile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--devices", type=int, default=4, help="honest devices")
+    add_devices_arg(parser, 4, help="honest devices")
     parser.add_argument("--idle", type=int, default=200, help="idle connections (above the per-address cap of 128)")
     parser.add_argument("--slow", type=int, default=50, help="trickling connections")
     parser.add_argument("--guessers", type=int, default=4, help="concurrent bad-token guessers")
     parser.add_argument("--phase-s", type=float, default=12.0, help="seconds of each measured phase")
-    parser.add_argument("--threads", type=int, default=1, help="server torch threads")
+    add_threads_arg(parser, 1, help="server torch threads")
     parser.add_argument("--attacker-nice", type=int, default=19,
                         help="niceness of the attackers' process (19: they yield the CPUs, as remote attackers "
                              "would use none of the server's; 0: they compete as equals)")

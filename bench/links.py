@@ -241,18 +241,19 @@ def table(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from device_sdk.options import add_threads_arg, add_training_args, apply_threads
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--links", nargs="+", default=list(LINKS), choices=list(LINKS))
     p.add_argument("--encodings", nargs="+", default=["f32", "f16", "i8"], choices=["f32", "f16", "i8"])
-    p.add_argument("--batch-size", type=int, default=16)
+    add_training_args(p, epochs=None, batch_size=16, lr=None)
     p.add_argument("--batches", type=int, default=3, help="timed batches per link and encoding")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--num-classes", type=int, default=111)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (device and server share the process)")
+    add_threads_arg(p, 1, help="torch threads (device and server share the process; 0: torch's choice)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "links")
     args = p.parse_args(argv)
-    import torch
-    torch.set_num_threads(args.threads)
+    apply_threads(args)
     res: dict[str, Any] = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                            "loadavg_start": os.getloadavg(), "rows": []}

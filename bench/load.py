@@ -42,6 +42,7 @@ from device_sdk.data import load_lfw
 from device_sdk.engine import DeviceEngine
 from device_sdk.models import resolve_spec
 from device_sdk.optim import TrainConfig
+from device_sdk.options import add_data_root_arg, add_devices_arg, add_training_args
 from device_sdk.simulator import batch_indices, batches_per_epoch
 from edge_server.auth import issue_tokens
 from edge_server.checkpoint import ReplyStore, load_checkpoint
@@ -350,15 +351,15 @@ def _tensor_bytes(state: Any) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--devices", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=16)
+    add_devices_arg(p, 32)
+    add_training_args(p, epochs=None, batch_size=16, lr=None)
     p.add_argument("--seconds", type=float, default=75.0, help="devices start no batch after this")
     p.add_argument("--checkpoint-every", type=float, default=10.0, help="the server's checkpoint interval (s)")
-    p.add_argument("--lfw", type=Path, default=LFW)
+    add_data_root_arg(p, default=LFW, help=f"LFW root (default {LFW})")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "reliability" / "load.json")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="splitface-load-") as tmp:
-        result = run(args.devices, args.batch_size, args.seconds, args.checkpoint_every, Path(tmp), args.lfw)
+        result = run(args.devices, args.batch_size, args.seconds, args.checkpoint_every, Path(tmp), args.data)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k not in ("server_rss_mb", "checkpoint_bytes")}, indent=2))

@@ -19,11 +19,10 @@ import math
 import time
 from pathlib import Path
 
-import torch
-
 from device_sdk.federated.dplc import DPLCConfig, dplc_sigma
 from device_sdk.federated.private_head import HeadConfig
 from device_sdk.models import build_backbone, resolve_spec
+from device_sdk.options import add_data_root_arg, add_threads_arg, apply_threads
 from edge_server.federated.experiment import load_shared, summary_row
 from edge_server.federated.methods import MethodConfig, PrivateHeadRun, class_embedding_linkage
 from edge_server.federated.privacyface_accounting import identity_epsilon
@@ -99,17 +98,17 @@ def run_one(shared, name: str, config: MethodConfig | None) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=None, help="LFW folder (default: $SPLITFACE_DATA, ...)")
+    add_data_root_arg(p)
     p.add_argument("--out", type=Path, default=ROOT / "results" / "federated" / "privacyface_fedgc.json")
     p.add_argument("--cache", type=Path, default=ROOT / "runs" / "privacyface_fedgc")
     p.add_argument("--backbone", type=Path, default=ROOT / "runs" / "federated" / "public_backbone.pt")
     p.add_argument("--pretrain-epochs", type=int, default=4)
     p.add_argument("--max-users", type=int, default=200)
     p.add_argument("--only", nargs="*", default=None, help="run only these runs (names as in the output)")
-    p.add_argument("--threads", type=int, default=1)
+    add_threads_arg(p, 1)
     p.add_argument("--force", action="store_true")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    apply_threads(args)
     started = time.time()
     shared = load_shared(resolve_spec("iresnet_small"), args.data, args.backbone, args.pretrain_epochs,
                          args.max_users)

@@ -19,6 +19,7 @@ import numpy as np
 
 from device_sdk.data import FaceSet, load_lfw
 from device_sdk.engine import to_input
+from device_sdk.options import add_data_root_arg
 from edge_server.audit.recognizer import DlibResNet, Eigenfaces
 from edge_server.evaluation import evaluate_embedder, view1_pairs
 
@@ -50,7 +51,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=None, help="LFW root (holding images/ and the View 1 files)")
+    add_data_root_arg(p, help="LFW root (holding images/ and the View 1 files)")
     p.add_argument("--out", type=Path, default=Path("results/verification"))
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--crop", type=int, default=160)

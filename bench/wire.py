@@ -144,11 +144,13 @@ def table(summary: list[dict[str, Any]], rows: list[dict[str, Any]], config: dic
 
 
 def main(argv: list[str] | None = None) -> None:
+    from device_sdk.options import add_data_root_arg, add_model_arg, add_training_args
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", type=Path, required=True, help="LFW root (with View 1's people and pairs files)")
+    add_data_root_arg(p, required=True, help="LFW root (with View 1's people and pairs files)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "wire")
-    p.add_argument("--model", default="iresnet_small")
-    p.add_argument("--epochs", type=int, default=1)
+    add_model_arg(p, "iresnet_small")
+    add_training_args(p, epochs=1, batch_size=None, lr=None)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--only", nargs="*", default=None, help="run only these points (f32 always runs: the reference)")
     p.add_argument("--view1-limit", type=int, default=None, help="only this many View 1 pairs (smoke tests)")

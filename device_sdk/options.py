@@ -29,8 +29,11 @@ DATA_HELP = ("LFW root (holding images/<person>/...) or an ImageFolder with --im
 
 # ---- data ---------------------------------------------------------------------------------
 
-def add_data_root_arg(p: argparse.ArgumentParser, *, required: bool = False, help: str = DATA_HELP) -> None:
-    p.add_argument("--data", type=Path if required else None, required=required, default=None, help=help)
+def add_data_root_arg(p: argparse.ArgumentParser, *, required: bool = False, default: Path | None = None,
+                      help: str = DATA_HELP) -> None:
+    """--data: the face data's root; a bench that runs on the shared copy passes it as its default."""
+    typed = required or default is not None
+    p.add_argument("--data", type=Path if typed else None, required=required, default=default, help=help)
 
 
 def add_data_args(p: argparse.ArgumentParser) -> None:
@@ -46,8 +49,9 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
     add_seed_arg(p)
 
 
-def add_seed_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seed", type=int, default=0, help="seeds the data split, the shuffles and the initial weights")
+def add_seed_arg(p: argparse.ArgumentParser,
+                 help: str = "seeds the data split, the shuffles and the initial weights") -> None:
+    p.add_argument("--seed", type=int, default=0, help=help)
 
 
 def data_argv(args: argparse.Namespace) -> list[str]:
@@ -117,7 +121,12 @@ def model_argv(args: argparse.Namespace) -> list[str]:
 def add_devices_args(p: argparse.ArgumentParser) -> None:
     """How many simulated devices, and where the classifier lives."""
     p.add_argument("--head", choices=("server", "device"), default="server")
-    p.add_argument("--devices", type=int, default=2)
+    add_devices_arg(p)
+
+
+def add_devices_arg(p: argparse.ArgumentParser, default: int = 2, help: str | None = None) -> None:
+    """--devices: how many devices run at once (the load and hostile benches run more than the simulator)."""
+    p.add_argument("--devices", type=int, default=default, help=help)
 
 
 # ---- training -----------------------------------------------------------------------------
@@ -150,8 +159,9 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(args.lr, args.momentum, args.weight_decay, args.lr_decay, args.decay_steps, args.seed)
 
 
-def add_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's choice)")
+def add_threads_arg(p: argparse.ArgumentParser, default: int = 0,
+                    help: str = "torch CPU threads (0: torch's choice)") -> None:
+    p.add_argument("--threads", type=int, default=default, help=help)
 
 
 def apply_threads(args: argparse.Namespace) -> None:
