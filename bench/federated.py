@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -55,9 +56,16 @@ CENTRALIZED = {"epochs": 1, "lr": 0.01, "batch_size": 8, "head_lr_scale": 10.0, 
 NOISE = (0.1, 0.3, 1.0)  # dp-fedemb; dp-fedavg at the first two
 FEDAVG_CLIP = 1.4  # the median norm of DP-FedAvg's updates at the shared clip norm (1.15-1.48 per round)
 EXTRAPOLATE_USERS = (100_000, 1_000_000)
+# the runs the issue's two questions compare (FedEmb against centralized, DP-FedEmb against DP-FedAvg at the same
+# z), run again with these seeds: a single seed's difference is inside its 10-fold spread
+HEADLINE = ("centralized", "fedemb", "dp-fedemb-z0.1", "dp-fedemb-z0.3", "dp-fedavg-z0.1", "dp-fedavg-z0.3")
+EXTRA_SEEDS = (1, 2)
 
 
-def runs() -> list[tuple[str, FederatedConfig | None]]:
+def runs() -> list[tuple[str, FederatedConfig | None, int]]:
+    """(name, config (None: not federated), seed) of every run: the seed-0 runs, then the headline runs again
+    with the other seeds (only the seed changes: the virtual clients' grouping, the sampling, the clients'
+    shuffles and heads, the noise; the public backbone and the View 1 calibration images stay)."""
     out: list[tuple[str, FederatedConfig | None]] = [("public-only", None), ("centralized", None),
                                                      ("fedavg", dataclasses.replace(CONFIG, method="fedavg")),
                                                      ("fedemb", CONFIG)]
@@ -70,6 +78,26 @@ def runs() -> list[tuple[str, FederatedConfig | None]]:
     for z in NOISE[:2]:  # DP-FedAvg clipped at its own median update norm (the global head's change dominates it)
         out.append((f"dp-fedavg-z{z:g}-C{FEDAVG_CLIP:g}", dataclasses.replace(
             CONFIG, method="dp-fedavg", noise_multiplier=z, clip_norm=FEDAVG_CLIP)))
+    seeded = [(name, config, CONFIG.seed) for name, config in out]
+    for seed in EXTRA_SEEDS:
+        seeded += [(seed_name(name, seed), config and dataclasses.replace(config, seed=seed), seed)
+                   for name, config in out if name in HEADLINE]
+    return seeded
+
+
+def seed_name(name: str, seed: int) -> str:
+    return name if seed == CONFIG.seed else f"{name}-seed{seed}"
+
+
+def across_seeds(measured: dict[str, dict]) -> dict[str, dict]:
+    """Each headline run's View 1 accuracy over the seeds run: mean, sample std (n - 1) and the values."""
+    out = {}
+    for name in HEADLINE:
+        accs = [measured[n]["view1_accuracy"] for n in [name, *(seed_name(name, s) for s in EXTRA_SEEDS)]
+                if n in measured]
+        if len(accs) > 1:
+            out[name] = {"seeds": len(accs), "mean": statistics.mean(accs), "std": statistics.stdev(accs),
+                         "values": accs, "epsilon": measured[name]["epsilon"]}
     return out
 
 
@@ -98,8 +126,26 @@ def within(gap: float, a: dict, b: dict) -> str:
     return f"; within one 10-fold std ({spread:.3f}) of a single-seed run" if abs(gap) < spread else ""
 
 
+def versus(a: str, b: str, measured: dict[str, dict], seeds: dict[str, dict]) -> tuple[float, str]:
+    """Run a's View 1 accuracy against run b's: over the seeds both were run with when there are several (paired
+    by seed: the same seed draws the same virtual clients and sample), else the single-seed values."""
+    if a in seeds and b in seeds and seeds[a]["seeds"] == seeds[b]["seeds"]:
+        diffs = [x - y for x, y in zip(seeds[a]["values"], seeds[b]["values"])]
+        gap = statistics.mean(diffs)
+        agree = sum((d > 0) == (gap > 0) for d in diffs)
+        return gap, (f"{seeds[a]['mean']:.3f} +- {seeds[a]['std']:.3f} vs {seeds[b]['mean']:.3f} +- "
+                     f"{seeds[b]['std']:.3f} over {len(diffs)} seeds (mean +- std across seeds); difference "
+                     f"{gap:+.3f} +- {statistics.stdev(diffs):.3f}, the same sign in {agree} of {len(diffs)} seeds "
+                     f"({', '.join(f'{d:+.3f}' for d in diffs)})")
+    ra, rb = measured[a], measured[b]
+    gap = ra["view1_accuracy"] - rb["view1_accuracy"]
+    return gap, f"{ra['view1_accuracy']:.3f} vs {rb['view1_accuracy']:.3f} ({gap:+.3f}{within(gap, ra, rb)})"
+
+
 def table(rows: list[dict], config: dict) -> str:
     measured = {r["run"]: r for r in rows if "extrapolated" not in r["method"]}
+    seeds = across_seeds(measured)
+    rows = [r for r in rows if r.get("seed") in (None, CONFIG.seed)]  # the other seeds: their own section
     lines = ["# Federated face recognition with user-level DP: reduced run", "",
              "**Reduced**: IResNet-small at 64x64 on a shared 2-core CPU; "
              f"{config['users']} private users (View 1 DevTrain people with 2-9 photos), the backbone pre-trained "
@@ -123,6 +169,14 @@ def table(rows: list[dict], config: dict) -> str:
                      f"| {fmt(r['view1_accuracy'])} | {fmt(r['view1_std'])} | {fmt(r['roc_auc'])} "
                      f"| {fmt(r['tar_at_far_1e-2'])} |")
     lines += ["", "Extrapolated rows are accounted, not trained (see their `note` in summary.json)."]
+    if seeds:
+        lines += ["", "## Across seeds", "", f"The headline runs again with seeds {', '.join(map(str, EXTRA_SEEDS))} "
+                  "(rows `<run>-seed<s>` in summary.json; only the seed changes: the virtual clients, the sampling, "
+                  "the clients' shuffles and heads, the noise; the public backbone and the evaluation stay). "
+                  "std here is across seeds (n - 1), not the 10-fold std above.", "",
+                  "| run | epsilon | seeds | View 1 acc mean | std across seeds | per seed |", "|---|---|---|---|---|---|"]
+        lines += [f"| {name} | {fmt(v['epsilon'])} | {v['seeds']} | {v['mean']:.3f} | {v['std']:.3f} "
+                  f"| {' / '.join(f'{x:.3f}' for x in v['values'])} |" for name, v in seeds.items()]
     reference = ROOT / "results" / "verification" / "reference.json"
     if reference.exists():  # measured by bench/verification_reference.py on the same pairs
         lines += ["", "Reference recognizers on the same 1000 pairs (`results/verification/reference.json`, from "
@@ -132,19 +186,16 @@ def table(rows: list[dict], config: dict) -> str:
     lines += ["", "## As measured"]
     fedemb, central = measured.get("fedemb"), measured.get("centralized")
     if fedemb and central:
-        gap = fedemb["view1_accuracy"] - central["view1_accuracy"]
+        gap, text = versus("fedemb", "centralized", measured, seeds)
         lines.append(f"- Non-private FedEmb {'reaches' if gap >= 0 else 'does not reach'} centralized training: "
-                     f"{fedemb['view1_accuracy']:.3f} vs {central['view1_accuracy']:.3f} ({gap:+.3f}"
-                     f"{within(gap, fedemb, central)}). FedEmb trained on {fedemb['client_images_trained']} "
+                     f"{text}. FedEmb trained on {fedemb['client_images_trained']} "
                      f"client image-steps, centralized on {central['client_images_trained']}; the non-private "
                      f"federated runs are unclipped (see the DP runs at small z).")
     for z in NOISE:
-        emb, avg = measured.get(f"dp-fedemb-z{z:g}"), measured.get(f"dp-fedavg-z{z:g}")
-        if emb and avg:
-            gap = emb["view1_accuracy"] - avg["view1_accuracy"]
-            lines.append(f"- At z = {z:g}, DP-FedEmb {'beats' if gap > 0 else 'does not beat'} DP-FedAvg: "
-                         f"{emb['view1_accuracy']:.3f} vs {avg['view1_accuracy']:.3f} ({gap:+.3f}"
-                         f"{within(gap, emb, avg)}).")
+        emb, avg = f"dp-fedemb-z{z:g}", f"dp-fedavg-z{z:g}"
+        if emb in measured and avg in measured:
+            gap, text = versus(emb, avg, measured, seeds)
+            lines.append(f"- At z = {z:g}, DP-FedEmb {'beats' if gap > 0 else 'does not beat'} DP-FedAvg: {text}.")
     avg = [r for r in measured.values()
            if r["method"] == "dp-fedavg" and r["config"]["clip_norm"] == CONFIG.clip_norm]
     if avg:
@@ -167,7 +218,7 @@ def table(rows: list[dict], config: dict) -> str:
 
 
 def figures(rows: list[dict], out: Path) -> None:
-    measured = [r for r in rows if "extrapolated" not in r["method"]]
+    measured = [r for r in rows if "extrapolated" not in r["method"] and r.get("seed") in (None, CONFIG.seed)]
     fig, ax = plt.subplots(figsize=(6, 4))
     curves = sorted({(r["method"], r["config"]["clip_norm"]) for r in measured
                      if r["epsilon"] is not None and not r.get("adaptive_clipping")})
@@ -324,7 +375,7 @@ def main() -> None:
     shared = load_shared(resolve_spec("iresnet_small"), args.data, args.backbone, args.pretrain_epochs,
                          args.max_users, progress_pairs=args.progress_pairs)
     rows = []
-    for name, config in runs():
+    for name, config, seed in runs():
         run_dir = args.out / "runs" / name
         if args.force and run_dir.exists():
             shutil.rmtree(run_dir)
@@ -335,13 +386,13 @@ def main() -> None:
                 run_public_only(shared, run_dir)
             elif name == "centralized":
                 run_centralized(shared, run_dir, CENTRALIZED["epochs"], CENTRALIZED["lr"], CENTRALIZED["batch_size"],
-                                CENTRALIZED["head_lr_scale"], CENTRALIZED["momentum"], CONFIG.seed)
+                                CENTRALIZED["head_lr_scale"], CENTRALIZED["momentum"], seed)
             else:
                 run_federated(shared, config, run_dir, args.eval_every)
         if result.exists():
-            row = {"run": name, **json.loads(result.read_text()), "progress_pairs": args.progress_pairs}
+            row = {"run": name, **json.loads(result.read_text()), "progress_pairs": args.progress_pairs, "seed": seed}
             rows.append(row)
-            if row["method"] == "dp-fedemb" and not row.get("adaptive_clipping"):
+            if row["method"] == "dp-fedemb" and not row.get("adaptive_clipping") and seed == CONFIG.seed:
                 rows.extend({**x, "run": f"{name} @ {x['users']:.0e} users"} for x in extrapolation_rows(row, name))
     info = {"users": len(shared.population.users)}
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
