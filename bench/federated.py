@@ -384,7 +384,7 @@ def main() -> None:
             print(f"== {name}", flush=True)
             if name == "public-only":
                 run_public_only(shared, run_dir)
-            elif name == "centralized":
+            elif config is None:  # centralized (any seed)
                 run_centralized(shared, run_dir, CENTRALIZED["epochs"], CENTRALIZED["lr"], CENTRALIZED["batch_size"],
                                 CENTRALIZED["head_lr_scale"], CENTRALIZED["momentum"], seed)
             else:
