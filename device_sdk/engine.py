@@ -30,7 +30,7 @@ from .transforms import release_mask
 
 __all__ = ["DeviceEngine", "PrivacyEngine", "LAYER_TRAINING", "to_input", "initial_layer", "privatize", "bound_for",
            "release_key"]
-PrivacyConfig = PrivacyEngine  # the name it had before it owned its state; kept for callers not yet renamed
+PrivacyConfig = PrivacyEngine  # old name; its last user is tests/test_transforms.py: delete this line with its rename
 
 
 def initial_layer(spec: ModelSpec, split: str, seed: int, weights: Path | None = None) -> nn.Module:

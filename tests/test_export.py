@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from device_sdk.data import load_lfw
-from device_sdk.engine import DeviceEngine, PrivacyConfig, to_input
+from device_sdk.engine import DeviceEngine, PrivacyEngine, to_input
 from device_sdk.models import build_backbone, resolve_spec, split_backbone
 from device_sdk.models.lrn import PaperLRN
 from device_sdk.privacy.mechanisms import PerImageGaussian
@@ -89,7 +89,7 @@ def test_static_weights_put_the_conv_in_xnnpack_and_still_verify(tmp_path):
     trains = DeviceEngine(spec, "conv1", "server", 3)
     with pytest.raises(ValueError, match="baked in .* this layer trains"):
         trains.attach_runtime(runtime)
-    frozen = DeviceEngine(spec, "conv1", "server", 3, privacy=PrivacyConfig(layer_training="frozen"))
+    frozen = DeviceEngine(spec, "conv1", "server", 3, privacy=PrivacyEngine(layer_training="frozen"))
     frozen.layer.load_state_dict(layer.state_dict())
     frozen.attach_runtime(runtime)
     images = np.random.default_rng(0).integers(0, 256, (2, 3, 64, 64), dtype=np.uint8)
@@ -109,10 +109,10 @@ def test_runtimes_refuse_what_they_cannot_compute(tmp_path):
     export_verified(layer, 64, 2, tmp_path)
     runtime = load_runtime("onnxruntime", layer, 64, 2, tmp_path)
     clipped = DeviceEngine(resolve_spec("iresnet_small"), "conv1", "server", 3,
-                           privacy=PrivacyConfig(mechanism=PerImageGaussian(1.0, 1.0)))
+                           privacy=PrivacyEngine(mechanism=PerImageGaussian(1.0, 1.0)))
     with pytest.raises(ValueError, match="per_image"):
         clipped.attach_runtime(runtime)
-    dpsgd = DeviceEngine(resolve_spec("iresnet_small"), "conv1", "server", 3, privacy=PrivacyConfig(layer_training="dpsgd"))
+    dpsgd = DeviceEngine(resolve_spec("iresnet_small"), "conv1", "server", 3, privacy=PrivacyEngine(layer_training="dpsgd"))
     with pytest.raises(ValueError, match="DP-SGD"):
         dpsgd.attach_runtime(runtime)
     with pytest.raises(ValueError, match="exceeds the exported batch size"):

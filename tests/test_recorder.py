@@ -8,7 +8,7 @@ import torch
 
 from device_sdk.client import DeviceClient
 from device_sdk.data import load_lfw
-from device_sdk.engine import DeviceEngine, PrivacyConfig, to_input
+from device_sdk.engine import DeviceEngine, PrivacyEngine, to_input
 from device_sdk.models import resolve_spec
 from device_sdk.optim import TrainConfig
 from edge_server.recorder import Recorder, load_recordings
@@ -23,7 +23,7 @@ def test_server_records_the_releases_it_received(lfw, tmp_path):
     images, labels = train.load(64, 160), train.labels
     def frozen_engine() -> DeviceEngine:  # a fixed layer: every release is layer(x)
         return DeviceEngine(resolve_spec(MODEL), "conv1", "server", 3, TrainConfig(lr=0.05),
-                            PrivacyConfig(layer_training="frozen"))
+                            PrivacyEngine(layer_training="frozen"))
 
     async def train_four_batches(url: str, engine: DeviceEngine) -> None:
         client = DeviceClient(url, "device-0", TOKENS["device-0"], engine, batch_size=8)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from device_sdk.data import load_lfw
-from device_sdk.engine import PrivacyConfig
+from device_sdk.engine import PrivacyEngine
 from device_sdk.models import resolve_spec
 from device_sdk.optim import TrainConfig
 from device_sdk.privacy.mechanisms import PerActivationGaussian
@@ -26,7 +26,7 @@ def train_with(backend: str, lfw, tmp_path) -> tuple[list[float], dict]:
     data.test = data.test.subset(np.arange(8))
     config = SimConfig(url="", spec=resolve_spec(MODEL), num_devices=1, epochs=2, batch_size=24, progress=False,
                        train=TrainConfig(lr=0.05), backend=backend, artifacts=tmp_path / "artifacts",
-                       privacy=lambda: PrivacyConfig(mechanism=PerActivationGaussian(10.0, 1e-5), secret=7))
+                       privacy=lambda: PrivacyEngine(mechanism=PerActivationGaussian(10.0, 1e-5), secret=7))
     with serve_in_thread(small_trainer(len(data.class_names), MODEL, lr=0.05), tmp_path / backend) as server:
         config.url = server.url
         results = asyncio.run(simulate(config, data, {"device-0": TOKENS["device-0"]}))
