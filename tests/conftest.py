@@ -1,10 +1,11 @@
-"""Shared fixtures: the real LFW copy and an in-process edge server on loopback; and no silent skips."""
+"""Shared fixtures: the real LFW copy, an in-process edge server on loopback, a trustme PKI; and no silent skips."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
 import pytest
+import trustme
 
 from device_sdk.models import resolve_spec
 from device_sdk.optim import TrainConfig
@@ -31,6 +32,23 @@ def lfw() -> Path:
         pytest.fail(f"LFW (deep-funneled, with View 1's pairs and people files) not found at {LFW}: put it there "
                     f"(images/<Person>/<Person>_NNNN.jpg), i.e. in shared/data/lfw beside this checkout", pytrace=False)
     return LFW
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory):
+    """Real certificates for the TLS tests (Python and JVM clients): a CA, a server certificate for the name
+    'localhost' only (so 127.0.0.1 is a name mismatch), and an unrelated CA. Files: cert.pem (chain), key.pem,
+    ca.pem, other-ca.pem."""
+    root = tmp_path_factory.mktemp("pki")
+    ca, other = trustme.CA(), trustme.CA()
+    cert = ca.issue_cert("localhost")
+    cert.cert_chain_pems[0].write_to_path(root / "cert.pem")
+    for pem in cert.cert_chain_pems[1:]:
+        pem.write_to_path(root / "cert.pem", append=True)
+    cert.private_key_pem.write_to_path(root / "key.pem")
+    ca.cert_pem.write_to_path(root / "ca.pem")
+    other.cert_pem.write_to_path(root / "other-ca.pem")
+    return root
 
 
 def serve_in_thread(trainer: ServerTrainer, run_dir: Path, max_batch: int = 64, max_message_bytes: int = 64 << 20,

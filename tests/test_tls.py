@@ -13,30 +13,15 @@ import urllib.request
 
 import numpy as np
 import pytest
-import trustme
 
 from device_sdk.client import DeviceClient, UntrustedServer
 from device_sdk.engine import DeviceEngine
 from edge_server.app import EdgeServer, ServerConfig, server_info
 from edge_server.auth import TokenAuthenticator, issue_tokens
 from tests.conftest import TOKENS, serve_in_thread, small_trainer
+from tests.conftest import pki  # noqa: F401  (the fixture lives in conftest; named here for tests/test_android_core.py's import)
 
 NUM_CLASSES = 5
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    """A CA, a server certificate for the name 'localhost' only, and an unrelated CA."""
-    root = tmp_path_factory.mktemp("pki")
-    ca, other = trustme.CA(), trustme.CA()
-    cert = ca.issue_cert("localhost")
-    cert.cert_chain_pems[0].write_to_path(root / "cert.pem")
-    for pem in cert.cert_chain_pems[1:]:
-        pem.write_to_path(root / "cert.pem", append=True)
-    cert.private_key_pem.write_to_path(root / "key.pem")
-    ca.cert_pem.write_to_path(root / "ca.pem")
-    other.cert_pem.write_to_path(root / "other-ca.pem")
-    return root
 
 
 def _client(url: str, trainer, **kw) -> DeviceClient:
