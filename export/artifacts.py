@@ -5,6 +5,10 @@ Artifacts of one export, all for a batch size fixed at export time:
 - train.pte         ExecuTorch joint forward-backward on portable kernels:
                     (images, noise, server_grad) -> (surrogate loss, released) + weight gradients;
                     its weights live in the program and are overwritten in place before each call
+- release_gemm.pte  ExecuTorch, every large op in XNNPACK with the weights as inputs (`gemm=True`, and only
+  vjp_gemm.pte      for conv + ReLU + LRN with a stride-1 conv: `export/gemm_programs.py`): the release as
+                    above, and (images, server_grad, weight, bias) -> weight gradients in closed form
+                    (im2col^T @ the gradient through LRN and ReLU); the `executorch-xnnpack` backend
 - release.onnx      ONNX: (images, noise[, mask], *weights) -> released
 - vjp.onnx          ONNX: (images, server_grad, *weights) -> weight gradients
   (train.pte and vjp.onnx only when the layer has parameters, the dct release has none, and only
@@ -34,10 +38,13 @@ from torch import nn
 if TYPE_CHECKING:
     from device_sdk.models import ModelSpec
 
+from .gemm_programs import GemmReleaseProgram, GemmWeightGrad, gemm_refusal
 from .programs import LayerVJP, ReleaseProgram, TrainingProgram, param_names, training_refusal
 
 RELEASE_PTE, TRAIN_PTE, RELEASE_ONNX, VJP_ONNX, MANIFEST = (
     "release.pte", "train.pte", "release.onnx", "vjp.onnx", "manifest.json")
+RELEASE_GEMM_PTE, VJP_GEMM_PTE = "release_gemm.pte", "vjp_gemm.pte"
+NO_GEMM = "not exported (export with --gemm)"
 
 
 @dataclass
@@ -53,6 +60,7 @@ class Manifest:
     weights_digest: str | None = None  # static_weights: digest of the weights baked into release.pte
     mask_shape: list[int] | None = None  # the release program's mask input, when the transform has one
     training_refusal: str | None = None  # why no training program was exported for a layer with parameters
+    gemm_refusal: str | None = NO_GEMM  # why release_gemm.pte / vjp_gemm.pte are absent; None: they exist
 
     @property
     def trainable(self) -> bool:
@@ -108,13 +116,27 @@ def example_mask(mask_shape: list[int] | tuple[int, ...] | None) -> list[torch.T
 
 def export_release_pte(layer: nn.Module, images: torch.Tensor, noise: torch.Tensor, static_weights: bool,
                        mask_shape: list[int] | None = None) -> bytes:
+    program = ReleaseProgram(layer, weights_as_inputs=not static_weights, masked=mask_shape is not None).eval()
+    args = (images, noise, *example_mask(mask_shape), *([] if static_weights else weights_of(layer)))
+    return lower_to_xnnpack(program, args)
+
+
+def lower_to_xnnpack(program: nn.Module, args: tuple) -> bytes:
+    """A .pte of `program` with XnnpackPartitioner: whatever XNNPACK accepts runs there, the rest on portable kernels."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
-    program = ReleaseProgram(layer, weights_as_inputs=not static_weights, masked=mask_shape is not None).eval()
-    args = (images, noise, *example_mask(mask_shape), *([] if static_weights else weights_of(layer)))
     edge = to_edge_transform_and_lower(torch.export.export(program, args), partitioner=[XnnpackPartitioner()])
     return edge.to_executorch().buffer
+
+
+def export_gemm_ptes(layer: nn.Module, images: torch.Tensor, noise: torch.Tensor,
+                     mask_shape: list[int] | None) -> tuple[bytes, bytes]:
+    """release_gemm.pte and vjp_gemm.pte: the release and its weight gradient, XNNPACK with weights as inputs."""
+    weights = weights_of(layer)
+    release = lower_to_xnnpack(GemmReleaseProgram(layer, masked=mask_shape is not None).eval(),
+                               (images, noise, *example_mask(mask_shape), *weights))
+    return release, lower_to_xnnpack(GemmWeightGrad(layer).eval(), (images, noise, *weights))
 
 
 def export_train_pte(layer: nn.Module, images: torch.Tensor, noise: torch.Tensor) -> bytes:
@@ -133,12 +155,13 @@ def export_onnx(module: nn.Module, args: tuple, path: Path, input_names: list[st
 
 
 def export_all(layer: nn.Module, input_size: int, batch_size: int, out: Path, static_weights: bool = False,
-               mask: tuple[int, ...] | None = None) -> Manifest:
+               mask: tuple[int, ...] | None = None, gemm: bool = False) -> Manifest:
     """Every artifact for `layer` (its current weights and clamp), into `out`; not yet verified.
 
     `mask`: one image's mask shape, when the release transform zeroes part of each release
     (`device_sdk.transforms.release_mask`: (channels, 1, 1)); the release programs then take the
-    batch's mask as an input.
+    batch's mask as an input. `gemm`: also the im2col programs (`export/gemm_programs.py`) when they
+    cover the layer; the manifest's `gemm_refusal` says why not otherwise.
     """
     out.mkdir(parents=True, exist_ok=True)
     layer = layer.eval()
@@ -160,10 +183,15 @@ def export_all(layer: nn.Module, input_size: int, batch_size: int, out: Path, st
         (out / TRAIN_PTE).write_bytes(export_train_pte(layer, images, noise))
         export_onnx(LayerVJP(layer), (images, noise, *weights), out / VJP_ONNX,
                     ["images", "grad", *names], [f"grad:{n}" for n in names])
+    gemm_why = (gemm_refusal(layer) or refusal) if gemm else NO_GEMM
+    if gemm_why is None:
+        release, vjp = export_gemm_ptes(layer, images, noise, mask_shape)
+        (out / RELEASE_GEMM_PTE).write_bytes(release)
+        (out / VJP_GEMM_PTE).write_bytes(vjp)
     lrn_max = [m.input_max for m in layer.modules() if hasattr(m, "input_max")]
     manifest = Manifest(batch_size, list(images.shape), list(noise.shape), names, static_weights,
                         lrn_max[0] if lrn_max else None,
                         weights_digest=weights_digest(weights) if static_weights else None,
-                        mask_shape=mask_shape, training_refusal=refusal)
+                        mask_shape=mask_shape, training_refusal=refusal, gemm_refusal=gemm_why)
     manifest.save(out)
     return manifest

@@ -1,7 +1,7 @@
 """splitface-export: the device layer as ExecuTorch and ONNX programs, verified against PyTorch.
 
     splitface-export --model iresnet_small --batch-size 8 --out runs/export [--weights public.pt]
-                     [--dp-clamp] [--static-weights] [--data ../shared/data/lfw]
+                     [--dp-clamp] [--static-weights] [--gemm] [--data ../shared/data/lfw]
 
 Exits non-zero, saying which artifact and by how much, when any output or gradient disagrees
 with PyTorch beyond the tolerances in export/verify.py.
@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="clamp LRN inputs to [0, 1], as the per-activation mechanism requires")
     p.add_argument("--static-weights", action="store_true",
                    help="bake the weights into release.pte (a frozen public layer: XNNPACK then runs the conv too)")
+    p.add_argument("--gemm", action="store_true",
+                   help="also the im2col programs (release_gemm.pte, vjp_gemm.pte) for --backend executorch-xnnpack: "
+                        "conv + ReLU + LRN in XNNPACK with the weights as inputs (stride-1 conv1 layers)")
     p.add_argument("--data", default=None, help="LFW directory: also verify on real faces")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -64,12 +67,14 @@ def main(argv: list[str] | None = None) -> None:
     images = real_images(args.data, args.batch_size, spec.input_size, args.seed)
     try:
         manifest = export_verified(layer, spec.input_size, args.batch_size, args.out, images, args.static_weights,
-                                   transform_mask(spec, layer))
+                                   transform_mask(spec, layer), gemm=args.gemm)
     except ExportMismatch as exc:
         sys.exit(f"export verification FAILED: {exc}")
     for name, check in manifest.verification["checks"].items():
         print(f"ok  {name}: release max abs err {check['release_max_abs_err']:.2e}, "
               f"gradient max rel err {check['grad_max_rel_err']:.2e}")
+    if args.gemm and manifest.gemm_refusal:
+        print(f"no im2col programs: {manifest.gemm_refusal}")
     if not manifest.trainable:
         print(f"release programs only: the runtimes refuse to train this device part ({manifest.training_refusal})")
     print(f"verified (release atol {manifest.verification['release_atol']}, gradient rtol "

@@ -67,6 +67,7 @@ def check(layer: nn.Module, runtime, images: torch.Tensor, weights: list[torch.T
 
 def verify(layer: nn.Module, artifacts: Path, real_images: np.ndarray | None = None) -> dict:
     from device_sdk.models import to_input
+    from device_sdk.runtimes.executorch_gemm import ExecuTorchGemmRuntime
     from device_sdk.runtimes.executorch_runtime import ExecuTorchRuntime
     from device_sdk.runtimes.onnx_runtime import OnnxRuntime
 
@@ -81,7 +82,10 @@ def verify(layer: nn.Module, artifacts: Path, real_images: np.ndarray | None = N
         g = torch.Generator().manual_seed(2)
         variants["perturbed weights"] = [w + 0.05 * w.abs().mean() * torch.randn(w.shape, generator=g) for w in weights]
     results = {}
-    for runtime in (ExecuTorchRuntime(artifacts, manifest), OnnxRuntime(artifacts, manifest)):
+    runtimes = [ExecuTorchRuntime(artifacts, manifest), OnnxRuntime(artifacts, manifest)]
+    if manifest.gemm_refusal is None:
+        runtimes.append(ExecuTorchGemmRuntime(artifacts, manifest))
+    for runtime in runtimes:
         for input_name, images in inputs.items():
             for weight_name, ws in variants.items():
                 label = f"{input_name} images, {weight_name}"
@@ -93,7 +97,7 @@ def verify(layer: nn.Module, artifacts: Path, real_images: np.ndarray | None = N
 
 
 def export_verified(layer: nn.Module, input_size: int, batch_size: int, out: Path, real_images: np.ndarray | None = None,
-                    static_weights: bool = False, mask: tuple[int, ...] | None = None) -> Manifest:
-    export_all(layer, input_size, batch_size, out, static_weights, mask)
+                    static_weights: bool = False, mask: tuple[int, ...] | None = None, gemm: bool = False) -> Manifest:
+    export_all(layer, input_size, batch_size, out, static_weights, mask, gemm)
     verify(layer, out, real_images)
     return Manifest.load(out)

@@ -1,4 +1,5 @@
-"""Where the device layer runs: eager PyTorch, ExecuTorch or ONNX Runtime.
+"""Where the device layer runs: eager PyTorch, ExecuTorch (`executorch`: the conv on portable kernels, a
+training program; `executorch-xnnpack`: the im2col programs, all of it in XNNPACK) or ONNX Runtime.
 
 A non-torch runtime executes programs exported by `export/` for a fixed batch size; the engine
 keeps everything else (weights and optimiser in torch, noise, accountant, budget guard), so the
@@ -15,7 +16,7 @@ from .base import LayerRuntime, NotTrainable, padded
 
 __all__ = ["BACKENDS", "LayerRuntime", "NotTrainable", "padded", "load_runtime"]
 
-BACKENDS = ("torch", "executorch", "onnxruntime")
+BACKENDS = ("torch", "executorch", "onnxruntime", "executorch-xnnpack")
 
 
 def load_runtime(backend: str, layer: nn.Module, input_size: int, batch_size: int, artifacts: Path,
@@ -24,14 +25,16 @@ def load_runtime(backend: str, layer: nn.Module, input_size: int, batch_size: in
     """The runtime for `backend`, exporting (and verifying) `layer` into `artifacts` first if it is empty.
 
     `mask`: one image's mask shape when the release transform has one (`export.artifacts.transform_mask`),
-    so that an export made here takes the mask as a program input."""
+    so that an export made here takes the mask as a program input. `executorch-xnnpack` exports the im2col
+    programs too, and refuses artifacts exported without them."""
     if backend not in BACKENDS or backend == "torch":
         raise ValueError(f"backend must be one of {BACKENDS[1:]} here, not {backend!r}")
     from export.artifacts import MANIFEST, Manifest
     from export.verify import export_verified
 
     if not (artifacts / MANIFEST).exists():
-        export_verified(layer, input_size, batch_size, artifacts, real_images, mask=mask)
+        export_verified(layer, input_size, batch_size, artifacts, real_images, mask=mask,
+                        gemm=backend == "executorch-xnnpack")
     manifest = Manifest.load(artifacts)
     lrn_max = [m.input_max for m in layer.modules() if hasattr(m, "input_max")]
     layer_max = lrn_max[0] if lrn_max else None
@@ -41,5 +44,8 @@ def load_runtime(backend: str, layer: nn.Module, input_size: int, batch_size: in
     if backend == "executorch":
         from .executorch_runtime import ExecuTorchRuntime
         return ExecuTorchRuntime(artifacts, manifest, threads)
+    if backend == "executorch-xnnpack":
+        from .executorch_gemm import ExecuTorchGemmRuntime
+        return ExecuTorchGemmRuntime(artifacts, manifest, threads)
     from .onnx_runtime import OnnxRuntime
     return OnnxRuntime(artifacts, manifest, threads)
