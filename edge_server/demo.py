@@ -3,12 +3,15 @@ processes on loopback, trains on LFW (or the data given), and prints the results
 
 The server and the devices share nothing but the websocket: the launcher only issues
 tokens, starts the two programs, and stops the server (which checkpoints on the way out).
+Killing the launcher (SIGTERM or SIGINT) stops both programs too: each runs in a process group
+of its own, which the launcher signals on its way out, so nothing is left orphaned.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -62,8 +65,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.server_init:
         server_cmd += ["--init", str(args.server_init)]
     server_log = open(run_dir / "server.log", "w")
-    server = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    copier = None
+    previous = _stop_on_signals()
+    server = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    copier, sim = None, None
     try:
         port = _wait_ready(server, server_log)
         # Keep draining the server's output: a full pipe would block the server.
@@ -74,19 +79,61 @@ def main(argv: list[str] | None = None) -> None:
                    *common, *data_args, "--head", args.head, "--devices", str(args.devices), "--epochs", str(args.epochs),
                    "--batch-size", str(args.batch_size), "--lr", str(args.device_lr), "--results", str(run_dir / "results.json"),
                    *extra]
-        sim = subprocess.run(sim_cmd)
-        if sim.returncode != 0:
+        sim = subprocess.Popen(sim_cmd, start_new_session=True)
+        if sim.wait() != 0:
             raise SystemExit(f"the device simulator failed (exit {sim.returncode}); server log: {run_dir / 'server.log'}")
+    except Stopped as stop:
+        print(f"splitface-demo: {stop.name}: stopping the devices and the edge server", file=sys.stderr, flush=True)
+        raise SystemExit(128 + stop.signum) from None
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        for sig in previous:  # a second signal must not cut the stopping short
+            signal.signal(sig, signal.SIG_IGN)
+        if sim is not None:
+            _stop_group(sim, signal.SIGTERM, timeout=30)
+        _stop_group(server, signal.SIGINT, timeout=120)  # SIGINT: the server checkpoints on its way out
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         if copier is not None:
             copier.join(10)
         server_log.close()
     _report(run_dir, data)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Stopped(Exception):
+    """The launcher was asked to stop by a signal; raised in its main thread so that its cleanup runs."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum, self.name = signum, signal.Signals(signum).name
+        super().__init__(self.name)
+
+
+def _stop_on_signals() -> dict[int, object]:
+    """SIGTERM and SIGINT raise `Stopped` (SIGTERM would otherwise end the launcher at once, leaving the server
+    and the devices running). Returns the handlers replaced, to restore. Only the main thread may install
+    handlers; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum: int, frame) -> None:
+        raise Stopped(signum)
+    return {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+
+
+def _stop_group(proc: subprocess.Popen, sig: int, timeout: float) -> None:
+    """Stop a child started in its own session, and whatever it started: `sig` to its process group, then
+    SIGKILL to the group if it has not exited within `timeout` seconds."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=timeout)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def same_arguments(recorded: list[str], wanted: list[str]) -> bool:
