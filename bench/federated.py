@@ -42,8 +42,9 @@ ROOT = Path(__file__).resolve().parents[1]
 from device_sdk.models import resolve_spec  # noqa: E402
 from device_sdk.options import add_data_root_arg, add_threads_arg, apply_threads  # noqa: E402
 from edge_server.federated import FederatedConfig, extrapolate  # noqa: E402
-from edge_server.federated.experiment import (load_shared, run_centralized, run_federated,  # noqa: E402
-                                              run_public_only)
+from edge_server.federated.experiment import (Shared, load_shared, run_centralized,  # noqa: E402
+                                              run_federated, run_public_only)
+from edge_server.federated.population import load_population  # noqa: E402
 
 # The reduced configuration: every federated run shares it (CPU budget: ~45 min for everything). Client lr 0.01:
 # at 0.05 local updates grew from norm 1.2 to 2.5 over rounds and View 1 fell from 0.79 to 0.63 (fedemb and fedavg
@@ -60,6 +61,8 @@ EXTRAPOLATE_USERS = (100_000, 1_000_000)
 # z), run again with these seeds: a single seed's difference is inside its 10-fold spread
 HEADLINE = ("centralized", "fedemb", "dp-fedemb-z0.1", "dp-fedemb-z0.3", "dp-fedavg-z0.1", "dp-fedavg-z0.3")
 EXTRA_SEEDS = (1, 2)
+# DP-FedEmb with the 2854 one-photo DevTrain people as extra users (local heads allow them; population.py)
+SINGLE_PHOTO = f"dp-fedemb-z{NOISE[1]:g}-single-photo"
 
 
 def runs() -> list[tuple[str, FederatedConfig | None, int]]:
@@ -73,6 +76,7 @@ def runs() -> list[tuple[str, FederatedConfig | None, int]]:
         out.append((f"dp-fedemb-z{z:g}", dataclasses.replace(CONFIG, method="dp-fedemb", noise_multiplier=z)))
     out.append((f"dp-fedemb-z{NOISE[1]:g}-adaptive", dataclasses.replace(
         CONFIG, method="dp-fedemb", noise_multiplier=NOISE[1], target_quantile=0.5)))
+    out.append((SINGLE_PHOTO, dataclasses.replace(CONFIG, method="dp-fedemb", noise_multiplier=NOISE[1])))
     for z in NOISE[:2]:
         out.append((f"dp-fedavg-z{z:g}", dataclasses.replace(CONFIG, method="dp-fedavg", noise_multiplier=z)))
     for z in NOISE[:2]:  # DP-FedAvg clipped at its own median update norm (the global head's change dominates it)
@@ -83,6 +87,11 @@ def runs() -> list[tuple[str, FederatedConfig | None, int]]:
         seeded += [(seed_name(name, seed), config and dataclasses.replace(config, seed=seed), seed)
                    for name, config in out if name in HEADLINE]
     return seeded
+
+
+def with_single_photo_users(shared: Shared, lfw: str | None) -> Shared:
+    """The same experiment with DevTrain's one-photo people as private users too."""
+    return dataclasses.replace(shared, population=load_population(lfw, shared.spec.input_size, single_photo=True))
 
 
 def seed_name(name: str, seed: int) -> str:
@@ -211,6 +220,15 @@ def table(rows: list[dict], config: dict) -> str:
                          f"{FEDAVG_CLIP / CONFIG.clip_norm:.0f}x larger) at z = {z:g}: {own['view1_accuracy']:.3f}, "
                          f"against DP-FedEmb's {emb['view1_accuracy']:.3f} at the same z ({gap:+.3f}"
                          f"{within(gap, emb, own)}).")
+    single, base = measured.get(SINGLE_PHOTO), measured.get(f"dp-fedemb-z{NOISE[1]:g}")
+    if single and base:
+        gap = single["view1_accuracy"] - base["view1_accuracy"]
+        lines.append(f"- DP-FedEmb at z = {NOISE[1]:g} with the {single['single_photo_users']} one-photo DevTrain "
+                     f"people as extra users ({single['users']} users, the same {CONFIG.clients_per_round:g} virtual "
+                     f"clients per round expected, so the same compute and noise per round and a smaller sampling "
+                     f"rate): {single['view1_accuracy']:.3f} at epsilon {fmt(single['epsilon'])} (delta "
+                     f"{fmt(single['delta'], 2)}), against {base['view1_accuracy']:.3f} at epsilon "
+                     f"{fmt(base['epsilon'])} without them ({gap:+.3f}{within(gap, single, base)}).")
     public = measured.get("public-only")
     if public:
         lines.append(f"- The public backbone alone scores {public['view1_accuracy']:.3f}: every run starts there.")
@@ -220,14 +238,15 @@ def table(rows: list[dict], config: dict) -> str:
 def figures(rows: list[dict], out: Path) -> None:
     measured = [r for r in rows if "extrapolated" not in r["method"] and r.get("seed") in (None, CONFIG.seed)]
     fig, ax = plt.subplots(figsize=(6, 4))
-    curves = sorted({(r["method"], r["config"]["clip_norm"]) for r in measured
-                     if r["epsilon"] is not None and not r.get("adaptive_clipping")})
+    def on_curve(r: dict) -> bool:
+        return r["epsilon"] is not None and not r.get("adaptive_clipping") and r["run"] != SINGLE_PHOTO
+    curves = sorted({(r["method"], r["config"]["clip_norm"]) for r in measured if on_curve(r)})
     for (method, clip), marker in zip(curves, "osD^v"):
-        pts = sorted((r["epsilon"], r["view1_accuracy"]) for r in measured if r["epsilon"] is not None
-                     and (r["method"], r["config"]["clip_norm"]) == (method, clip) and not r.get("adaptive_clipping"))
+        pts = sorted((r["epsilon"], r["view1_accuracy"]) for r in measured
+                     if on_curve(r) and (r["method"], r["config"]["clip_norm"]) == (method, clip))
         ax.plot(*zip(*pts), marker=marker, label=f"{method}, clip {clip:g}")
     for r in measured:
-        if r.get("adaptive_clipping"):
+        if r["epsilon"] is not None and not on_curve(r):
             ax.scatter([r["epsilon"]], [r["view1_accuracy"]], marker="*", s=120, label=f"{r['run']}")
     for r, style, color in zip([r for r in measured if r["epsilon"] is None], ("--", ":", "-.", (0, (5, 1, 1, 1))),
                                ("gray", "black", "tab:brown", "tab:olive")):
@@ -388,11 +407,13 @@ def main() -> None:
                 run_centralized(shared, run_dir, CENTRALIZED["epochs"], CENTRALIZED["lr"], CENTRALIZED["batch_size"],
                                 CENTRALIZED["head_lr_scale"], CENTRALIZED["momentum"], seed)
             else:
-                run_federated(shared, config, run_dir, args.eval_every)
+                run_federated(with_single_photo_users(shared, args.data) if name == SINGLE_PHOTO else shared, config,
+                              run_dir, args.eval_every)
         if result.exists():
             row = {"run": name, **json.loads(result.read_text()), "progress_pairs": args.progress_pairs, "seed": seed}
             rows.append(row)
-            if row["method"] == "dp-fedemb" and not row.get("adaptive_clipping") and seed == CONFIG.seed:
+            if row["method"] == "dp-fedemb" and not row.get("adaptive_clipping") and seed == CONFIG.seed \
+                    and name != SINGLE_PHOTO:
                 rows.extend({**x, "run": f"{name} @ {x['users']:.0e} users"} for x in extrapolation_rows(row, name))
     info = {"users": len(shared.population.users)}
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2))

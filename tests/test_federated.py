@@ -125,13 +125,23 @@ def test_each_user_is_in_exactly_one_virtual_client():
 
 
 def test_private_users_are_disjoint_from_public_and_devtest(population, lfw):
+    """Also with --single-photo-users (DevTrain's one-photo people added), which only methods without a global
+    class head take."""
     from device_sdk.data import dev_people, find_lfw_root
-    from edge_server.federated.population import public_split
+    from edge_server.federated.population import check_single_photo, private_faces, public_split
     base = find_lfw_root(lfw)
     users = set(population.users)
-    assert users <= dev_people(base, "train") and not users & dev_people(base, "test")
-    assert not users & set(public_split(lfw).class_names)
+    everyone = private_faces(lfw, single_photo=True)
+    counts = np.bincount(everyone.labels)
+    train, test, public = dev_people(base, "train"), dev_people(base, "test"), set(public_split(lfw).class_names)
+    for group in (users, set(everyone.class_names)):
+        assert group <= train and not group & test and not group & public
     assert all((population.labels == u).sum() >= 2 for u in range(len(users)))
+    assert users < set(everyone.class_names) and 0 < (counts == 1).sum() < len(counts)
+    check_single_photo("dp-fedemb")
+    for method in ("dp-fedavg", "fedavg", "centralized"):
+        with pytest.raises(ValueError, match="global class"):
+            check_single_photo(method)
 
 
 def test_poisson_sampling_depends_on_seed_and_round_only():

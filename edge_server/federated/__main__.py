@@ -23,7 +23,7 @@ import torch
 
 from .engine import CRASH_EXIT_CODE, FederatedConfig, SimulatedCrash, in_process
 from .experiment import Shared, run_centralized, run_federated
-from .options import add_run_args, config_from, shared_from, spec_from
+from .options import add_run_args, check_users, config_from, shared_from, spec_from
 from .population import virtual_clients
 
 BACKENDS = ("in-process", "websocket", "ray")
@@ -88,7 +88,8 @@ def run(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = None if args.method == "centralized" else config_from(args)  # bad arguments fail before loading
+    check_users(args)  # bad arguments fail before loading
+    config = None if args.method == "centralized" else config_from(args)
     shared = shared_from(args, spec_from(args))
     if config is None:
         row = run_centralized(shared, args.out, args.centralized_epochs, args.client_lr, args.batch_size,

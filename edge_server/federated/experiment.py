@@ -46,13 +46,15 @@ class Shared:
 
 def load_shared(spec: ModelSpec, lfw_root: str | Path | None, backbone_path: Path, pretrain_epochs: int,
                 max_users: int | None, calibration_images: int = 256, view1_limit: int | None = None,
-                progress_pairs: int | None = None, seed: int = 0, log: Callable[[str], None] = print) -> Shared:
-    """`progress_pairs`: score the per-round curve on only this many DevTest pairs (half matched)."""
+                progress_pairs: int | None = None, seed: int = 0, single_photo: bool = False,
+                log: Callable[[str], None] = print) -> Shared:
+    """`progress_pairs`: score the per-round curve on only this many DevTest pairs (half matched);
+    `single_photo`: people with one photo are private users too (population.py)."""
     init_state = public_backbone(backbone_path, spec, lfw_root, pretrain_epochs, seed, log)
     public = public_split(lfw_root).train
     keep = np.sort(np.random.default_rng(seed).permutation(len(public))[:calibration_images])
     calibration = public.subset(keep).load(spec.input_size)
-    population = load_population(lfw_root, spec.input_size, max_users=max_users, seed=seed)
+    population = load_population(lfw_root, spec.input_size, max_users=max_users, seed=seed, single_photo=single_photo)
     log(f"{len(population.users)} private users, {len(population.labels)} images; "
         f"{len(calibration)} public images for batch-norm recalibration")
     evaluator = View1Evaluator(lfw_root, spec.input_size, calibration, limit=view1_limit)
@@ -83,6 +85,7 @@ def run_federated(shared: Shared, config: FederatedConfig, out: Path, eval_every
     extra = {"noise_multiplier": config.noise_multiplier if config.private else None,
              "users": len(shared.population.users), "virtual_clients": len(run.clients),
              "users_per_client": config.users_per_client, "sampling_rate": run.sampling_rate,
+             "single_photo_users": int(np.sum(np.bincount(shared.population.labels) == 1)),
              "adaptive_clipping": config.target_quantile is not None, "config": dataclasses.asdict(config),
              "history": [{k: row.get(k) for k in ("round", "clients", "users", "loss", "median_norm", "epsilon",
                                                    "view1_accuracy", "pairs", "clip_norm")} for row in history],

@@ -13,6 +13,7 @@ from device_sdk.models import ModelSpec, resolve_spec
 
 from .engine import METHODS, FederatedConfig
 from .experiment import Shared, load_shared
+from .population import SINGLE_PHOTO_METHODS, check_single_photo
 
 # the option defaults are FederatedConfig's fields' (one definition; the defaults alone are not a valid run: dp-*
 # methods need a noise multiplier)
@@ -38,6 +39,9 @@ def add_run_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
         help="public backbone (default: <out>/public_backbone.pt, pre-trained there if missing)")
     opt("pretrain-epochs", type=int, default=2, help="epochs of public pre-training when it is made")
     opt("max-users", type=int, default=None, help="a seeded random subset of the private users")
+    opt("single-photo-users", action="store_true",
+        help=f"DevTrain people with one photo are users too ({', '.join(SINGLE_PHOTO_METHODS)} only: a local "
+             "head gives each a class for one round; there is no global class for them)")
     opt("rounds", type=int, default=DEFAULTS.rounds)
     opt("users-per-client", type=int, default=DEFAULTS.users_per_client, help="k: users grouped in one virtual client")
     opt("clients-per-round", type=float, default=DEFAULTS.clients_per_round,
@@ -79,7 +83,14 @@ def run_args(args: argparse.Namespace, prefix: str = "") -> SimpleNamespace:
 
 def config_from(args: SimpleNamespace | argparse.Namespace) -> FederatedConfig:
     """The run's FederatedConfig (bad values fail here, before any data is loaded)."""
+    check_users(args)
     return FederatedConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(FederatedConfig)})
+
+
+def check_users(args: SimpleNamespace | argparse.Namespace) -> None:
+    """--single-photo-users only with a method that takes one-photo users."""
+    if args.single_photo_users:
+        check_single_photo(args.method)
 
 
 def spec_from(args: SimpleNamespace | argparse.Namespace) -> ModelSpec:
@@ -90,4 +101,4 @@ def shared_from(args: SimpleNamespace | argparse.Namespace, spec: ModelSpec) -> 
     """The public backbone (pre-trained if missing), the private users and the View 1 evaluators."""
     return load_shared(spec, args.data, args.init or args.out / "public_backbone.pt", args.pretrain_epochs,
                        args.max_users, view1_limit=args.view1_limit, progress_pairs=args.progress_pairs,
-                       seed=args.seed)
+                       seed=args.seed, single_photo=args.single_photo_users)

@@ -4,8 +4,10 @@ Split of View 1's DevTrain people (DevTest people are never used, so View 1 scor
 - public: DevTrain people with >= PUBLIC_MIN_IMAGES (10) images (111 people, 3264 images); the
   backbone is pre-trained on them and they are never private users;
 - private users: DevTrain people with 2 to 9 images (1073 people, 3407 images), one user per person
-  (a user's data is all of one person's photos). People with one image (2854) cannot be a class and
-  are left out.
+  (a user's data is all of one person's photos). People with one image (2854) cannot be a class of a global
+  head and are left out, unless `single_photo` makes them users too: DP-FedEmb's local heads allow them (a
+  virtual client's fresh head gives each of its users a class for one round, dropped afterwards;
+  docs/federated.md).
 A virtual client groups k users; every user is in exactly one virtual client (`check_partition`),
 which is what makes the client-level guarantee a user-level one.
 """
@@ -19,6 +21,7 @@ import numpy as np
 from device_sdk.data import DataSplit, FaceSet, dev_people, find_lfw_root, load_lfw
 
 PUBLIC_MIN_IMAGES = 10
+SINGLE_PHOTO_METHODS = ("fedemb", "dp-fedemb")  # local heads only: no global class for a one-photo user
 
 
 def public_split(lfw_root: str | Path | None) -> DataSplit:
@@ -39,13 +42,16 @@ class Population:
         return self.images[mask], self.labels[mask]
 
 
-def private_faces(lfw_root: str | Path | None, max_users: int | None = None, seed: int = 0) -> FaceSet:
-    """The private users' photos, labels in name order; `max_users`: a seeded random subset of them."""
+def private_faces(lfw_root: str | Path | None, max_users: int | None = None, seed: int = 0,
+                  single_photo: bool = False) -> FaceSet:
+    """The private users' photos, labels in name order; `max_users`: a seeded random subset of them;
+    `single_photo`: DevTrain people with one photo are users too."""
     base = find_lfw_root(lfw_root)
     people = []
+    fewest = 1 if single_photo else 2
     for person in sorted(dev_people(base, "train")):
         files = sorted(p for p in (base / person).iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
-        if 2 <= len(files) < PUBLIC_MIN_IMAGES:
+        if fewest <= len(files) < PUBLIC_MIN_IMAGES:
             people.append((person, files))
     if max_users is not None:
         if max_users < 2:
@@ -57,9 +63,16 @@ def private_faces(lfw_root: str | Path | None, max_users: int | None = None, see
     return FaceSet(paths, labels, [name for name, _ in people])
 
 
+def check_single_photo(method: str) -> None:
+    """One-photo users need a method without a global class head."""
+    if method not in SINGLE_PHOTO_METHODS:
+        raise ValueError(f"one-photo users need a method with local heads only ({', '.join(SINGLE_PHOTO_METHODS)}); "
+                         f"{method} would need a global class for each one-photo user")
+
+
 def load_population(lfw_root: str | Path | None, size: int, crop: int = 160, max_users: int | None = None,
-                    seed: int = 0) -> Population:
-    faces = private_faces(lfw_root, max_users, seed)
+                    seed: int = 0, single_photo: bool = False) -> Population:
+    faces = private_faces(lfw_root, max_users, seed, single_photo)
     return Population(faces.class_names, faces.load(size, crop), faces.labels)
 
 
