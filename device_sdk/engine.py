@@ -23,6 +23,7 @@ from .models.lrn import PaperLRN
 from .models.weights import load_into
 from .optim import TrainConfig, exponential_decay, make_sgd
 from .privacy.dpsgd import clipped_noisy_grad, dpsgd_event, per_sample_grads
+from .privacy.discrete import DiscreteGaussianMechanism
 from .privacy.engine import LAYER_TRAINING, PrivacyEngine, Release, release_key
 from .privacy.mechanisms import Mechanism, PerActivationGaussian
 from .runtimes.base import LayerRuntime
@@ -133,6 +134,13 @@ class DeviceEngine:
         mechanism = self.privacy.mechanism
 
         def compute(generator: torch.Generator) -> dict[str, Any]:
+            if isinstance(mechanism, DiscreteGaussianMechanism):  # the exact option: integers, keyed per release
+                activations = self.layer(x)
+                mask = release_mask(self.spec, len(x), self.release_shape, generator)
+                masked = activations if mask is None else activations * mask
+                q = mechanism.release(masked, self.privacy.stream_key(generator))
+                return {"activations": activations, "released": mechanism.straight_through(masked, q),
+                        "wire": mechanism.wire(q)}
             if self.runtime is None:
                 activations = self.layer(x)
                 return {"activations": activations, "released": privatize(self.spec, mechanism, activations, generator)}

@@ -18,11 +18,13 @@ from typing import Callable
 from .data import LFW_PEOPLE
 from .models import DEFAULT_SPLIT, PRESETS, RELEASE_KEYS, ModelSpec, resolve_spec
 from .optim import TrainConfig
+from .privacy.discrete import DiscreteGaussianMechanism
 from .privacy.engine import LAYER_TRAINING, PrivacyEngine
 from .privacy.mechanisms import MECHANISMS, build_mechanism
 from .privacy.planner import plan_per_image
 from .transforms import RELEASES
 
+NOISE = ("float", "discrete")  # --noise: how the per-image mechanism draws its noise
 DATA_HELP = ("LFW root (holding images/<person>/...) or an ImageFolder with --image-folder; "
              "default: $SPLITFACE_DATA, ~/.cache/splitface/lfw, ./data/lfw")
 
@@ -191,6 +193,11 @@ def add_privacy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--epsilon", type=float, default=None, help="per-activation: the paper's epsilon for each value")
     g.add_argument("--delta", type=float, default=1e-5)
     add_noise_args(g)
+    g.add_argument("--noise", choices=NOISE, default="float",
+                   help="per-image: float draws the Gaussian in floating point (torch, keyed per release); discrete "
+                        "releases int8 integers with exact discrete Gaussian noise (rho-zCDP, docs/privacy.md)")
+    g.add_argument("--quant-step", type=float, default=None,
+                   help="--noise discrete: the public quantisation step of the int8 release (default clip norm / 127)")
     g.add_argument("--target-epsilon", type=float, default=None,
                    help="per-image: plan the noise so each image's releases over the run compose to this epsilon")
     g.add_argument("--layer-training", choices=LAYER_TRAINING, default="plain",
@@ -202,6 +209,17 @@ def add_privacy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device-weights", type=Path, default=None, help="a saved backbone for the device layer")
 
 
+def discrete_mechanism(args: argparse.Namespace) -> DiscreteGaussianMechanism:
+    """--noise discrete: the per-image mechanism's clip norm and noise multiplier, exact on the integers."""
+    if args.mechanism != "per-image":
+        raise ValueError(f"--noise discrete is the per-image mechanism's exact form: give --mechanism per-image "
+                         f"(not {args.mechanism})")
+    if args.noise_multiplier is None:
+        raise ValueError("--noise discrete needs --noise-multiplier (--target-epsilon plans the float Gaussian's "
+                         "noise by PLD, which does not hold for the discrete one)")
+    return DiscreteGaussianMechanism(args.clip_norm, args.noise_multiplier, args.quant_step)
+
+
 def privacy_engines(args: argparse.Namespace, releases_per_image: int) -> Callable[[], PrivacyEngine]:
     """A factory of the options of `add_privacy_args`: every device gets the same settings and its own secret
     (from the OS CSPRNG, or from its state file)."""
@@ -209,8 +227,11 @@ def privacy_engines(args: argparse.Namespace, releases_per_image: int) -> Callab
     if args.mechanism == "per-image" and args.target_epsilon is not None:
         noise_multiplier = plan_per_image(args.target_epsilon, args.delta, releases_per_image)
     try:
-        mechanism = build_mechanism(args.mechanism, epsilon=args.epsilon, delta=args.delta, clip_norm=args.clip_norm,
-                                    noise_multiplier=noise_multiplier)
+        if args.noise == "discrete":
+            mechanism = discrete_mechanism(args)
+        else:
+            mechanism = build_mechanism(args.mechanism, epsilon=args.epsilon, delta=args.delta,
+                                        clip_norm=args.clip_norm, noise_multiplier=noise_multiplier)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     return lambda: PrivacyEngine(mechanism, delta=args.delta, budget_epsilon=args.budget_epsilon,

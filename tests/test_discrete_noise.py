@@ -1,6 +1,7 @@
 """The noise options: the fast ChaCha20 stream refuses chosen seeds and draws exact uniform integers;
-the discrete Gaussian matches its law (variance and tails) and runs in integers after quantisation;
-its DP statement sits between the continuous Gaussian's exact curve and Bun & Steinke's bound."""
+the discrete Gaussian matches its law (variance and tails) and runs in integers after quantisation and
+an exactly checked per-image clip; its DP statement is rho-zCDP in quantised units, converted by
+dp_accounting, between the continuous Gaussian's exact curve and Bun & Steinke's bound."""
 from __future__ import annotations
 
 import ast
@@ -15,8 +16,8 @@ from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 from dp_accounting.privacy_accountant import NeighboringRelation
 
 from device_sdk.privacy import discrete
-from device_sdk.privacy.discrete import (DiscreteGaussian, DiscreteGaussianRelease, box_sensitivity_sq,
-                                         epsilon_from_zcdp, quantise, zcdp_rho)
+from device_sdk.privacy.accountant import epsilon_of
+from device_sdk.privacy.discrete import DiscreteGaussian, DiscreteGaussianMechanism, clip_quantise, squared_norms
 from device_sdk.privacy.fastnoise import NoiseStream, fresh_key, gaussian
 from protocol.tensor import decode_tensor
 
@@ -74,19 +75,35 @@ def test_discrete_gaussian_matches_its_pmf(sigma2):
         assert abs(dg.pmf(np.array([0]))[0] - 0.7866) < 1e-3
 
 
-def test_release_is_integer_after_quantisation_and_reaches_the_wire():
-    x = torch.rand(2, 4, 8, 8) * 0.6  # LRN outputs lie in [0, 1/sqrt(3))
-    mech = DiscreteGaussianRelease(scale=1 / 200, q_min=0, q_max=116, sigma2=900,
-                                   sensitivity_sq=box_sensitivity_sq(4 * 8 * 8, 0, 116))
-    released = mech.release(x, NoiseStream(KEY))
-    assert released.dtype == np.int8 and released.shape == (2, 4, 8, 8)
-    q = quantise(x, 1 / 200, 0, 116)
-    assert q.dtype == np.int64 and q.max() <= 116
+def test_release_is_integer_after_an_exact_clip_and_reaches_the_wire():
+    x = torch.rand(3, 4, 8, 8) * torch.tensor([0.05, 1.0, 3.0])[:, None, None, None]  # norms ~0.3, ~6, ~18
+    mech = DiscreteGaussianMechanism(clip_norm=4.0, noise_multiplier=0.5, step=1 / 50)
+    assert mech.bound == 200 and mech.noise.sigma2 == 100**2  # B = C / step steps, sigma = z B
+    q = clip_quantise(x, mech.step, mech.bound)
+    assert q.dtype == np.int64 and q.shape == (3, 256)
+    assert (squared_norms(q) <= 200**2).all() and squared_norms(q)[2] >= 199**2  # the big image is clipped to B
+    np.testing.assert_array_equal(q[0], np.round(x[0].reshape(-1).double().numpy() * 50))  # the small one: rounded
+    released = mech.release(x, KEY)
+    assert released.dtype == np.int8 and released.shape == (3, 4, 8, 8)
     # the same key gives the same integers: q plus the sampler's draws, clamped to the protocol's i8 range
-    want = np.clip(q.reshape(-1) + mech.noise.sample(q.size, NoiseStream(KEY)), -127, 127).reshape(q.shape)
+    want = np.clip(q.reshape(-1) + mech.noise.sample(q.size, NoiseStream(KEY)), -127, 127).reshape(x.shape)
     np.testing.assert_array_equal(released, want)
-    decoded = decode_tensor(mech.wire(released))  # the i8 tensor with the public scale: value = q * scale
-    np.testing.assert_array_equal(decoded, released.astype(np.float32) * np.float32(1 / 200))
+    decoded = decode_tensor(mech.wire(released))  # the i8 tensor with the public step: value = q * step
+    np.testing.assert_array_equal(decoded, mech.values(released).numpy())
+    # the layer learns through the release as if it were its output (straight-through)
+    a = x.clone().requires_grad_(True)
+    out = mech.straight_through(a, released)
+    assert torch.equal(out.detach(), mech.values(released))
+    out.sum().backward()
+    assert torch.equal(a.grad, torch.ones_like(x))
+
+
+def test_rounding_past_the_bound_falls_back_to_truncation():
+    # (0.6, 0.6) steps has norm 0.85 <= 1, but rounds to (1, 1), norm^2 2 > 1: truncated to (0, 0) instead
+    q = clip_quantise(torch.tensor([[0.6, 0.6], [0.6, 0.0]]), 1.0, 1)
+    np.testing.assert_array_equal(q, [[0, 0], [1, 0]])
+    with pytest.raises(ValueError, match="non-finite"):
+        clip_quantise(torch.tensor([[math.inf, 0.0]]), 1.0, 1)
 
 
 SAMPLER_FUNCTIONS = [discrete.bernoulli_exp_at_most_one, discrete.bernoulli_exp, discrete.discrete_laplace,
@@ -104,26 +121,49 @@ def test_sampler_has_no_floating_point(fn):
 
 
 def test_dp_statement_in_quantised_units():
-    sigma2 = Fraction(116**2)  # sigma = Delta: epsilon about 4.4 at delta = 1e-5
-    delta_sq = box_sensitivity_sq(1, 0, 116)  # one value in [0, 116] steps: Delta = 116
-    rho = zcdp_rho(delta_sq, sigma2)
-    assert rho == Fraction(1, 2)  # exact: Delta^2 / (2 sigma^2)
-    eps = epsilon_from_zcdp(float(rho), 1e-5)
-    # no better than the continuous Gaussian with the same ratio (exactly rho-zCDP, its curve is exact) ...
-    z = 1.0
-    pld = PLDAccountant(NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=1e-3)  # pessimistic
     from dp_accounting import dp_event
-    pld.compose(dp_event.GaussianDpEvent(z))
+    from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
+
+    z = 1.0
+    mech = DiscreteGaussianMechanism(clip_norm=2.0, noise_multiplier=z, step=1 / 58)
+    assert mech.bound == 116 and mech.sensitivity_sq == 232**2  # replace one image: Delta = 2B steps
+    assert mech.rho() == Fraction(2) / Fraction(z) ** 2 == Fraction(232**2, 2 * 116**2)  # exact: Delta^2 / (2 sigma^2)
+    event = mech.image_event(64)
+    assert event == dp_event.ZCDpEvent(2.0)
+    # the accountant composes it with dp_accounting's RDP accountant: nothing hand-rolled
+    rdp = RdpAccountant()
+    rdp.compose(dp_event.ZCDpEvent(2.0), 3)
+    eps = epsilon_of(dp_event.SelfComposedDpEvent(event, 3), 1e-5)
+    assert eps == rdp.get_epsilon(1e-5)
+    # no better than the continuous Gaussian at the same z (its exact curve, PLD, pessimistic) ...
+    pld = PLDAccountant(NeighboringRelation.REPLACE_ONE, value_discretization_interval=1e-3)
+    pld.compose(dp_event.GaussianDpEvent(z), 3)
     assert pld.get_epsilon(1e-5) <= eps
-    # ... and no worse than Bun & Steinke's conversion
-    assert eps <= float(rho) + 2 * math.sqrt(float(rho) * math.log(1e5))
-    mech = DiscreteGaussianRelease(1 / 200, 0, 116, sigma2, delta_sq)
-    assert mech.rho() == rho and mech.epsilon(1e-5) == eps
-    # the accountant's REPLACE_ONE convention: a shift of 2r against noise z r, so z = 2 sigma / Delta
-    assert mech.dp_event().noise_multiplier == pytest.approx(2.0)
-    with pytest.raises(ValueError, match="sensitivity_sq"):
-        DiscreteGaussianRelease(1 / 200, 0, 116, sigma2, 0)
-    with pytest.raises(ValueError, match="q_min"):
-        DiscreteGaussianRelease(1 / 200, 0, 300, sigma2, 1)
+    # ... and no worse than Bun & Steinke's conversion of 3 rho
+    rho = 3 * float(mech.rho())
+    assert eps <= rho + 2 * math.sqrt(rho * math.log(1e5))
+    with pytest.raises(ValueError, match="noise_multiplier > 0"):
+        DiscreteGaussianMechanism(2.0, 0.0)
+    with pytest.raises(ValueError, match="coarser than the clip norm"):
+        DiscreteGaussianMechanism(2.0, 1.0, step=3.0)
     with pytest.raises(ValueError, match="bit integers"):
         DiscreteGaussian(Fraction(10**12, 7))
+
+
+def test_noise_discrete_option_builds_the_exact_mechanism():
+    import argparse
+
+    from device_sdk.options import add_privacy_args, privacy_engines
+
+    p = argparse.ArgumentParser()
+    add_privacy_args(p)
+    args = p.parse_args(["--mechanism", "per-image", "--noise", "discrete", "--clip-norm", "4", "--noise-multiplier",
+                         "0.5"])
+    engine = privacy_engines(args, releases_per_image=1)()
+    assert isinstance(engine.mechanism, DiscreteGaussianMechanism) and engine.mechanism.step == 4 / 127
+    assert engine.secret != privacy_engines(args, releases_per_image=1)().secret  # each device: its own CSPRNG secret
+    for argv, message in ((["--noise", "discrete", "--noise-multiplier", "1"], "give --mechanism per-image"),
+                          (["--mechanism", "per-image", "--noise", "discrete", "--target-epsilon", "3"],
+                           "needs --noise-multiplier")):
+        with pytest.raises(SystemExit, match=message):
+            privacy_engines(p.parse_args(argv), releases_per_image=1)

@@ -83,3 +83,32 @@ def test_plain_training_with_noise_is_flagged_void():
     _step(engine)
     assert engine.privacy_report()["guarantee_void"]
     assert not _engine(mechanism=NoNoise()).privacy_report()["guarantee_void"]
+
+
+def test_discrete_noise_releases_integers_keyed_per_release_and_resumes_its_books(tmp_path):
+    """--noise discrete through the engine: int8 multiples of the public step, the same integers for a re-sent
+    release (the key derives from the secret and the release), zCDP in the books, and the books on disk."""
+    from device_sdk.privacy.accountant import epsilon_of
+    from device_sdk.privacy.discrete import DiscreteGaussianMechanism
+
+    mech = DiscreteGaussianMechanism(clip_norm=8.0, noise_multiplier=2.0)
+    state = tmp_path / "device-0.privacy.json"
+    engine = _engine(mechanism=mech, state_path=state)
+    before = _weights(engine)
+    first = engine.forward(IMAGES[:2], ("train", 1), IDS[:2], LABELS[:2])
+    steps = first / np.float32(mech.step)
+    assert np.array_equal(steps, np.rint(steps)) and np.abs(steps).max() <= 127 and np.abs(steps).max() > 0
+    assert np.array_equal(engine._pending["wire"]["data"], steps.astype(np.int8).tobytes())
+    engine.commit(1, GRAD[:2])  # the layer learns through the release (straight-through)
+    assert any(not torch.equal(a, b) for a, b in zip(before, _weights(engine), strict=True))
+    eps = engine.privacy.accountant.epsilon_image(IDS[0])
+    assert eps == epsilon_of(mech.image_event(0), 1e-5)
+    assert engine.privacy_report()["mechanism"]["name"] == "discrete_gaussian"
+
+    # a restarted device resumes its secret and its books: the re-sent release repeats its integers, for free
+    resumed = _engine(mechanism=mech, layer_training="frozen", state_path=state)  # the initial layer again
+    assert resumed.privacy.accountant.epsilon_image(IDS[0]) == eps
+    assert np.array_equal(resumed.forward(IMAGES[:2], ("train", 1), IDS[:2], LABELS[:2]), first)
+    assert resumed.privacy.accountant.epsilon_image(IDS[0]) == eps
+    other = resumed.forward(IMAGES[:2], ("train", 2), IDS[:2], LABELS[:2])
+    assert not np.array_equal(other, first) and resumed.privacy.accountant.epsilon_image(IDS[0]) > eps

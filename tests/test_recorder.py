@@ -1,4 +1,5 @@
-"""The curious server's recorder keeps exactly what it received, once per batch, and nothing unless asked."""
+"""The curious server's recorder keeps exactly what it received, once per batch, and nothing unless asked;
+what it receives from a device with --noise discrete is int8 integers of the device's public step."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,8 @@ from device_sdk.data import load_lfw
 from device_sdk.engine import DeviceEngine, PrivacyEngine, to_input
 from device_sdk.models import resolve_spec
 from device_sdk.optim import TrainConfig
+from device_sdk.privacy.accountant import epsilon_of
+from device_sdk.privacy.discrete import DiscreteGaussianMechanism
 from edge_server.recorder import Recorder, load_recordings
 from tests.conftest import TOKENS, serve_in_thread, small_trainer
 
@@ -25,17 +28,24 @@ def test_server_records_the_releases_it_received(lfw, tmp_path):
         return DeviceEngine(resolve_spec(MODEL), "conv1", "server", 3, TrainConfig(lr=0.05),
                             PrivacyEngine(layer_training="frozen"))
 
-    async def train_four_batches(url: str, engine: DeviceEngine) -> None:
-        client = DeviceClient(url, "device-0", TOKENS["device-0"], engine, batch_size=8)
+    async def train(url: str, engine: DeviceEngine, batches: int = 4, size: int = 8, device: str = "device-0") -> list:
+        client = DeviceClient(url, device, TOKENS[device], engine, batch_size=size)
         await client.connect()
-        for b in range(1, 5):
-            sl = slice((b - 1) * 8, b * 8)
-            await client.train_batch(b, images[sl], labels[sl], np.arange(32)[sl])
+        results = []
+        for b in range(1, batches + 1):
+            sl = slice((b - 1) * size, b * size)
+            results.append(await client.train_batch(b, images[sl], labels[sl], np.arange(32)[sl]))
         await client.close()
+        return results
 
     engine = frozen_engine()
+    # --noise discrete end to end, on the same server: a second device releases int8 integers of its public step
+    exact = DiscreteGaussianMechanism(clip_norm=16.0, noise_multiplier=1.0)
+    discrete = DeviceEngine(resolve_spec(MODEL), "conv1", "server", 3, TrainConfig(lr=0.05),
+                            PrivacyEngine(exact, layer_training="frozen"))
     with serve_in_thread(small_trainer(3, MODEL), tmp_path / "server", record_max=20) as server:
-        asyncio.run(train_four_batches(server.url, engine))
+        asyncio.run(train(server.url, engine))
+        trained = asyncio.run(train(server.url, discrete, batches=2, size=4, device="device-1"))
     kept = load_recordings(tmp_path / "server" / "recordings")["device-0"]
     # room for 20 samples: batches 1 and 2 (16), not batch 3 (24 > 20)
     assert list(kept["batch_ids"]) == [1] * 8 + [2] * 8 and list(kept["rows"]) == list(range(8)) * 2
@@ -44,8 +54,15 @@ def test_server_records_the_releases_it_received(lfw, tmp_path):
         sent = engine.layer(to_input(images[:16])).numpy()
     np.testing.assert_allclose(kept["activations"].astype(np.float32), sent, atol=1e-3)
 
+    assert all(np.isfinite(r.loss) for r in trained)  # the server trained on the integer releases
+    got = load_recordings(tmp_path / "server" / "recordings")["device-1"]["activations"].astype(np.float32)
+    steps = got / np.float32(exact.step)  # kept as f16: integers to within f16's 11 bits
+    assert got.shape == (8, 16, 64, 64) and np.abs(steps - np.rint(steps)).max() < 0.07
+    assert np.abs(np.rint(steps)).max() <= 127 and np.unique(np.rint(steps)).size > 20  # noisy, in int8's range
+    assert discrete.privacy.accountant.epsilon_image(0) == epsilon_of(exact.image_event(0), 1e-5)
+
     with serve_in_thread(small_trainer(3, MODEL), tmp_path / "quiet") as server:
-        asyncio.run(train_four_batches(server.url, frozen_engine()))
+        asyncio.run(train(server.url, frozen_engine()))
     assert not (tmp_path / "quiet" / "recordings").exists()
 
 

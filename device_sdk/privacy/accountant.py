@@ -1,7 +1,8 @@
-"""Per-image and per-identity privacy ledger, composed with dp_accounting's PLD accountant.
+"""Per-image and per-identity privacy ledger, composed with dp_accounting's accountants.
 
-Every figure here comes from dp_accounting (PLDAccountant under REPLACE_ONE); this module only
-keeps the books: which release touched which image, counted as ``event -> count`` so that
+Every figure here comes from dp_accounting (PLDAccountant under REPLACE_ONE; its RdpAccountant for a
+history holding a zCDP event, i.e. the exact option's discrete Gaussian, which has no PLD of its own
+for a vector release); this module only keeps the books: which release touched which image, counted as ``event -> count`` so that
 thousands of images with tens of releases reduce to a handful of distinct histories, each
 composed once and cached.
 """
@@ -42,6 +43,16 @@ def _is_non_private(event: DpEvent) -> bool:
     return False
 
 
+def _has_zcdp(event: DpEvent) -> bool:
+    if isinstance(event, dp_event.ZCDpEvent):
+        return True
+    if isinstance(event, dp_event.SelfComposedDpEvent):
+        return _has_zcdp(event.event)
+    if isinstance(event, dp_event.ComposedDpEvent):
+        return any(_has_zcdp(e) for e in event.events)
+    return False
+
+
 def to_add_or_remove(event: DpEvent) -> DpEvent:
     """REPLACE_ONE GaussianDpEvent(z) as the equivalent ADD_OR_REMOVE_ONE GaussianDpEvent(z / 2).
 
@@ -56,8 +67,8 @@ def to_add_or_remove(event: DpEvent) -> DpEvent:
         return dp_event.SelfComposedDpEvent(to_add_or_remove(event.event), event.count)
     if isinstance(event, dp_event.ComposedDpEvent):
         return dp_event.ComposedDpEvent([to_add_or_remove(e) for e in event.events])
-    if isinstance(event, (dp_event.NoOpDpEvent, dp_event.NonPrivateDpEvent)):
-        return event
+    if isinstance(event, (dp_event.NoOpDpEvent, dp_event.NonPrivateDpEvent, dp_event.ZCDpEvent)):
+        return event  # a zCDP event states its Renyi curve for the relation it was derived under (here REPLACE_ONE)
     raise ValueError(f"no add/remove equivalent known for {event}")
 
 
@@ -72,12 +83,16 @@ def rdp_epsilon(event: DpEvent, delta: float) -> float:
 
 def epsilon_of(event: DpEvent, delta: float, value_discretization_interval: float = 1e-3) -> float:
     """PLDAccountant(REPLACE_ONE) epsilon of ``event`` at ``delta``; math.inf if any part is non-private.
+    A history with a zCDP event (the discrete Gaussian) is composed by RdpAccountant instead, whole:
+    PLD has no curve for it, and RDP's conversion is valid for every part.
 
     The interval is coarsened for huge epsilons (see RELATIVE_INTERVAL), using RDP's epsilon,
     which is never below PLD's, as the scale.
     """
     if _is_non_private(event):
         return math.inf
+    if _has_zcdp(event):
+        return rdp_epsilon(event, delta)
     interval = value_discretization_interval
     try:
         interval = max(interval, min(MAX_INTERVAL, RELATIVE_INTERVAL * rdp_epsilon(event, delta)))

@@ -1,27 +1,30 @@
-"""The exact noise option: the discrete Gaussian on the int8-quantised release, integers end to end.
+"""The exact noise option (`--noise discrete`): the discrete Gaussian on the int8-quantised release,
+integers end to end.
 
 A floating-point Gaussian sampler's output is not a Gaussian: its low bits depend on the value it
 was added to, and an observer can read the noiseless value from them (Mironov 2012). The exact
 option avoids floating point after one step:
 
-1. quantise: q = clamp(round(x / scale), q_min, q_max), with a public scale fixed before any data is
-   seen (the protocol's own i8 encoding derives its scale from the tensor's peak, which leaks; this
-   release does not use it). This is the only floating-point step and it happens before the noise;
-2. add Z ~ N_Z(0, sigma^2) to every integer, sampled exactly by Canonne, Kamath & Steinke 2020 (CKS20,
-   "The Discrete Gaussian for Differential Privacy", Algorithms 1-3): rational Bernoulli(exp(-gamma))
-   trials, a discrete Laplace proposal and rejection, all in integer arithmetic on exact uniform
-   integers from the ChaCha20 stream (`fastnoise.NoiseStream`), vectorised over the release;
-3. clamp q + Z to int8's [-127, 127] (post-processing: the guarantee is unchanged) and send the bytes
-   with the public scale as an `i8` tensor (protocol/SPEC.md section 4: value = q * scale).
+1. quantise and clip: each image's release becomes integers q = round(x / step) in quantisation steps
+   of a public `step` fixed before any data is seen (the protocol's own i8 encoding derives its scale
+   from the tensor's peak, which leaks; this release does not use it), scaled down so that its L2
+   norm is at most B = floor(C / step) steps, checked exactly in integers. This is the only
+   floating-point step and it happens before the noise;
+2. add Z ~ N_Z(0, sigma^2) to every integer, sigma = z B steps, sampled exactly by Canonne, Kamath &
+   Steinke 2020 (CKS20, "The Discrete Gaussian for Differential Privacy", Algorithms 1-3): rational
+   Bernoulli(exp(-gamma)) trials, a discrete Laplace proposal and rejection, all in integer arithmetic
+   on exact uniform integers from the ChaCha20 stream (`fastnoise.NoiseStream`, keyed per release from
+   the device's secret, which came from the OS CSPRNG), vectorised over the release;
+3. clamp q + Z to int8's [-127, 127] (post-processing: the guarantee is unchanged); the value of an
+   integer is q * step, decoded as the protocol's `i8` tensor decodes it (protocol/SPEC.md section 4).
 
-Guarantee (sensitivity in quantised units): if replacing one image moves the integer vector q by at
-most Delta in L2, adding independent N_Z(0, sigma^2) to each coordinate is rho-zCDP with
-rho = Delta^2 / (2 sigma^2): CKS20 show that the Renyi divergence between two discrete Gaussians
-shifted by an integer is at most that of the continuous ones, and Renyi divergence adds over
-independent coordinates. (epsilon, delta) follows from CKS20's conversion from concentrated DP
-(their Proposition 12 / Corollary 13), implemented in `epsilon_from_zcdp`. dp_accounting has no
-discrete Gaussian: `dp_event` states the release as the continuous Gaussian with the same ratio,
-which is valid for Renyi (RDP) accounting only, not for the PLD accountant's exact continuous curve.
+Guarantee (sensitivity in quantised units): replacing one image moves its integer vector by at most
+Delta = 2B in L2, and adding independent N_Z(0, sigma^2) to each coordinate is rho-zCDP with
+rho = Delta^2 / (2 sigma^2) = 2 / z^2: CKS20 show that the Renyi divergence between two discrete
+Gaussians shifted by an integer is at most that of the continuous ones, and Renyi divergence adds over
+independent coordinates. The release is recorded as dp_accounting's `ZCDpEvent(rho)`; composition and
+the conversion to (epsilon, delta) are dp_accounting's RDP accountant's (`accountant.epsilon_of`).
+The continuous Gaussian's exact PLD curve is not proven for the discrete one, so it is never used here.
 """
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ import numpy as np
 import torch
 from dp_accounting import dp_event as dpe
 
-from .fastnoise import NoiseStream
+from .fastnoise import KEY_BYTES, NoiseStream
+from .mechanisms import Mechanism
 
 INT8_MAX = 127  # the protocol's i8 range is [-127, 127]
 MAX_DENOMINATOR = 2**56  # keeps every Bernoulli bound (denominator x its loop index) below 2^62
@@ -150,18 +154,30 @@ class DiscreteGaussian:
 
 # ---- the release and its guarantee --------------------------------------------------------------
 
-def quantise(x: torch.Tensor, scale: float, q_min: int, q_max: int) -> np.ndarray:
-    """clamp(round(x / scale), q_min, q_max) as int64: the last floating-point step of the release."""
-    if not (scale > 0 and math.isfinite(scale)) or not -INT8_MAX <= q_min <= q_max <= INT8_MAX:
-        raise ValueError(f"need scale > 0 and -127 <= q_min <= q_max <= 127, got {scale=}, {q_min=}, {q_max=}")
-    q = torch.round(x.detach().to(torch.float64) / scale).clamp_(q_min, q_max)
-    return q.to(torch.int64).numpy()
+def clip_quantise(x: torch.Tensor, step: float, bound: int) -> np.ndarray:
+    """Each image's values in quantisation steps, as int64 of shape (N, numel), with an L2 norm of at most
+    `bound` steps, verified exactly in integers: rounded after scaling the image down to the bound, and
+    truncated towards zero instead where rounding pushed the norm past it. The last floating-point step
+    of the release."""
+    if not (step > 0 and math.isfinite(step)) or bound < 1:
+        raise ValueError(f"need step > 0 and bound >= 1, got {step=}, {bound=}")
+    v = x.detach().to(torch.float64).reshape(len(x), -1) / step
+    if not bool(torch.isfinite(v).all()):
+        raise ValueError("the release holds non-finite values")
+    shrink = (bound / v.norm(dim=1).clamp_min(1e-300)).clamp(max=1.0)
+    scaled = v * shrink[:, None]
+    q = torch.round(scaled).to(torch.int64).numpy()
+    over = np.flatnonzero(squared_norms(q) > bound * bound)
+    if over.size:  # |trunc(a)| <= |a| in every coordinate, so the norm stays within the (slightly shrunk) bound
+        q[over] = torch.trunc(scaled[over] * (1 - 1e-9)).to(torch.int64).numpy()
+    if bool((squared_norms(q) > bound * bound).any()):
+        raise RuntimeError("an image's quantised norm exceeds its bound")  # unreachable: the guarantee rests on it
+    return q
 
 
-def box_sensitivity_sq(numel: int, q_min: int, q_max: int) -> int:
-    """Delta^2 in quantised units when every coordinate lies in [q_min, q_max]: replacing the image may move
-    each of the `numel` integers by up to q_max - q_min."""
-    return numel * (q_max - q_min) ** 2
+def squared_norms(q: np.ndarray) -> np.ndarray:
+    """Exact squared L2 norm of each row of an integer array (int64: exact while each row's square sum < 2^63)."""
+    return np.einsum("ij,ij->i", q, q)
 
 
 def zcdp_rho(sensitivity_sq: int, sigma2: Fraction) -> Fraction:
@@ -169,67 +185,68 @@ def zcdp_rho(sensitivity_sq: int, sigma2: Fraction) -> Fraction:
     return Fraction(sensitivity_sq) / (2 * Fraction(sigma2))
 
 
-def epsilon_from_zcdp(rho: float, delta: float) -> float:
-    """The smallest epsilon with delta >= min over alpha > 1 of exp((alpha - 1)(alpha rho - epsilon)) / (alpha - 1)
-    * (1 - 1/alpha)^alpha (CKS20 Proposition 12 / Corollary 13), found by bisection; never above Bun & Steinke's
-    rho + 2 sqrt(rho log(1/delta))."""
-    if not rho > 0 or not 0 < delta < 1:
-        raise ValueError(f"need rho > 0 and 0 < delta < 1, got {rho=}, {delta=}")
-    alphas = 1 + np.logspace(-6, 7, 4000)
+class DiscreteGaussianMechanism(Mechanism):
+    """Per-image clip to C, quantise to a public step, add exact discrete Gaussian noise (sigma = z C in value
+    units, z B in steps), clamp to int8: the exact counterpart of `PerImageGaussian(C, z)`, rho = 2 / z^2.
 
-    def log_delta(eps: float) -> float:
-        a = alphas
-        return float(np.min((a - 1) * (a * rho - eps) - np.log(a - 1) + a * np.log1p(-1 / a)))
-
-    lo, hi = 0.0, rho + 2 * math.sqrt(rho * math.log(1 / delta))
-    if log_delta(lo) <= math.log(delta):
-        return 0.0
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if log_delta(mid) <= math.log(delta) else (mid, hi)
-    return hi
-
-
-class DiscreteGaussianRelease:
-    """Quantise with a public scale, add exact discrete Gaussian noise, clamp to int8: the exact mechanism.
-
-    `sigma` and the sensitivity are in quantisation steps. `sensitivity_sq` is Delta^2 for one image's
-    whole release (`box_sensitivity_sq` when only the range is known; a smaller integer bound where clipping
-    gives one)."""
+    step: the public quantisation step (default C / 127: an image whose whole norm sits in one value fills
+    int8's range). It must leave B = floor(C / step) >= 1 steps. `release` is the device's path (a key per
+    release); `privatize` is for whoever simulates the device with a generator (an auditor)."""
 
     name = "discrete_gaussian"
 
-    def __init__(self, scale: float, q_min: int, q_max: int, sigma2: Fraction | int | str, sensitivity_sq: int) -> None:
-        if sensitivity_sq < 1:
-            raise ValueError(f"sensitivity_sq must be a positive integer, got {sensitivity_sq}")
-        self.scale, self.q_min, self.q_max = float(scale), int(q_min), int(q_max)
-        quantise(torch.zeros(1), self.scale, self.q_min, self.q_max)  # validates the range
-        self.noise = DiscreteGaussian(sigma2)
-        self.sensitivity_sq = int(sensitivity_sq)
+    def __init__(self, clip_norm: float, noise_multiplier: float, step: float | None = None) -> None:
+        if not clip_norm > 0 or not noise_multiplier > 0:
+            raise ValueError(f"the discrete Gaussian needs clip_norm > 0 and noise_multiplier > 0, got "
+                             f"{clip_norm=}, {noise_multiplier=}")
+        self.clip_norm, self.noise_multiplier = float(clip_norm), float(noise_multiplier)
+        self.step = float(step) if step is not None else self.clip_norm / INT8_MAX
+        if not (self.step > 0 and math.isfinite(self.step)):
+            raise ValueError(f"the quantisation step must be > 0, got {step}")
+        self.bound = math.floor(self.clip_norm / self.step)
+        if self.bound < 1:
+            raise ValueError(f"step {self.step:g} is coarser than the clip norm {self.clip_norm:g}: no integer fits")
+        # sigma^2 in steps^2 as an exact rational: z as written in decimal, times B
+        self.noise = DiscreteGaussian((Fraction(repr(self.noise_multiplier)) * self.bound) ** 2)
+        self.sensitivity_sq = (2 * self.bound) ** 2  # replace one image: two vectors of norm <= B
 
-    def release(self, x: torch.Tensor, stream: NoiseStream) -> np.ndarray:
-        """The int8 values to send (their value is q * scale). No float after `quantise`."""
-        q = quantise(x, self.scale, self.q_min, self.q_max)
-        noisy = q.reshape(-1) + self.noise.sample(q.size, stream)
-        return np.clip(noisy, -INT8_MAX, INT8_MAX).astype(np.int8).reshape(q.shape)
+    def release(self, activations: torch.Tensor, key: bytes) -> np.ndarray:
+        """The int8 integers to send (their value is q * step). No float after `clip_quantise`."""
+        q = clip_quantise(activations, self.step, self.bound)
+        noisy = q.reshape(-1) + self.noise.sample(q.size, NoiseStream(key))
+        return np.clip(noisy, -INT8_MAX, INT8_MAX).astype(np.int8).reshape(activations.shape)
 
-    def wire(self, released: np.ndarray) -> dict:
-        """The release as the protocol's i8 tensor (SPEC.md section 4) with the public scale."""
+    def values(self, released: np.ndarray) -> torch.Tensor:
+        """The float32 values of released integers, as an `i8` tensor with scale `step` decodes: float32(q) *
+        float32(step), in float32."""
         if released.dtype != np.int8:
             raise ValueError(f"expected int8 values, got {released.dtype}")
-        return {"dtype": "i8", "shape": list(released.shape), "data": released.tobytes(), "scale": self.scale}
+        return torch.from_numpy(released.astype(np.float32) * np.float32(self.step))
+
+    def wire(self, released: np.ndarray) -> dict:
+        """The release as the protocol's i8 tensor (SPEC.md section 4) with the public step as its scale."""
+        if released.dtype != np.int8:
+            raise ValueError(f"expected int8 values, got {released.dtype}")
+        return {"dtype": "i8", "shape": list(released.shape), "data": released.tobytes(), "scale": self.step}
+
+    def privatize(self, activations: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """The released values, with a gradient that passes straight through the clip and the rounding (the
+        layer learns as if the release were its output); the key is drawn from `generator`."""
+        key = torch.randint(0, 256, (KEY_BYTES,), generator=generator, dtype=torch.uint8).numpy().tobytes()
+        return self.straight_through(activations, self.release(activations, key))
+
+    def straight_through(self, activations: torch.Tensor, released: np.ndarray) -> torch.Tensor:
+        """`values(released)` in the forward pass, the identity for the gradient (adds exactly 0.0)."""
+        return self.values(released) + (activations - activations.detach())
 
     def rho(self) -> Fraction:
         return zcdp_rho(self.sensitivity_sq, self.noise.sigma2)
 
-    def epsilon(self, delta: float) -> float:
-        return epsilon_from_zcdp(float(self.rho()), delta)
-
-    def dp_event(self) -> dpe.GaussianDpEvent:
-        """One image's release in the accountant's convention (REPLACE_ONE, a shift of 2r against noise z r):
-        z = 2 sigma / Delta. The same Renyi curve as the discrete Gaussian's bound: use with RDP accounting."""
-        return dpe.GaussianDpEvent(2 * math.sqrt(float(self.noise.sigma2) / self.sensitivity_sq))
+    def image_event(self, numel: int) -> dpe.ZCDpEvent:
+        """One image's release: rho-zCDP, composed by dp_accounting's RDP accountant."""
+        return dpe.ZCDpEvent(float(self.rho()))
 
     def describe(self) -> dict:
-        return {"name": self.name, "scale": self.scale, "q_min": self.q_min, "q_max": self.q_max,
-                "sigma2_steps": str(self.noise.sigma2), "sensitivity_sq_steps": self.sensitivity_sq}
+        return {"name": self.name, "clip_norm": self.clip_norm, "noise_multiplier": self.noise_multiplier,
+                "step": self.step, "bound_steps": self.bound, "sigma2_steps": str(self.noise.sigma2),
+                "rho": float(self.rho()), "noise_std": math.sqrt(float(self.noise.sigma2)) * self.step}

@@ -20,6 +20,7 @@ from dp_accounting.dp_event import DpEvent
 
 from .accountant import PrivacyAccountant
 from .budget import BudgetGuard
+from .fastnoise import KEY_BYTES
 from .mechanisms import Mechanism, NoNoise, noise_generator
 from .state import StateFileError, read_state, write_state
 
@@ -119,6 +120,13 @@ class PrivacyEngine:
         """The keyed generator of one attempt at a release: the same key gives the same noise, everywhere."""
         kind, *numbers = release
         return noise_generator(self.secret, RELEASE_KINDS[kind], *numbers, *((f"attempt{attempt}",) if attempt else ()))
+
+    def stream_key(self, generator: torch.Generator) -> bytes:
+        """The ChaCha20 key (fastnoise.NoiseStream) of the release whose keyed generator this is: blake2b-256 of
+        the secret (256 bits from the OS CSPRNG) and the generator's seed (itself keyed by release and attempt).
+        A re-sent release gets its key again; the server cannot derive any key without the secret."""
+        material = f"{self.secret:x}:{generator.initial_seed()}".encode()
+        return hashlib.blake2b(material, digest_size=KEY_BYTES, person=b"splitface-noise").digest()
 
     def _noisy(self, release: Release) -> bool:
         return self.dpsgd_noise > 0 if release[0] == "dpsgd" else self.mechanism.adds_noise
