@@ -3,15 +3,14 @@ processes on loopback, trains on LFW (or the data given), and prints the results
 
 The server and the devices share nothing but the websocket: the launcher only issues
 tokens, starts the two programs, and stops the server (which checkpoints on the way out).
-Killing the launcher (SIGTERM or SIGINT) stops both programs too: each runs in a process group
-of its own, which the launcher signals on its way out, so nothing is left orphaned.
+Killing the launcher (SIGTERM or SIGINT) stops both programs too, on its way out, so nothing is
+left orphaned; they stay in its process group, so a signal to the whole group reaches them all.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -66,8 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         server_cmd += ["--init", str(args.server_init)]
     server_log = open(run_dir / "server.log", "w")
     previous = _stop_on_signals()
-    server = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
+    server = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     copier, sim = None, None
     try:
         port = _wait_ready(server, server_log)
@@ -79,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
                    *common, *data_args, "--head", args.head, "--devices", str(args.devices), "--epochs", str(args.epochs),
                    "--batch-size", str(args.batch_size), "--lr", str(args.device_lr), "--results", str(run_dir / "results.json"),
                    *extra]
-        sim = subprocess.Popen(sim_cmd, start_new_session=True)
+        sim = subprocess.Popen(sim_cmd)
         if sim.wait() != 0:
             raise SystemExit(f"the device simulator failed (exit {sim.returncode}); server log: {run_dir / 'server.log'}")
     except Stopped as stop:
@@ -89,8 +87,8 @@ def main(argv: list[str] | None = None) -> None:
         for sig in previous:  # a second signal must not cut the stopping short
             signal.signal(sig, signal.SIG_IGN)
         if sim is not None:
-            _stop_group(sim, signal.SIGTERM, timeout=30)
-        _stop_group(server, signal.SIGINT, timeout=120)  # SIGINT: the server checkpoints on its way out
+            _stop(sim, signal.SIGTERM, timeout=30)
+        _stop(server, signal.SIGINT, timeout=120)  # SIGINT: the server checkpoints on its way out
         for sig, handler in previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         if copier is not None:
@@ -122,17 +120,14 @@ def _stop_on_signals() -> dict[int, object]:
     return {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
 
 
-def _stop_group(proc: subprocess.Popen, sig: int, timeout: float) -> None:
-    """Stop a child started in its own session, and whatever it started: `sig` to its process group, then
-    SIGKILL to the group if it has not exited within `timeout` seconds."""
+def _stop(proc: subprocess.Popen, sig: int, timeout: float) -> None:
+    """Stop a child: `sig`, then SIGKILL if it has not exited within `timeout` seconds."""
     if proc.poll() is None:
+        proc.send_signal(sig)
         try:
-            os.killpg(proc.pid, sig)
             proc.wait(timeout=timeout)
-        except ProcessLookupError:
-            pass
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill()
             proc.wait()
 
 
