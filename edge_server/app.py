@@ -44,6 +44,7 @@ from protocol.session import (
 )
 
 from protocol import messages as m
+from protocol.clusters import ClusterRelay
 from protocol.transport import SERVER_WS_OPTIONS, reuse_large_buffers, send_fragments
 
 from .auth import AuthThrottle, throttled
@@ -191,6 +192,7 @@ class EdgeServer:
             raise ValueError("a server without a split trainer must offer no heads")
         self.trainer, self.info, self.authenticate, self.config = trainer, info, authenticate, config
         self.board = board
+        self.relay = ClusterRelay(info.embedding_dim)  # device heads' PrivacyFace clusters (SPEC.md section 8.1)
         self.records: dict[str, DeviceRecord] = {}
         self.replies = ReplyStore(config.replies_dir)
         self.durable: dict[str, int] = {}
@@ -418,7 +420,8 @@ class EdgeServer:
             return
         self.open_by_address[address] += 1
         authenticate = throttled(self.authenticate, self.auth_throttle, address)
-        conn = _Connection(ws, ServerSession(self.info, authenticate, self.records, self.durable_through, self.board))
+        conn = _Connection(ws, ServerSession(self.info, authenticate, self.records, self.durable_through, self.board,
+                                             self.relay))
         session = conn.session
         rate = RateLimit(self.config.limits.message_rate, self.config.limits.message_burst)
         try:

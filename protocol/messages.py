@@ -35,6 +35,8 @@ MODEL_REQUEST = "model_request"
 MODEL = "model"
 UPDATE = "update"
 UPDATE_ACK = "update_ack"
+# U-shaped split: PrivacyFace's sanitised clusters, relayed between device-head devices (SPEC.md section 8.1)
+CLUSTERS = "clusters"
 
 HEADS = ("server", "device")
 MODES = ("split", "federated")
@@ -169,6 +171,9 @@ SCHEMA: dict[str, dict[str, tuple[Check, bool]]] = {
     },
     UPDATE_ACK: {
         "round_id": (lambda v: is_int(v) and v >= 1, True),
+    },
+    CLUSTERS: {
+        "clusters": (TENSOR, True),
     },
 }
 

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import messages as m
+from .clusters import ClusterRelay
 from .errors import ErrorCode, ProtocolError, RemoteError, brief
 from .tensor import ENCODINGS, encode_tensor
 
@@ -234,10 +235,12 @@ class ServerSession:
 
     def __init__(self, info: ServerInfo, authenticate: Authenticator,
                  records: dict[str, DeviceRecord], durable_through: Callable[[str], int],
-                 board: RoundBoard | None = None):
-        """`board`: the federated rounds this server hosts (None: split sessions only)."""
+                 board: RoundBoard | None = None, relay: ClusterRelay | None = None):
+        """`board`: the federated rounds this server hosts (None: split sessions only); `relay`: the device-head
+        devices' cluster releases (None: CLUSTERS is `unsupported`)."""
         self.info = info
         self.board = board
+        self.relay = relay
         self.mode = "split"
         self._authenticate = authenticate
         self._records = records
@@ -340,6 +343,8 @@ class ServerSession:
             return self._forward(message)
         if mtype == m.EMBEDDING_GRAD:
             return self._embedding_grad(message)
+        if mtype == m.CLUSTERS:
+            return Reply(self._clusters(message))
         raise ProtocolError(ErrorCode.BAD_STATE, f"a device may not send {mtype} here", message.get("batch_id"))
 
     def _federated(self, message: dict[str, Any]) -> bytes:
@@ -420,6 +425,15 @@ class ServerSession:
                                 batch_id)
         self._pending = None
         return TrainTail(batch_id, message["grad"])
+
+    def _clusters(self, message: dict[str, Any]) -> bytes:
+        """SPEC.md section 8.1: store this device's release, answer with the other devices' latest."""
+        if self.head != "device":
+            raise ProtocolError(ErrorCode.BAD_STATE, "clusters are only for the device head")
+        if self.relay is None:
+            raise ProtocolError(ErrorCode.UNSUPPORTED, "this server relays no clusters")
+        others = self.relay.exchange(self.device_id, message["clusters"])
+        return m.encode({"type": m.CLUSTERS, "clusters": encode_tensor(others, "f32")})
 
     # Replies the shell asks for once it has done the work.
     def applied(self, batch_id: int, grad: np.ndarray, loss: float | None = None, n_correct: int | None = None,
@@ -510,6 +524,14 @@ class ClientSession:
     def embedding_grad(self, batch_id: int, grad: np.ndarray) -> bytes:
         return self._checked(m.encode({"type": m.EMBEDDING_GRAD, "batch_id": batch_id,
                                        "grad": encode_tensor(grad, self.encodings.get("gradients", "f32"))}))
+
+    def clusters(self, clusters: np.ndarray) -> bytes:
+        """CLUSTERS (device head, SPEC.md section 8.1): this device's latest DPLC release, [P, embedding_dim],
+        in f32 (a few rows: exactness costs nothing)."""
+        if self.head != "device":
+            raise ValueError("clusters are relayed between device heads only")
+        return self._checked(m.encode({"type": m.CLUSTERS, "clusters": encode_tensor(np.asarray(clusters, np.float32),
+                                                                                       "f32")}))
 
     def _checked(self, data: bytes) -> bytes:
         if len(data) > self.max_message_bytes:

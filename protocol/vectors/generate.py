@@ -271,6 +271,40 @@ def federated_invalid_cases() -> list[tuple[str, bytes, ErrorCode, str]]:
     ]
 
 
+# ---- U-shaped split: PrivacyFace's cluster relay (written to clusters/, SPEC.md section 8.1) ---------------
+CLUSTERS_OWN = np.array([[0.6, 0.0, -0.8, 0.0], [0.0, 1.0, 0.0, 0.0]], dtype=np.float32)
+CLUSTERS_OTHER = np.array([[0.0, 0.0, 0.0, -1.0]], dtype=np.float32)
+
+
+def clusters_valid_cases() -> list[tuple[str, bytes]]:
+    from ..clusters import ClusterRelay
+
+    def admitted(relay: ClusterRelay) -> ServerSession:
+        s = ServerSession(INFO, lambda d, t: d == DEVICE_ID and t == TOKEN, {}, lambda d: 0, relay=relay)
+        assert isinstance(s.receive(device.hello()), Admit)
+        return s
+
+    device = client("device")
+    relay = ClusterRelay(EMBEDDING_DIM)
+    relay.exchange("phone-00", CLUSTERS_OTHER)  # another device released one cluster before
+    release = device.clusters(CLUSTERS_OWN)
+    empty = device.clusters(np.zeros((0, EMBEDDING_DIM), np.float32))
+    return [("clusters_release", release), ("clusters_relayed", admitted(relay).receive(release).data),
+            ("clusters_none_released", empty),
+            ("clusters_none_relayed", admitted(ClusterRelay(EMBEDDING_DIM)).receive(empty).data)]
+
+
+def clusters_invalid_cases() -> list[tuple[str, bytes, ErrorCode, str]]:
+    return [
+        ("invalid_clusters_missing", _pack({"type": "clusters"}), ErrorCode.BAD_MESSAGE, "clusters without its tensor"),
+        ("invalid_clusters_nan", _pack({"type": "clusters", "clusters": {
+            "dtype": "f32", "shape": [1, 2], "data": _f32([1.0, math.nan])}}), ErrorCode.BAD_TENSOR, "NaN in a cluster"),
+        ("invalid_clusters_extra_field", _pack({"type": "clusters", "clusters": {
+            "dtype": "f32", "shape": [0, 4], "data": b""}, "batch_id": 1}), ErrorCode.BAD_MESSAGE,
+         "a field the schema does not define"),
+    ]
+
+
 def build(valid: list[tuple[str, bytes]] | None = None,
           invalid: list[tuple[str, bytes, ErrorCode, str]] | None = None) -> list[tuple[str, bytes, dict[str, Any]]]:
     """(NN_name, message bytes, JSON meaning) for every case, numbered in order (default: the split set)."""
@@ -296,7 +330,8 @@ def generate(out_dir: Path = HERE) -> list[Path]:
     """Both sets: the split protocol's in `out_dir`, the federated rounds' in `out_dir/federated`."""
     written = []
     for folder, cases in ((out_dir, build()),
-                          (out_dir / "federated", build(federated_valid_cases(), federated_invalid_cases()))):
+                          (out_dir / "federated", build(federated_valid_cases(), federated_invalid_cases())),
+                          (out_dir / "clusters", build(clusters_valid_cases(), clusters_invalid_cases()))):
         folder.mkdir(parents=True, exist_ok=True)
         for stem, data, meaning in cases:
             (folder / f"{stem}.msgpack").write_bytes(data)

@@ -14,6 +14,8 @@ public final class Messages {
     public static final long DEFAULT_MAX_MESSAGE_BYTES = 1L << 30;
     public static final String HELLO = "hello", WELCOME = "welcome", ERROR = "error", FORWARD = "forward",
             BACKWARD = "backward", EMBEDDINGS = "embeddings", EMBEDDING_GRAD = "embedding_grad", EVAL_RESULT = "eval_result";
+    /** U-shaped split (SPEC.md section 8.1): PrivacyFace's sanitised clusters, relayed between device heads. */
+    public static final String CLUSTERS = "clusters";
 
     private static final Predicate<Object> TENSOR = v -> true;
 
@@ -86,6 +88,8 @@ public final class Messages {
                 "loss", (Predicate<Object>) Messages::isNumber, true,
                 "n_correct", (Predicate<Object>) Messages::isInt, true,
                 "n", (Predicate<Object>) Messages::isInt, true);
+        type(CLUSTERS,
+                "clusters", TENSOR, true);
     }
 
     /** A validated message: fields in wire order, tensor fields as {@link Tensor}. */

@@ -20,8 +20,8 @@ import org.junit.Test;
 public class VectorConformanceTest {
     static final Path VECTORS = Path.of(System.getProperty("splitface.vectors", "../protocol/vectors"));
 
-    static List<Path> cases() throws Exception {
-        try (var files = Files.list(VECTORS)) {
+    static List<Path> cases(Path dir) throws Exception {
+        try (var files = Files.list(dir)) {
             return files.filter(p -> p.toString().endsWith(".json")).sorted().collect(Collectors.toList());
         }
     }
@@ -49,14 +49,27 @@ public class VectorConformanceTest {
     }
 
     @Test
-    @SuppressWarnings("unchecked")
     public void everyVector() throws Exception {
-        List<Path> cases = cases();
-        assertTrue("no vectors found in " + VECTORS.toAbsolutePath(), cases.size() >= 28);
+        int[] counts = conform(VECTORS);
+        assertTrue(counts[0] >= 16 && counts[1] >= 10);
+    }
+
+    /** The U-shaped split's cluster relay (protocol/vectors/clusters, SPEC.md section 8.1). */
+    @Test
+    public void clusterVectors() throws Exception {
+        int[] counts = conform(VECTORS.resolve("clusters"));
+        assertTrue(counts[0] >= 4 && counts[1] >= 3);
+    }
+
+    /** Checks every vector in `dir`; returns {valid, invalid} counts. */
+    @SuppressWarnings("unchecked")
+    static int[] conform(Path dir) throws Exception {
+        List<Path> cases = cases(dir);
+        assertTrue("no vectors found in " + dir.toAbsolutePath(), cases.size() >= 7);
         int valid = 0, invalid = 0;
         for (Path json : cases) {
             String name = json.getFileName().toString().replace(".json", "");
-            byte[] bytes = Files.readAllBytes(VECTORS.resolve(name + ".msgpack"));
+            byte[] bytes = Files.readAllBytes(dir.resolve(name + ".msgpack"));
             Map<String, Object> expected = (Map<String, Object>) Json.parse(Files.readString(json, StandardCharsets.UTF_8));
             if (Boolean.TRUE.equals(expected.get("invalid"))) {
                 try {
@@ -85,6 +98,6 @@ public class VectorConformanceTest {
             assertArrayEquals(name + ": encoded from its JSON", bytes, Wire.pack(meaning(expected)));
             valid++;
         }
-        assertTrue(valid >= 16 && invalid >= 10);
+        return new int[] {valid, invalid};
     }
 }
