@@ -83,7 +83,7 @@ def test_release_is_integer_after_an_exact_clip_and_reaches_the_wire():
     q = clip_quantise(x, mech.step, mech.bound)
     assert q.dtype == np.int64 and q.shape == (3, 256)
     assert (squared_norms(q) <= 200**2).all() and squared_norms(q)[1:].min() >= 198**2  # clipped to B, not far below
-    for seed in range(20):  # every clipped image ends within 4.5 steps of B (within 0.5 unless rounding overshot)
+    for seed in range(20):  # every clipped image ends close below B (rounding's overshoot is scaled back out)
         big = torch.rand(8, 256, generator=torch.Generator().manual_seed(seed)) * 3
         assert ((squared_norms(clip_quantise(big, mech.step, 200)) - 195.5**2) >= 0).all()
     np.testing.assert_array_equal(q[0], np.round(x[0].reshape(-1).double().numpy() * 50))  # the small one: rounded
@@ -103,7 +103,7 @@ def test_release_is_integer_after_an_exact_clip_and_reaches_the_wire():
 
 
 def test_rounding_past_the_bound_is_redone_inside_it():
-    # (0.6, 0.6) steps has norm 0.85 <= 1, but rounds to (1, 1), norm^2 2 > 1: rounded again half a step inside
+    # (0.6, 0.6) steps has norm 0.85 <= 1, but rounds to (1, 1), norm^2 2 > 1: scaled by 1/sqrt(2), rounded again
     q = clip_quantise(torch.tensor([[0.6, 0.6], [0.6, 0.0]]), 1.0, 1)
     np.testing.assert_array_equal(q, [[0, 0], [1, 0]])
     with pytest.raises(ValueError, match="non-finite"):

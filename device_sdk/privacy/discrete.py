@@ -154,29 +154,31 @@ class DiscreteGaussian:
 
 # ---- the release and its guarantee --------------------------------------------------------------
 
-def clip_quantise(x: torch.Tensor, step: float, bound: int) -> np.ndarray:
+def clip_quantise(x: torch.Tensor, step: float, bound: int, max_rounds: int = 64) -> np.ndarray:
     """Each image's values in quantisation steps, as int64 of shape (N, numel), with an L2 norm of at most
-    `bound` steps, verified exactly in integers: rounded after scaling the image down to the bound; where
-    rounding pushed the norm past it (about half the clipped images), rounded again after scaling to a
-    target half a step, one, two, four steps inside; truncated towards zero if even that failed. The last
-    floating-point step of the release."""
+    `bound` steps, verified exactly in integers. Rounded after scaling the image down to the bound; where
+    rounding pushed the norm past it (it adds about numel / 12 to the squared norm), scaled down again by
+    the ratio it overshot and rounded again, until it fits (truncation towards zero if `max_rounds` did not
+    suffice). The last floating-point step of the release."""
     if not (step > 0 and math.isfinite(step)) or bound < 1:
         raise ValueError(f"need step > 0 and bound >= 1, got {step=}, {bound=}")
     v = x.detach().to(torch.float64).reshape(len(x), -1) / step
     if not bool(torch.isfinite(v).all()):
         raise ValueError("the release holds non-finite values")
-    norms = v.norm(dim=1).clamp_min(1e-300)
-    scaled = v * (bound / norms).clamp(max=1.0)[:, None]
-    q = torch.round(scaled).to(torch.int64).numpy()
-    for margin in (0.5, 1.0, 2.0, 4.0):
-        over = np.flatnonzero(squared_norms(q) > bound * bound)
+    factor = (bound / v.norm(dim=1).clamp_min(1e-300)).clamp(max=1.0)
+    q = torch.round(v * factor[:, None]).to(torch.int64).numpy()
+    for _ in range(max_rounds):
+        squares = squared_norms(q)
+        over = np.flatnonzero(squares > bound * bound)
         if not over.size:
             break
-        target = max(bound - margin, 0.0)
-        q[over] = torch.round(v[over] * (target / norms[over]).clamp(max=1.0)[:, None]).to(torch.int64).numpy()
+        rows = torch.from_numpy(over)
+        factor[rows] *= bound / torch.from_numpy(squares[over]).double().sqrt() * (1 - 1e-6)
+        q[over] = torch.round(v[rows] * factor[rows, None]).to(torch.int64).numpy()
     over = np.flatnonzero(squared_norms(q) > bound * bound)
-    if over.size:  # |trunc(a)| <= |a| in every coordinate, so the norm stays within the (slightly shrunk) bound
-        q[over] = torch.trunc(scaled[over] * (1 - 1e-9)).to(torch.int64).numpy()
+    if over.size:  # |trunc(a)| <= |a| in every coordinate, and the scaled rows have a norm below the bound
+        rows = torch.from_numpy(over)
+        q[over] = torch.trunc(v[rows] * factor[rows, None]).to(torch.int64).numpy()
     if bool((squared_norms(q) > bound * bound).any()):
         raise RuntimeError("an image's quantised norm exceeds its bound")  # unreachable: the guarantee rests on it
     return q
