@@ -17,6 +17,8 @@ trimmed mean (10% each end), p50 and p99 as the mobile benchmarks report them.
     python bench/bench_device.py --data ../shared/data/lfw --runs 3 --warmup 1 --threads 1   # what results/ holds,
     python bench/bench_device.py --data ../shared/data/lfw --runs 3 --lrn-window             # then its LRN table
     python bench/bench_device.py --data ../shared/data/lfw --runs 3 --noise                  # and its noise table
+    python bench/bench_device.py --data ../shared/data/lfw --runs 3 --warmup 1 --threads 1 --releases none --merge
+        # re-measures the conv1 rows of both models (every backend) into the results above, keeping the other rows
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 MODELS = {"vgg_face": 224, "iresnet18": 112}
 RELOWER = "executorch-relower"  # the release re-lowered to XNNPACK after each weight change
-BACKENDS = ("torch", "executorch", "onnxruntime", RELOWER)
+GEMM = "executorch-xnnpack"  # the im2col programs: XNNPACK with the weights as inputs (export/gemm_programs.py)
+BACKENDS = ("torch", "executorch", "onnxruntime", RELOWER, GEMM)
 BUILDS = {"device": "device part only", "full": "whole backbone, split",
           "banded": "device part only, LRN window as the former banded 1x1 conv"}
 # Release transforms (the frontier's points, each at its split; spec changes, split), measured for RELEASE_MODEL.
@@ -195,6 +198,54 @@ def measure(model: str, backend: str, threads: int, data: str, runs: int, warmup
             "load_s": latency_stats(load_s, warmup), **{k: latency_stats(v, warmup) for k, v in timings.items()},
             "program_load_s": export_s, "peak_rss_bytes": peak_rss_bytes(), "import_rss_bytes": import_rss,
             "energy_j_per_batch": None if energy.reason else sum(joules[warmup:]) / runs, "energy_note": energy.reason}
+
+
+MINIMAL = """
+import resource, sys, time
+def peak(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+from executorch.extension.pybindings import portable_lib  # imports torch: the binding links libtorch
+import torch
+out = {"import": peak()}
+portable_lib._unsafe_reset_threadpool(1)
+artifacts = sys.argv[1]
+release = portable_lib._load_for_executorch(artifacts + "/release_gemm.pte")
+vjp = portable_lib._load_for_executorch(artifacts + "/vjp_gemm.pte")
+out["load"] = peak()
+g = torch.Generator().manual_seed(0)
+images = torch.rand(8, 3, 224, 224, generator=g)
+noise = torch.empty(8, 64, 224, 224).normal_(0, 0.1, generator=g)
+weight, bias = 0.1 * torch.randn(64, 3, 3, 3, generator=g), torch.zeros(64)
+out["inputs"] = peak()
+t = time.perf_counter(); released = release.forward([images, noise, weight, bias])[0]; out["forward_s"] = time.perf_counter() - t
+out["forward"] = peak()
+t = time.perf_counter(); grads = vjp.forward([images, noise, weight, bias]); out["backward_s"] = time.perf_counter() - t
+out["backward"] = peak()
+print("RESULT", out)
+"""
+
+
+def minimal_rss(artifacts: Path) -> dict:
+    """Peak RSS of a process that runs only ExecuTorch's im2col programs for VGG-Face conv1, batch 8 at 224 px:
+    no SDK, no model, no data loader; one process, measured after each step (the release's noise and its
+    gradient are the same-sized random tensor)."""
+    import ast
+
+    proc = subprocess.run([sys.executable, "-c", MINIMAL, str(artifacts)], capture_output=True, text=True)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode != 0 or not line:
+        raise SystemExit(f"minimal ExecuTorch process failed:\n{proc.stderr[-3000:]}")
+    return ast.literal_eval(line[0][len("RESULT "):])
+
+
+def minimal_table(r: dict) -> str:
+    mb = {k: f"{r[k] / 2**20:.0f} MB" for k in ("import", "load", "inputs", "forward", "backward")}
+    return ("Peak RSS of a process that runs only ExecuTorch (its Python binding, which imports PyTorch: it links "
+            "libtorch) with the im2col programs, VGG-Face conv1, batch 8 at 224 px, one thread; peak so far after "
+            "each step; one call of each program, so its time includes XNNPACK's set-up (the main table's rows are "
+            "warm):\n\n| after imports | programs loaded | inputs made (images, noise/gradient, weights) | "
+            "release | weight gradient | release s (first call) | weight gradient s (first call) |\n|---:|---:|---:|---:|---:|---:|---:|\n"
+            f"| {mb['import']} | {mb['load']} | {mb['inputs']} | {mb['forward']} | {mb['backward']} | "
+            f"{r['forward_s']:.2f} | {r['backward_s']:.2f} |\n")
 
 
 def lrn_window(runs: int, threads: int = 1) -> list[dict]:
@@ -375,7 +426,13 @@ def table(results: list[dict], machine: str) -> str:
               f"Release transforms ({RELEASE_MODEL} only, the frontier's points at their splits): every program was "
               "exported and verified against eager PyTorch first (`python -m export`); the dct device part has no "
               "weights (nothing trains); dct-keep and mask pass their per-image mask to the release program as an "
-              "input. The wire bytes are the dense tensor's: a mask's zeros cost as much as values.", ""]
+              "input. The wire bytes are the dense tensor's: a mask's zeros cost as much as values.",
+              f"{GEMM}: ExecuTorch with conv1 + ReLU + LRN written as im2col (the k x k shifted slices of the padded "
+              "image) times the weight matrix, a bmm of two run-time tensors, which XNNPACK runs, so the whole release "
+              "runs in XNNPACK with the weights as inputs (no update cost); its backward is the closed-form weight "
+              "gradient (im2col^T times the gradient through LRN and ReLU) as a second XNNPACK program, not a "
+              "training program (export/gemm_programs.py, `splitface-export --gemm`); verified against eager PyTorch "
+              "with perturbed weights like every artifact.", ""]
     notes = {r["energy_note"] for r in results if r["energy_note"]}
     lines += [f"Energy: {n}." for n in notes]
     return "\n".join(lines) + "\n"
@@ -399,6 +456,14 @@ def main(argv: list[str] | None = None) -> None:
                    help="only time the LRN window sum per runtime (5-tap vs banded) and add it to the results in --out")
     p.add_argument("--noise", action="store_true",
                    help="only time the noise samplers (torch.randn, fast, exact) and add them to the results in --out")
+    p.add_argument("--minimal-rss", action="store_true",
+                   help="only the peak RSS of a process running nothing but ExecuTorch's im2col programs for VGG-Face "
+                        "(exported into --artifacts/vgg_face-none unless kept there), added to the results in --out")
+    p.add_argument("--builds", nargs="+", default=list(BUILDS), choices=list(BUILDS),
+                   help="which builds to measure where a configuration has several (VGG-Face at one thread)")
+    p.add_argument("--merge", action="store_true",
+                   help="put the measured rows into the results in --out, replacing rows of the same configuration "
+                        "and keeping the others (the text says which rows each run measured)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # model,backend,threads,artifacts,build: one configuration
     args = p.parse_args(argv)
     if args.one:
@@ -406,8 +471,10 @@ def main(argv: list[str] | None = None) -> None:
         print("RESULT " + json.dumps(measure(model, backend, int(threads), args.data, args.runs, args.warmup,
                                              Path(artifacts), build, release)))
         return
-    if args.lrn_window or args.noise:
+    if args.lrn_window or args.noise or args.minimal_rss:
         saved = json.loads(args.out.with_suffix(".json").read_text())
+        if args.minimal_rss:
+            saved["minimal_rss"] = minimal_rss(export_programs("vgg_face", "none", args.artifacts))
         if args.lrn_window:
             saved["lrn_window"] = lrn_window(args.runs)
         if args.noise:
@@ -421,6 +488,7 @@ def main(argv: list[str] | None = None) -> None:
     cores = os.cpu_count() or 1
     results = []
     load_before = os.getloadavg()
+    earlier = json.loads(args.out.with_suffix(".json").read_text()) if args.merge else None
     for model in args.models:
         releases = [r for r in (args.releases or available_releases()) if model == RELEASE_MODEL or r == "none"]
         for release in releases:
@@ -431,7 +499,7 @@ def main(argv: list[str] | None = None) -> None:
                     builds = ["device"]
                     if model == "vgg_face" and threads == 1 and backend in ("torch", "executorch"):
                         builds += ["full", "banded"] if backend == "torch" else ["full"]
-                    for build in builds:
+                    for build in [b for b in builds if b in args.builds]:
                         cmd = [sys.executable, __file__, "--data", args.data, "--runs", str(args.runs), "--warmup",
                                str(args.warmup), "--one", f"{model},{backend},{threads},{artifacts},{build},{release}"]
                         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -442,22 +510,23 @@ def main(argv: list[str] | None = None) -> None:
                         results.append(json.loads(line[0][len("RESULT "):]))
                         print(row(results[-1]), flush=True)
                         # after every row: a later failure keeps what was measured
-                        write(args.out, results, cores, load_before)
-    print(table(results, machine_name(cores)))
+                        write(args.out, results, cores, load_before, earlier)
+    print(full_text(json.loads(args.out.with_suffix(".json").read_text())))
 
 
 def export_programs(model: str, release: str, keep: Path | None) -> Path:
     """Export and verify the configuration's programs in another process (its memory stays out of the rows),
     or reuse verified ones kept from an earlier run."""
     artifacts = (keep / f"{model}-{release}") if keep else Path(tempfile.mkdtemp(prefix=f"bench-{model}-{release}-"))
-    if (artifacts / "manifest.json").exists() and "checks" in (artifacts / "manifest.json").read_text():
+    kept = (artifacts / "manifest.json").read_text() if (artifacts / "manifest.json").exists() else ""
+    if "checks" in kept and ('"gemm_refusal": "not exported' not in kept):  # verified, with the im2col programs
         print(f"reusing the verified programs in {artifacts}", flush=True)
         return artifacts
     print(f"exporting and verifying {model} ({release}) into {artifacts} ...", flush=True)
     spec, split = release_spec(model, release)
     described = model if release == "none" else json.dumps(spec.to_dict())
     export = subprocess.run([sys.executable, "-m", "export", "--model", described, "--split", split,
-                             "--batch-size", "8", "--dp-clamp", "--out", str(artifacts)],
+                             "--batch-size", "8", "--dp-clamp", "--gemm", "--out", str(artifacts)],
                             capture_output=True, text=True, cwd=ROOT)
     if export.returncode != 0:
         raise SystemExit(f"export of {model} ({release}) failed:\n{export.stdout[-2000:]}{export.stderr[-3000:]}")
@@ -476,16 +545,44 @@ def full_text(saved: dict) -> str:
         text += (f"\nMachine load (1/5/15-minute averages on {os.cpu_count()} cores; other jobs ran at the same "
                  f"time): {' / '.join(f'{x:.1f}' for x in load)} when the rows started, "
                  f"{' / '.join(f'{x:.1f}' for x in saved['load_after'])} after the last.\n")
+    for m in saved.get("merged", []):
+        text += (f"\nRe-measured in a later run ({m['command']}), replacing the earlier rows of the same "
+                 f"configuration: {'; '.join(m['rows'])}. Load {' / '.join(f'{x:.1f}' for x in m['load_before'])} "
+                 f"when they started, {' / '.join(f'{x:.1f}' for x in m['load_after'])} after the last; compare "
+                 "ratios only within one run.\n")
     if "lrn_window" in saved:
         text += "\n" + lrn_table(saved["lrn_window"])
     if "noise" in saved:
         text += "\n" + noise_table(saved["noise"])
+    if "minimal_rss" in saved:
+        text += "\n" + minimal_table(saved["minimal_rss"])
     return text
 
 
-def write(out: Path, results: list[dict], cores: int, load_before: tuple[float, ...]) -> None:
+def config_key(r: dict) -> tuple:
+    return r["model"], r["release"], r["backend"], r["threads"], r["build"]
+
+
+def row_label(r: dict) -> str:
+    return f"{r['model']} {r['release']} {r['backend']} {r['threads']} thread(s) {BUILDS[r['build']]}"
+
+
+def write(out: Path, results: list[dict], cores: int, load_before: tuple[float, ...], earlier: dict | None) -> None:
+    """The results files; with `earlier` (--merge), its rows with these rows put in place of the same configuration's."""
     saved = {"machine": machine_name(cores), "paper_nexus_6p": PAPER, "results": results,
              "load_before": load_before, "load_after": os.getloadavg()}
+    if earlier is not None:
+        new = {config_key(r): r for r in results}
+        rows = [new.pop(config_key(r), r) for r in earlier["results"]]
+        for r in new.values():  # a configuration the earlier run lacks: after its model's and release's last row
+            at = max((i + 1 for i, e in enumerate(rows) if (e["model"], e["release"]) == (r["model"], r["release"])),
+                     default=len(rows))
+            rows.insert(at, r)
+        merged = [m for m in earlier.get("merged", []) if not set(m["rows"]) <= {row_label(r) for r in results}]
+        saved = {**earlier, "results": rows,
+                 "merged": merged + [{"command": "python bench/bench_device.py " + " ".join(sys.argv[1:]),
+                                      "rows": [row_label(r) for r in results], "load_before": load_before,
+                                      "load_after": os.getloadavg()}]}
     out.with_suffix(".json").write_text(json.dumps(saved, indent=2))
     out.with_suffix(".txt").write_text(full_text(saved))
 
