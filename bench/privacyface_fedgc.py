@@ -24,7 +24,8 @@ from device_sdk.federated.private_head import HeadConfig
 from device_sdk.models import build_backbone, resolve_spec
 from device_sdk.options import add_data_root_arg, add_threads_arg, apply_threads
 from edge_server.federated.experiment import load_shared, summary_row
-from edge_server.federated.methods import MethodConfig, PrivateHeadRun, class_embedding_linkage
+from edge_server.federated.methods import (MethodConfig, PrivateHeadRun, class_embedding_linkage,
+                                          inverted_class_embedding_linkage)
 from edge_server.federated.privacyface_accounting import identity_epsilon
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +43,9 @@ def runs() -> list[tuple[str, MethodConfig | None]]:
         ("fedgc lambda=20", MethodConfig("fedgc", **BASE)),
         ("fedgc lambda=20 s=32", MethodConfig("fedgc", **BASE, fedgc_scale=32.0)),  # the local loss's scale
     ]
-    for t, eps in ((2, 1.0), (1, math.inf), (1, 1.0)):
+    # the epsilon figure: per-query epsilon 0.25..inf at T = 1 and 2 (a smaller T releases more, smaller clusters,
+    # whose sigma is larger: sigma ~ 1 / (|S| epsilon))
+    for t, eps in ((2, 1.0), (1, math.inf), (1, 1.0), (2, math.inf), (1, 0.25), (2, 0.25), (1, 4.0), (2, 4.0)):
         rows.append((f"privacyface T={t} eps/query={eps:g}",
                      MethodConfig("privacyface", **BASE, dplc=DPLCConfig(min_members=t, queries=2, epsilon=eps))))
     # the cap radius's effect: a smaller rho, in both the release and the loss, without noise
@@ -68,7 +71,25 @@ def dplc_tradeoff(dim: int, rounds: int) -> list[dict]:
     return rows
 
 
-def run_one(shared, name: str, config: MethodConfig | None) -> dict:
+def dlib_photo_vectors(data, max_users: int, cache: Path, size: int):
+    """dlib's vectors of the private photos, as the audit embeds them (its on-disk cache, by path/size/crop)."""
+    from edge_server.audit.recognizer import CachedFaces, DlibResNet
+    from edge_server.federated.population import private_faces
+    dlib = DlibResNet()
+    faces = private_faces(data, max_users, seed=0)
+    return dlib, CachedFaces(dlib, f"dlib-{dlib.fingerprint}", cache).embed_faces(faces, size, 160)
+
+
+def public_faces(data, count: int, size: int):
+    """`count` public faces (a seeded sample of the public split): the inversion's training set."""
+    import numpy as np
+    from edge_server.federated.population import public_split
+    public = public_split(data).train
+    keep = np.sort(np.random.default_rng(1).permutation(len(public))[:count])
+    return public.subset(keep).load(size)
+
+
+def run_one(shared, name: str, config: MethodConfig | None, attack=None) -> dict:
     started = time.time()
     if config is None:
         model = build_backbone(shared.spec)
@@ -86,6 +107,9 @@ def run_one(shared, name: str, config: MethodConfig | None) -> dict:
              "privacy": privacy, "wall_s": time.time() - started}
     if config.method in ("fedpe", "fedgc"):  # FedGC uploads these heads; FedPE's stay home (a reference)
         extra.update(class_embedding_linkage(run, shared.evaluator.public_images))
+        if attack is not None:  # (recognizer, its photo vectors, public faces for the inversion)
+            recognizer, photos, public = attack
+            extra.update(inverted_class_embedding_linkage(run, public, recognizer.embed, photos))
     if config.method == "privacyface":
         released = [h["clusters_released"] for h in history]
         extra.update({"clusters_released_total": int(sum(released)), "dplc_min_members": config.dplc.min_members,
@@ -105,32 +129,86 @@ def main() -> None:
     p.add_argument("--pretrain-epochs", type=int, default=4)
     p.add_argument("--max-users", type=int, default=200)
     p.add_argument("--only", nargs="*", default=None, help="run only these runs (names as in the output)")
+    p.add_argument("--dlib-linkage", action="store_true",
+                   help="FedPE/FedGC runs also attack the held heads by ridge inversion + dlib (the audit extra)")
+    p.add_argument("--audit-cache", type=Path, default=ROOT / "runs" / "audit-cache")
     add_threads_arg(p, 1)
     p.add_argument("--force", action="store_true")
     args = p.parse_args()
     apply_threads(args)
     started = time.time()
-    shared = load_shared(resolve_spec("iresnet_small"), args.data, args.backbone, args.pretrain_epochs,
-                         args.max_users)
+    spec = resolve_spec("iresnet_small")
     args.cache.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for name, config in runs():
-        cached = args.cache / (name.replace(" ", "_").replace("/", "-") + ".json")
-        if (args.force or not cached.exists()) and (args.only is None or name in args.only):
+    cache = {name: args.cache / (name.replace(" ", "_").replace("/", "-") + ".json") for name, _ in runs()}
+    todo = [(name, config) for name, config in runs()
+            if (args.force or not cache[name].exists()) and (args.only is None or name in args.only)]
+    if todo:  # decoding the data and the pairs costs minutes: only when something runs
+        shared = load_shared(spec, args.data, args.backbone, args.pretrain_epochs, args.max_users)
+        attack = None
+        if args.dlib_linkage:
+            recognizer, photos = dlib_photo_vectors(args.data, args.max_users, args.audit_cache, spec.input_size)
+            attack = (recognizer, photos, public_faces(args.data, 1024, spec.input_size))
+        for name, config in todo:
             print(f"== {name}", flush=True)
-            cached.write_text(json.dumps(run_one(shared, name, config), indent=2))
-        if cached.exists():
-            row = json.loads(cached.read_text())
-            rows.append(row)
-            print(f"{name}: View 1 {row['view1_accuracy']:.3f} +- {row['view1_std']:.3f}, "
-                  f"TAR@1e-2 {row['tar_at_far_1e-2']:.3f}, identity-level eps {row['epsilon']}", flush=True)
+            cache[name].write_text(json.dumps(run_one(shared, name, config, attack), indent=2))
+    rows = [json.loads(path.read_text()) for path in cache.values() if path.exists()]
+    for row in rows:
+        print(f"{row['run']}: View 1 {row['view1_accuracy']:.3f} +- {row['view1_std']:.3f}, "
+              f"TAR@1e-2 {row['tar_at_far_1e-2']:.3f}, identity-level eps {row['epsilon']}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    command = ["python", "bench/privacyface_fedgc.py", "--data", "LFW", "--backbone", str(args.backbone)] + \
-        (["--max-users", str(args.max_users)] if args.max_users != 200 else [])  # every run, from the cache or not
+    command = ["python", "bench/privacyface_fedgc.py", "--data", "LFW", "--backbone", str(args.backbone),
+               "--dlib-linkage"] + (["--max-users", str(args.max_users)] if args.max_users != 200 else [])
     args.out.write_text(json.dumps({"command": " ".join(command), "max_users": args.max_users,
                                     "backbone": str(args.backbone), "rows": rows,
-                                    "dplc_tradeoff": dplc_tradeoff(shared.spec.embedding_dim, BASE["rounds"])}, indent=2))
-    print(f"wrote {args.out} ({time.time() - started:.0f} s)")
+                                    "dplc_tradeoff": dplc_tradeoff(spec.embedding_dim, BASE["rounds"])}, indent=2))
+    summary = args.out.with_name(args.out.stem + "_summary.json")
+    summary.write_text(json.dumps(summary_rows(rows), indent=2))
+    epsilon_figure(rows, args.out.with_name(args.out.stem + "_epsilon.png"))
+    print(f"wrote {args.out}, {summary.name} and the epsilon figure ({time.time() - started:.0f} s)")
+
+
+SUMMARY_KEYS = ("run", "method", "mode", "noise_multiplier", "rounds", "users_per_round", "epsilon", "delta",
+                "view1_accuracy", "view1_std", "roc_auc", "tar_at_far_1e-2", "epsilon_rdp", "users",
+                "linkage_top1", "linkage_chance", "inverted_linkage_top1", "inverted_linkage_chance",
+                "dplc_min_members", "query_epsilon", "dplc_calls_max")
+
+
+def summary_rows(rows: list[dict]) -> list[dict]:
+    """Issue 14's rows in results/federated/summary.json's form (its keys, plus `mode` and the method's own:
+    class-embedding linkage for FedPE/FedGC, T and per-query epsilon for PrivacyFace); the public-only
+    reference is summary.json's own row already. bench/federated.py appends these (see docs/privacyface.md)."""
+    return [{k: row[k] for k in SUMMARY_KEYS if k in row} for row in rows if row["method"] != "public-only"]
+
+
+def epsilon_figure(rows: list[dict], path: Path) -> None:
+    """View 1 accuracy against PrivacyFace's composed identity-level epsilon, one line per T (no noise at the right
+    edge), with FedPE (its plain baseline) and the public backbone as horizontal references."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ours = [r for r in rows if r["method"] == "privacyface" and r.get("dplc_rho", 0) > 0.6]  # the default rho
+    finite = [r["epsilon"] for r in ours if r["epsilon"] is not None]
+    if not finite:
+        return
+    inf_x = max(finite) * 4
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for t in sorted({r["dplc_min_members"] for r in ours}):
+        pts = sorted((r["epsilon"] if r["epsilon"] is not None else inf_x, r["view1_accuracy"], r["view1_std"])
+                     for r in ours if r["dplc_min_members"] == t)
+        x, y, e = zip(*pts)
+        ax.errorbar(x, y, yerr=e, marker="o", capsize=3, label=f"PrivacyFace T={t}")
+    for name, style in (("fedpe", "--"), ("public-only", ":")):
+        ref = [r for r in rows if r["method"] == name]
+        if ref:
+            ax.axhline(ref[0]["view1_accuracy"], linestyle=style, color="grey", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"identity-level epsilon (PLD, delta 1e-5; no noise plotted at {inf_x:.0f})")
+    ax.set_ylabel("LFW View 1 accuracy (DevTest)")
+    ax.set_title("PrivacyFace: utility vs identity-level epsilon")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -126,3 +126,14 @@ def test_class_embedding_linkage_finds_a_head_row_equal_to_a_photos_embedding(ti
     assert link["linkage_rows"] == 4 and link["linkage_top1"] == 1.0
     shares = [float((population.labels == u).mean()) for u in range(4)]
     assert link["linkage_chance"] == pytest.approx(sum(shares) / 4)
+    # the stronger attack's plumbing, with the audit's fast real recognizer (dlib in the bench): the rows
+    # inverted into faces, matched against the same photos in the recognizer's own space
+    from edge_server.audit.recognizer import Eigenfaces
+    from edge_server.federated.methods import inverted_class_embedding_linkage
+    faces = Eigenfaces(components=4).fit(public.astype(np.float32) / 255)
+    photos = faces.embed(population.images.astype(np.float32) / 255)
+    inverted = inverted_class_embedding_linkage(run, public, faces.embed, photos)
+    assert inverted["inverted_linkage_rows"] == 4 and 0 <= inverted["inverted_linkage_top1"] <= 1
+    assert inverted["inverted_linkage_chance"] == pytest.approx(link["linkage_chance"])
+    with pytest.raises(ValueError, match="photo vectors"):
+        inverted_class_embedding_linkage(run, public, faces.embed, photos[1:])

@@ -170,3 +170,32 @@ def class_embedding_linkage(run: PrivateHeadRun, public_images: np.ndarray) -> d
         chance += float(sum((run.population.labels == u).mean() for u in users))
         rows += len(users)
     return {"linkage_top1": hits / rows, "linkage_chance": chance / rows, "linkage_rows": rows}
+
+
+@torch.no_grad()
+def inverted_class_embedding_linkage(run: PrivateHeadRun, public_images: np.ndarray,
+                                     recognize: Callable[[np.ndarray], np.ndarray],
+                                     photo_vectors: np.ndarray) -> dict[str, float]:
+    """The stronger attack on uploaded heads: the server (holding the backbone) fits the audit's ridge inversion
+    from public faces' embeddings to the faces (`audit.inversion.tuned_inversion`, no private data), turns every
+    held class embedding into a 32 px face, and asks a recognizer (`recognize`: images in [0, 1] -> vectors; the
+    audit's is dlib) which private photo it is nearest to (`photo_vectors`: that recognizer on
+    `run.population.images`, in order). Returns the top-1 rate that the photo is the row's person, chance as in
+    `class_embedding_linkage`, and the inversion's own linkage on held-out public faces (its quality)."""
+    from ..audit.inversion import tuned_inversion
+    from ..audit.metrics import cosine
+    if len(photo_vectors) != len(run.population.images):
+        raise ValueError(f"{len(photo_vectors)} photo vectors for {len(run.population.images)} photos")
+    model = recalibrate_bn(run.backbone, public_images)
+    public = F.normalize(torch.from_numpy(embed_in_batches(lambda x: model(torch.from_numpy(x)).numpy(),
+                                                           public_images)), dim=1).numpy()
+    inversion, chosen = tuned_inversion(public[:, :, None, None], public_images.astype(np.float32) / 255,
+                                        pools=(1,))
+    rows = [(c, F.normalize(head.float(), dim=1).numpy()) for c, head in run.heads.items()]
+    faces = inversion.reconstruct(np.concatenate([h for _, h in rows])[:, :, None, None])
+    nearest = cosine(recognize(faces), photo_vectors).argmax(axis=1)
+    users = np.concatenate([np.unique(run.population.of_users(run.clients[c])[1]) for c, _ in rows])
+    chance = float(np.mean([(run.population.labels == u).mean() for u in users]))
+    return {"inverted_linkage_top1": float((run.population.labels[nearest] == users).mean()),
+            "inverted_linkage_chance": chance, "inverted_linkage_rows": len(users),
+            "inversion_public_holdout_linkage": chosen["public_holdout_linkage"]}
