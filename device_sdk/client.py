@@ -30,6 +30,7 @@ from protocol.transport import CLIENT_WS_OPTIONS, reuse_large_buffers, send_frag
 
 from .engine import DeviceEngine
 from .meter import BatchCost, EnergyCounter, Stopwatch, peak_rss_bytes
+from .privacy.state import check_server_figure, spent_epsilon
 
 log = logging.getLogger("splitface.device")
 
@@ -208,7 +209,18 @@ class DeviceClient:
                     raise ConnectionError(f"{self.device_id}: cannot reach {self.url}: {exc}") from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+        try:
+            check_server_figure(self.device_id, self.engine.privacy.state_path,
+                                spent_epsilon(self.engine.privacy.guard), welcome.get("spent_epsilon"))
+        except Exception:  # LostPrivacyState: it stops here instead of spending its budget again (SPEC 5.11)
+            await self.close()
+            raise
         self._reconcile(welcome["resume_from"] - 1, welcome["durable_through"])
+
+    def _spent(self) -> float | None:
+        """This device's spent epsilon with the release just made counted; None without a formal mechanism."""
+        spent = spent_epsilon(self.engine.privacy.guard)
+        return spent if math.isfinite(spent) else None
 
     def _reconcile(self, server_applied: int, durable_through: int) -> None:
         engine = self.engine
@@ -294,7 +306,8 @@ class DeviceClient:
         with watch("forward"):
             activations = await asyncio.to_thread(engine.forward, images, ("train", batch_id), image_ids, labels)
         with watch("encode"):
-            forward = self.session.forward(batch_id, activations, labels if engine.head == "server" else None)
+            forward = self.session.forward(batch_id, activations, labels if engine.head == "server" else None,
+                                           spent_epsilon=self._spent())
         traffic0 = (self.traffic.sent, self.traffic.received, self.traffic.round_trip_s, self.traffic.decode_s)
         head: dict[str, Any] = {}
         server_s: list[float] = []
@@ -340,7 +353,8 @@ class DeviceClient:
         activations = await asyncio.to_thread(engine.evaluate_release, images, release, image_ids, labels)
         self._eval_id += 1
         eval_id = self._eval_id
-        message = self.session.forward(eval_id, activations, labels if engine.head == "server" else None, eval=True)
+        message = self.session.forward(eval_id, activations, labels if engine.head == "server" else None, eval=True,
+                                       spent_epsilon=self._spent())
         reply = await self._with_retries(lambda: self.request(message, {m.EVAL_RESULT, m.EMBEDDINGS}, eval_id))
         if reply["type"] == m.EVAL_RESULT:
             return reply["loss"] * reply["n"], reply["n_correct"]

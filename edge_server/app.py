@@ -420,8 +420,9 @@ class EdgeServer:
             return
         self.open_by_address[address] += 1
         authenticate = throttled(self.authenticate, self.auth_throttle, address)
+        # metrics.epsilon: each device's last reported spent epsilon, the gauge's figures and checkpointed with them
         conn = _Connection(ws, ServerSession(self.info, authenticate, self.records, self.durable_through, self.board,
-                                             self.relay))
+                                             self.relay, epsilon=self.metrics.epsilon))
         session = conn.session
         rate = RateLimit(self.config.limits.message_rate, self.config.limits.message_burst)
         try:

@@ -19,6 +19,7 @@ class ErrorCode(str, Enum):
     BUDGET_EXCEEDED = "budget_exceeded"  # reserved for the device's privacy budget guard
     SERVER_ERROR = "server_error"        # the server failed; the batch was not applied
     ROUND_CLOSED = "round_closed"        # federated: a model request or upload for a round no longer open (late)
+    EPSILON_REGRESSED = "epsilon_regressed"  # a FORWARD's spent_epsilon is below the device's last report
 
 
 # Errors after which the server closes the connection: the session cannot go on.

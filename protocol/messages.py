@@ -104,6 +104,7 @@ SCHEMA: dict[str, dict[str, tuple[Check, bool]]] = {
         "activation_shape": (lambda v: isinstance(v, list) and all(is_int(x) for x in v), True),
         "embedding_dim": (is_int, True),
         "limits": (lambda v: isinstance(v, dict), True),
+        "spent_epsilon": (lambda v: _is_finite_number(v) and v >= 0, False),
     },
     ERROR: {
         "code": (lambda v: isinstance(v, str), True),
@@ -115,6 +116,7 @@ SCHEMA: dict[str, dict[str, tuple[Check, bool]]] = {
         "activations": (TENSOR, True),
         "labels": (_is_label_list, False),
         "eval": (lambda v: isinstance(v, bool), False),
+        "spent_epsilon": (lambda v: _is_finite_number(v) and v >= 0, False),
     },
     BACKWARD: {
         "batch_id": (is_int, True),

@@ -235,10 +235,14 @@ class ServerSession:
 
     def __init__(self, info: ServerInfo, authenticate: Authenticator,
                  records: dict[str, DeviceRecord], durable_through: Callable[[str], int],
-                 board: RoundBoard | None = None, relay: ClusterRelay | None = None):
+                 board: RoundBoard | None = None, relay: ClusterRelay | None = None,
+                 epsilon: dict[str, float] | None = None):
         """`board`: the federated rounds this server hosts (None: split sessions only); `relay`: the device-head
-        devices' cluster releases (None: CLUSTERS is `unsupported`)."""
+        devices' cluster releases (None: CLUSTERS is `unsupported`); `epsilon`: each device's last reported
+        spent epsilon (SPEC.md section 5.11), shared by all sessions and kept in the server's checkpoint, so
+        that WELCOME can tell a device that lost its privacy state what it had spent."""
         self.info = info
+        self.epsilon = epsilon if epsilon is not None else {}
         self.board = board
         self.relay = relay
         self.mode = "split"
@@ -333,6 +337,8 @@ class ServerSession:
             "embedding_dim": info.embedding_dim,
             "limits": {"max_message_bytes": info.max_message_bytes, "max_batch": info.max_batch},
         }
+        if self.device_id in self.epsilon:
+            welcome["spent_epsilon"] = float(self.epsilon[self.device_id])
         return m.encode(welcome)
 
     def _dispatch(self, message: dict[str, Any]) -> Action:
@@ -369,10 +375,17 @@ class ServerSession:
             raise ProtocolError(ErrorCode.BAD_TENSOR, f"batch of {shape[0]} outside 1..{self.info.max_batch}", batch_id)
         is_eval = message.get("eval", False)
         labels = self._labels(message, shape[0])
+        spent = message.get("spent_epsilon")
+        last = self.epsilon.get(self.device_id)
+        if spent is not None and last is not None and spent < last:
+            raise ProtocolError(ErrorCode.EPSILON_REGRESSED, f"spent_epsilon {spent!r} is below this device's last "
+                                                             f"report {last!r}; the batch was not applied", batch_id)
         if not is_eval:
             replay = self._sequence(batch_id)
             if replay is not None:
                 return replay
+        if spent is not None:  # the device's claim, recorded once the release is accepted (SPEC.md section 5.11)
+            self.epsilon[self.device_id] = float(spent)
         if self.head == "server":
             return (Evaluate if is_eval else Train)(batch_id, activations, labels)
         if not is_eval:
@@ -510,7 +523,10 @@ class ClientSession:
     def max_message_bytes(self) -> int:
         return self.welcome["limits"]["max_message_bytes"] if self.welcome else m.DEFAULT_MAX_MESSAGE_BYTES
 
-    def forward(self, batch_id: int, activations: np.ndarray, labels: np.ndarray | None = None, eval: bool = False) -> bytes:
+    def forward(self, batch_id: int, activations: np.ndarray, labels: np.ndarray | None = None, eval: bool = False,
+                spent_epsilon: float | None = None) -> bytes:
+        """FORWARD; `spent_epsilon`: the device's spent epsilon with this release counted (None: no formal
+        mechanism, the field is omitted)."""
         message: dict[str, Any] = {"type": m.FORWARD, "batch_id": batch_id,
                                    "activations": encode_tensor(activations, self.encodings.get("activations", "f32"))}
         if labels is not None:
@@ -519,6 +535,10 @@ class ClientSession:
             message["labels"] = [int(y) for y in labels]
         if eval:
             message["eval"] = True
+        if spent_epsilon is not None:
+            if not (math.isfinite(spent_epsilon) and spent_epsilon >= 0):
+                raise ValueError(f"spent_epsilon must be finite and >= 0 (None: no formal mechanism), got {spent_epsilon}")
+            message["spent_epsilon"] = float(spent_epsilon)
         return self._checked(m.encode(message))
 
     def embedding_grad(self, batch_id: int, grad: np.ndarray) -> bytes:

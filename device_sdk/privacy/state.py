@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .budget import BudgetGuard
+
 FORMAT = "splitface-device-privacy-state"
 VERSION = 1
 # A device id becomes a file name: no path separators, no leading dot (the protocol's ids are short names).
@@ -74,3 +76,27 @@ def read_state(path: Path) -> dict[str, Any]:
     if not isinstance(state, dict) or envelope.get("sha256") != _digest(state):
         raise StateFileError(f"{path}: privacy state fails its checksum (corrupt or edited); refusing to release")
     return state
+
+
+class LostPrivacyState(StateFileError):
+    """The server recorded a larger spent epsilon for this device than its state file holds: the file was
+    deleted, or replaced by an older copy. Restore it; starting again at a lower figure would re-spend."""
+
+
+def spent_epsilon(guard: BudgetGuard) -> float:
+    """The spent epsilon a device reports in FORWARD (SPEC.md section 5.11): the largest epsilon of any image (or
+    identity: the guard's level) in its accountant; inf without a formal mechanism (then nothing is sent)."""
+    accountant = guard.accountant
+    return accountant.max_epsilon_image() if guard.level == "image" else accountant.max_epsilon_identity()
+
+
+def check_server_figure(device_id: str, path: Path | None, own: float, server: float | None) -> None:
+    """Refuse (LostPrivacyState) a device whose own spent epsilon `own` (inf: no formal mechanism) is below the
+    figure the server's WELCOME carries for it, naming the state file and that figure."""
+    if server is None or own >= server:
+        return
+    where = f"privacy state {path}" if path is not None else "no privacy state file (--state-dir)"
+    raise LostPrivacyState(
+        f"{device_id}: {where} says epsilon {own:.6g} spent, but the server recorded {server:.6g} for this device: "
+        f"the state was lost or replaced by an older copy. Refusing to start: restore the file (never delete it "
+        f"to reset), or retire this device id")

@@ -113,10 +113,12 @@ def client(head: str, encodings: dict[str, str] | None = None, token: str = TOKE
                          dict(encodings or {"activations": "f32", "gradients": "f32"}))
 
 
-def server(c: ClientSession, last_applied: int = 0, durable: int = 0) -> ServerSession:
-    """A server session that has admitted `c` (records say `last_applied`, checkpoint says `durable`)."""
+def server(c: ClientSession, last_applied: int = 0, durable: int = 0,
+           epsilon: dict[str, float] | None = None) -> ServerSession:
+    """A server session that has admitted `c` (records say `last_applied`, checkpoint says `durable`; `epsilon`:
+    the devices' last reported spent epsilon)."""
     records = {DEVICE_ID: DeviceRecord(last_applied)}
-    s = ServerSession(INFO, lambda d, t: d == DEVICE_ID and t == TOKEN, records, lambda d: durable)
+    s = ServerSession(INFO, lambda d, t: d == DEVICE_ID and t == TOKEN, records, lambda d: durable, epsilon=epsilon)
     s.session_id = SESSION_ID
     action = s.receive(c.hello())
     assert isinstance(action, Admit), action
@@ -305,6 +307,42 @@ def clusters_invalid_cases() -> list[tuple[str, bytes, ErrorCode, str]]:
     ]
 
 
+# ---- spent epsilon (written to epsilon/, SPEC.md section 5.11) --------------------------------------------
+SPENT = 1.25          # what the device reports after its release
+LAST_REPORTED = 2.5   # the server's figure for it (from an earlier report)
+
+
+def epsilon_valid_cases() -> list[tuple[str, bytes]]:
+    server_head, device_head = client("server"), client("device")
+    return [
+        ("forward_spent_epsilon", server_head.forward(1, ACTIVATIONS, LABELS, spent_epsilon=SPENT)),
+        ("forward_eval_spent_epsilon_device_head", device_head.forward(2, ACTIVATIONS, eval=True, spent_epsilon=SPENT)),
+        ("forward_spent_epsilon_zero", server_head.forward(3, ACTIVATIONS, LABELS, spent_epsilon=0.0)),
+        ("welcome_spent_epsilon", server(server_head, last_applied=5, durable=3,
+                                         epsilon={DEVICE_ID: LAST_REPORTED}).welcome()),
+        ("error_epsilon_regressed", server(server_head, last_applied=5, epsilon={DEVICE_ID: LAST_REPORTED}).receive(
+            server_head.forward(6, ACTIVATIONS, LABELS, spent_epsilon=SPENT)).data),
+    ]
+
+
+def epsilon_invalid_cases() -> list[tuple[str, bytes, ErrorCode, str]]:
+    def forward(spent: Any) -> bytes:
+        return _pack({"type": "forward", "batch_id": 1, "activations": {
+            "dtype": "f32", "shape": [1, 2, 3], "data": _f32([0.0] * 6)}, "labels": [3], "spent_epsilon": spent})
+    return [
+        ("invalid_spent_epsilon_negative", forward(-0.5), ErrorCode.BAD_MESSAGE, "spent_epsilon below 0"),
+        ("invalid_spent_epsilon_nan", forward(math.nan), ErrorCode.BAD_MESSAGE, "spent_epsilon NaN"),
+        ("invalid_spent_epsilon_infinity", forward(math.inf), ErrorCode.BAD_MESSAGE, "spent_epsilon infinite"),
+        ("invalid_spent_epsilon_string", forward("1.25"), ErrorCode.BAD_MESSAGE, "spent_epsilon a string"),
+        ("invalid_spent_epsilon_bool", forward(True), ErrorCode.BAD_MESSAGE, "spent_epsilon a bool"),
+        ("invalid_spent_epsilon_nil", forward(None), ErrorCode.BAD_MESSAGE, "spent_epsilon nil"),
+        ("invalid_welcome_spent_epsilon_negative", _pack({
+            "type": "welcome", "session_id": SESSION_ID, "resume_from": 1, "durable_through": 0,
+            "activation_shape": [2, 3], "embedding_dim": 4, "limits": {"max_message_bytes": 1024, "max_batch": 2},
+            "spent_epsilon": -1.0}), ErrorCode.BAD_MESSAGE, "welcome spent_epsilon below 0"),
+    ]
+
+
 def build(valid: list[tuple[str, bytes]] | None = None,
           invalid: list[tuple[str, bytes, ErrorCode, str]] | None = None) -> list[tuple[str, bytes, dict[str, Any]]]:
     """(NN_name, message bytes, JSON meaning) for every case, numbered in order (default: the split set)."""
@@ -331,7 +369,8 @@ def generate(out_dir: Path = HERE) -> list[Path]:
     written = []
     for folder, cases in ((out_dir, build()),
                           (out_dir / "federated", build(federated_valid_cases(), federated_invalid_cases())),
-                          (out_dir / "clusters", build(clusters_valid_cases(), clusters_invalid_cases()))):
+                          (out_dir / "clusters", build(clusters_valid_cases(), clusters_invalid_cases())),
+                          (out_dir / "epsilon", build(epsilon_valid_cases(), epsilon_invalid_cases()))):
         folder.mkdir(parents=True, exist_ok=True)
         for stem, data, meaning in cases:
             (folder / f"{stem}.msgpack").write_bytes(data)
