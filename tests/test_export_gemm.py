@@ -1,6 +1,6 @@
 """The im2col programs (`export/gemm_programs.py`) are the device layer exactly: their release equals eager
 PyTorch and their closed-form weight gradient equals autograd, with and without the DP clamp, masked or not;
-they refuse a layer they cannot express. (Their export to XNNPACK, and that nothing large runs outside it, is checked in test_export.py.)"""
+they refuse a layer they cannot express. Exported, they run in XNNPACK alone and still match (slow tier)."""
 from __future__ import annotations
 
 import pytest
@@ -53,3 +53,31 @@ def test_im2col_refuses_what_it_cannot_express():
     with pytest.raises(ValueError, match="cover conv"):
         GemmReleaseProgram(deeper)
 
+
+
+@pytest.mark.slow  # lowering the two programs: several seconds
+def test_exported_im2col_programs_run_in_xnnpack_and_match_eager(tmp_path):
+    from device_sdk.runtimes.executorch_gemm import ExecuTorchGemmRuntime
+    from export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE, Manifest, example_inputs, export_gemm_ptes
+    from export.verify import check
+
+    layer = conv1("iresnet_small", 1.0).eval()
+    images, noise = example_inputs(layer, 2, 32)
+    release, vjp = export_gemm_ptes(layer, images, noise, None)
+    # No conv, matrix product or elementwise kernel outside XNNPACK (a .pte names the kernels it calls).
+    for name, pte in ((RELEASE_GEMM_PTE, release), (VJP_GEMM_PTE, vjp)):
+        assert b"XnnpackBackend" in pte, name
+        assert not [op for op in (b"convolution", b"bmm", b"aten::mul", b"aten::add", b"aten::cat", b"rsqrt", b"ceil")
+                    if op in pte], name
+        (tmp_path / name).write_bytes(pte)
+    manifest = Manifest(2, list(images.shape), list(noise.shape), ["stages.conv1.0.weight", "stages.conv1.0.bias"],
+                        False, 1.0, gemm_refusal=None)
+    runtime = ExecuTorchGemmRuntime(tmp_path, manifest)
+    assert not runtime.static_weights and runtime.trainable
+    weights = [p.detach().clone() for p in layer.parameters()]
+    g = torch.Generator().manual_seed(2)
+    perturbed = [w + 0.05 * w.abs().mean() * torch.randn(w.shape, generator=g) for w in weights]
+    for ws in (weights, perturbed):  # the weights are read at run time: a training step needs no new program
+        for batch in (images * 3, images[:1]):  # above the clamp; a short batch, zero-padded
+            result = check(layer, runtime, batch, ws, "im2col")
+            assert result["ok"] and result["grad_max_rel_err"] > 0
