@@ -49,7 +49,9 @@ class Metrics:
         self.closes: Tally[str] = Tally()           # connections the server closed or refused, by reason
         self.sessions = 0                           # devices admitted (HELLO accepted), over the run
         self.latency = [0] * (len(LATENCY_BUCKETS) + 1)  # step latencies per bucket, the last one +Inf
-        self.epsilon: dict[str, float] = {}         # spent privacy budget, where a device reports it
+        # each device's last reported spent epsilon (FORWARD's claim, SPEC.md section 5.11): the protocol sessions
+        # record it here (ServerSession's `epsilon`), so the gauge, metrics.json, the checkpoint and WELCOME agree
+        self.epsilon: dict[str, float] = {}
 
     def state(self) -> dict[str, Any]:
         """Everything counted, for the checkpoint; `from_state` restores it."""
@@ -74,10 +76,6 @@ class Metrics:
 
     def closed(self, reason: str) -> None:
         self.closes[reason] += 1
-
-    def spent_epsilon(self, device_id: str, epsilon: float) -> None:
-        """A device's spent privacy budget as it reports it (the server cannot compute it)."""
-        self.epsilon[device_id] = float(epsilon)
 
     def _counters(self, device_id: str) -> tuple[Counter, Counter]:
         return self.total, self.devices.setdefault(device_id, Counter())

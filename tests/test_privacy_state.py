@@ -165,7 +165,15 @@ def test_device_process_killed_mid_epoch_resumes_its_budget(tmp_path):
 
     with serve_in_thread(ServerTrainer(resolve_spec(MODEL), "conv1", 3, TrainConfig()), tmp_path / "server-2") as server:
         restarted = _device_process(server.url, tmp_path, budget)
+        reported = server.server.metrics.epsilon["device-0"]  # the device's last FORWARD's spent_epsilon
+        kept = state_file.read_bytes()
+        state_file.unlink()  # lost: the device would start again at epsilon 0, but the server's WELCOME says more
+        lost = _device_process(server.url, tmp_path, budget)
     assert restarted.returncode == 0, restarted.stderr[-2000:]
+    assert lost.returncode == 1 and f"{state_file} says epsilon 0 spent, but the server recorded {reported:.6g}" \
+        in lost.stderr, lost.stderr[-2000:]
+    assert server.server.records["device-0"].last_applied == 6  # the device that lost its state sent nothing
+    state_file.write_bytes(kept)  # restored by the operator
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     device = results["devices"][0]
     after = read_state(state_file)
@@ -178,4 +186,5 @@ def test_device_process_killed_mid_epoch_resumes_its_budget(tmp_path):
     # and refused past the budget: epoch 3 would release every image a third time
     assert device["stopped"] and "refused" in device["stopped"] and "train:7" in device["stopped"]
     assert len(device["epochs"]) == 2 and device["privacy"]["epsilon_image"]["max"] <= budget
+    assert reported == device["privacy"]["epsilon_image"]["max"]  # what went on the wire is the accountant's figure
     assert not any(k.startswith("train:7") for k in after["accountant"]["releases"])
