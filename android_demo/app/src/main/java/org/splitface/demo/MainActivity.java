@@ -79,6 +79,8 @@ public class MainActivity extends Activity {
             PerActivationNoise noise = cfg.isNull("epsilon") ? null : new PerActivationNoise(cfg.getDouble("epsilon"), cfg.getDouble("delta"));
             File schedule = new File(root, "schedule.msgpack");
             BudgetGuard guard = schedule.exists() ? BudgetGuard.fromSchedule(Files.readAllBytes(schedule.toPath()), cfg.getDouble("budget")) : null;
+            // durable, in the app's private files dir: a restarted app resumes its spent epsilon, never 0
+            if (guard != null) guard.persistIn(BudgetGuard.stateFile(getFilesDir().toPath(), deviceId), deviceId);
             Map<String, String> enc = new LinkedHashMap<>();
             enc.put("activations", "f32");
             enc.put("gradients", "f32");
@@ -117,6 +119,8 @@ public class MainActivity extends Activity {
             show(status, "Not connecting: " + e.getMessage(), false);
         } catch (BudgetGuard.BudgetExceeded e) {
             show(status, "Privacy budget spent; nothing more was sent. " + e.getMessage(), false);
+        } catch (BudgetGuard.LostState | BudgetGuard.StateFileError e) {
+            show(status, "Privacy state cannot be trusted; nothing was sent. " + e.getMessage(), false);
         } catch (Exception e) {
             show(status, "Stopped: " + e.getMessage(), false);
         } finally {

@@ -1,23 +1,61 @@
 package org.splitface.core;
 
+import java.io.IOException;
+import java.io.UncheckedIOException;
+import java.nio.ByteBuffer;
+import java.nio.channels.FileChannel;
+import java.nio.file.AtomicMoveNotSupportedException;
+import java.nio.file.Files;
+import java.nio.file.Path;
+import java.nio.file.StandardCopyOption;
+import java.nio.file.StandardOpenOption;
+import java.security.MessageDigest;
+import java.security.NoSuchAlgorithmException;
+import java.util.ArrayList;
 import java.util.HashMap;
+import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
+import java.util.TreeMap;
+import java.util.regex.Pattern;
 
 /**
  * Refuses a release that would take any image past its budget, before anything is sent. The
  * epsilon after k releases comes from a schedule the Python accountant (dp_accounting's PLD)
  * computed for this mechanism ({@code python -m device_sdk.privacy schedule}); the phone does no
  * composition of its own.
+ *
+ * <p>With {@link #persistIn} the releases are durable (as device_sdk/privacy/state.py): one file per
+ * device id, written whole (temp file, fsync, atomic rename, fsync of the folder) with a SHA-256 of
+ * its content, before a release is admitted; a restarted app resumes from it. A file that cannot be
+ * trusted is an error, never a reason to start at epsilon 0, and a device whose books say less than
+ * the server's last figure for it (WELCOME's spent_epsilon) stops: {@link LostState}.
  */
 public final class BudgetGuard {
     public static final class BudgetExceeded extends RuntimeException {
         public BudgetExceeded(String message) { super(message); }
     }
 
+    /** The budget state file is unreadable, corrupt, edited, for another device, or was lost: do not release. */
+    public static final class StateFileError extends RuntimeException {
+        public StateFileError(String message) { super(message); }
+    }
+
+    /** The server recorded more spent epsilon for this device than its state holds (SPEC.md section 5.11). */
+    public static final class LostState extends RuntimeException {
+        public LostState(String message) { super(message); }
+    }
+
+    static final String FORMAT = "splitface-jvm-budget-state";
+    static final long VERSION = 1;
+    // A device id becomes a file name: no path separators, no leading dot (as device_sdk/privacy/state.py).
+    private static final Pattern SAFE_ID = Pattern.compile("^[A-Za-z0-9_][A-Za-z0-9_.@+-]{0,127}$");
+
     private final double[] epsilonAfter;   // epsilonAfter[k - 1]: an image's epsilon after k releases
     public final double budget, delta;
-    private final Map<Long, Integer> releases = new HashMap<>();
+    private Map<Long, Integer> releases = new HashMap<>();
+    private Path stateFile;     // null: in memory only
+    private String deviceId;
 
     public BudgetGuard(double[] epsilonAfter, double budget, double delta) {
         this.epsilonAfter = epsilonAfter.clone(); this.budget = budget; this.delta = delta;
@@ -36,7 +74,10 @@ public final class BudgetGuard {
         return k == 0 ? 0 : k <= epsilonAfter.length ? epsilonAfter[k - 1] : Double.POSITIVE_INFINITY;
     }
 
-    /** Record one release of each image, or throw (recording nothing) if one would exceed the budget. */
+    /**
+     * Record one release of each image, or throw (recording nothing) if one would exceed the budget. With a state
+     * file the new books are on disk before this returns, so before the release can be sent.
+     */
     public void admit(long[] imageIds) {
         for (long id : imageIds) {
             int k = releases.getOrDefault(id, 0) + 1;
@@ -44,7 +85,127 @@ public final class BudgetGuard {
                 throw new BudgetExceeded("release " + k + " of image " + id + " would reach epsilon " + epsilonAfter(k)
                         + " > budget " + budget + " (delta " + delta + "); nothing was sent");
         }
-        for (long id : imageIds) releases.merge(id, 1, Integer::sum);
+        Map<Long, Integer> next = new HashMap<>(releases);
+        for (long id : imageIds) next.merge(id, 1, Integer::sum);
+        if (stateFile != null) write(stateFile, deviceId, delta, next);
+        releases = next;
+    }
+
+    /** Where a device keeps its budget state in {@code dir}. */
+    public static Path stateFile(Path dir, String deviceId) {
+        if (!SAFE_ID.matcher(deviceId).matches())
+            throw new IllegalArgumentException("device id '" + deviceId + "' cannot name a state file (letters, digits and _ . @ + - only)");
+        return dir.resolve(deviceId + ".budget.msgpack");
+    }
+
+    /**
+     * Keep this guard's releases in {@code file} from now on: resumed if it exists (a corrupt or foreign file throws
+     * StateFileError), else written at once. Call before the first release.
+     */
+    public BudgetGuard persistIn(Path file, String deviceId) {
+        if (!releases.isEmpty()) throw new IllegalStateException("open the state before the first release");
+        if (Files.exists(file)) releases = read(file, deviceId, delta);
+        else write(file, deviceId, delta, releases);
+        this.stateFile = file;
+        this.deviceId = deviceId;
+        return this;
+    }
+
+    public Path stateFile() { return stateFile; }
+
+    /** Stop (LostState) if the server's last figure for this device (WELCOME's spent_epsilon; null: none) exceeds ours. */
+    public void checkServerFigure(String deviceId, Double serverFigure) {
+        if (serverFigure == null || spent() >= serverFigure) return;
+        String where = stateFile != null ? "budget state " + stateFile : "no budget state file";
+        throw new LostState(deviceId + ": " + where + " says epsilon " + spent() + " spent, but the server recorded "
+                + serverFigure + " for this device: the state was lost or replaced by an older copy. Refusing to start: "
+                + "restore the file (never delete it to reset), or retire this device id");
+    }
+
+    private static String hex(byte[] bytes) {   // not HexFormat: older Android releases lack it
+        StringBuilder out = new StringBuilder(bytes.length * 2);
+        for (byte b : bytes) out.append(Character.forDigit((b >> 4) & 15, 16)).append(Character.forDigit(b & 15, 16));
+        return out.toString();
+    }
+
+    private static byte[] sha256(byte[] data) {
+        try {
+            return MessageDigest.getInstance("SHA-256").digest(data);
+        } catch (NoSuchAlgorithmException e) {
+            throw new IllegalStateException(e);
+        }
+    }
+
+    /** The state as msgpack: {device_id, delta, releases: [[image id, count], ...] by image id}. */
+    static byte[] encodeState(String deviceId, double delta, Map<Long, Integer> releases) {
+        List<Object> pairs = new ArrayList<>();
+        for (Map.Entry<Long, Integer> e : new TreeMap<>(releases).entrySet()) pairs.add(List.of(e.getKey(), (long) e.getValue()));
+        Map<String, Object> state = new LinkedHashMap<>();
+        state.put("device_id", deviceId);
+        state.put("delta", delta);
+        state.put("releases", pairs);
+        return Wire.pack(state);
+    }
+
+    /** Write temp + fsync + atomic rename + fsync of the folder: after a crash the file is the old state or the new one. */
+    static void write(Path file, String deviceId, double delta, Map<Long, Integer> releases) {
+        byte[] state = encodeState(deviceId, delta, releases);
+        Map<String, Object> envelope = new LinkedHashMap<>();
+        envelope.put("format", FORMAT);
+        envelope.put("version", VERSION);
+        envelope.put("sha256", hex(sha256(state)));
+        envelope.put("state", state);
+        Path dir = file.toAbsolutePath().getParent();
+        Path tmp = dir.resolve("." + file.getFileName() + ".tmp");
+        try {
+            Files.createDirectories(dir);
+            try (FileChannel ch = FileChannel.open(tmp, StandardOpenOption.CREATE, StandardOpenOption.WRITE,
+                    StandardOpenOption.TRUNCATE_EXISTING)) {
+                ByteBuffer buf = ByteBuffer.wrap(Wire.pack(envelope));
+                while (buf.hasRemaining()) ch.write(buf);
+                ch.force(true);
+            }
+            try {
+                Files.move(tmp, file, StandardCopyOption.ATOMIC_MOVE, StandardCopyOption.REPLACE_EXISTING);
+            } catch (AtomicMoveNotSupportedException e) {
+                throw new IOException("this file system cannot rename " + tmp + " atomically", e);
+            }
+            try (FileChannel folder = FileChannel.open(dir, StandardOpenOption.READ)) {
+                folder.force(true);   // the rename itself is durable (Linux and Android allow fsync of a directory)
+            }
+        } catch (IOException e) {
+            try { Files.deleteIfExists(tmp); } catch (IOException ignored) { /* the write already failed */ }
+            throw new UncheckedIOException("cannot save the budget state to " + file + "; nothing was released", e);
+        }
+    }
+
+    @SuppressWarnings("unchecked")
+    static Map<Long, Integer> read(Path file, String deviceId, double delta) {
+        Object envelope;
+        try {
+            envelope = Wire.unpack(Files.readAllBytes(file));
+        } catch (IOException | ProtocolException e) {
+            throw new StateFileError(file + ": budget state unreadable or corrupt (" + e.getMessage() + "); refusing to "
+                    + "release (restore the file or retire this device id, never delete it to reset)");
+        }
+        if (!(envelope instanceof Map) || !FORMAT.equals(((Map<?, ?>) envelope).get("format")))
+            throw new StateFileError(file + ": not a budget state file");
+        Map<String, Object> env = (Map<String, Object>) envelope;
+        if (!Long.valueOf(VERSION).equals(env.get("version")))
+            throw new StateFileError(file + ": budget state version " + env.get("version") + ", this device reads " + VERSION);
+        if (!(env.get("state") instanceof byte[]) || !hex(sha256((byte[]) env.get("state"))).equals(env.get("sha256")))
+            throw new StateFileError(file + ": budget state fails its checksum (corrupt or edited); refusing to release");
+        Map<String, Object> state = (Map<String, Object>) Wire.unpack((byte[]) env.get("state"));
+        if (!deviceId.equals(state.get("device_id")))
+            throw new StateFileError(file + ": budget state of device '" + state.get("device_id") + "', not '" + deviceId + "'");
+        if (!(state.get("delta") instanceof Double) || (Double) state.get("delta") != delta)
+            throw new StateFileError(file + ": accounted at delta " + state.get("delta") + ", this run asks " + delta);
+        Map<Long, Integer> releases = new HashMap<>();
+        for (Object pair : (List<Object>) state.get("releases")) {
+            List<Object> p = (List<Object>) pair;
+            releases.put((Long) p.get(0), (int) (long) (Long) p.get(1));
+        }
+        return releases;
     }
 
     /** The largest epsilon any image has spent so far. */

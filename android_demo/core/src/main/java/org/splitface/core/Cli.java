@@ -102,6 +102,13 @@ public final class Cli {
         PerActivationNoise noise = job.get("epsilon") == null ? null : new PerActivationNoise(d(job.get("epsilon")), d(job.get("delta")));
         BudgetGuard guard = job.get("schedule") == null ? null
                 : BudgetGuard.fromSchedule((byte[]) job.get("schedule"), d(job.get("budget")));
+        try {
+            if (guard != null && job.get("state_dir") != null)   // durable: a restarted device resumes its releases
+                guard.persistIn(BudgetGuard.stateFile(Path.of((String) job.get("state_dir")), session.deviceId), session.deviceId);
+        } catch (BudgetGuard.StateFileError e) {
+            System.err.println("ERROR " + e.getMessage());
+            return 6;
+        }
         int plane = shape[1] * shape[2] * shape[3];
         try (DeviceClient client = new DeviceClient((String) job.get("url"), JdkWebSocketTransport.factory(tls), session,
                 new ReferenceLayerTrainer(layer, sgd), noise, guard, 120_000, 30, maxMessageBytes)) {
@@ -134,6 +141,9 @@ public final class Cli {
         } catch (UntrustedServer e) {
             System.err.println("ERROR " + e.getMessage());
             return 5;
+        } catch (BudgetGuard.LostState e) {
+            System.err.println("ERROR " + e.getMessage());
+            return 6;
         }
     }
 

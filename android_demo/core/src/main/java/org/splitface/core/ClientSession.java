@@ -55,6 +55,11 @@ public final class ClientSession {
     }
 
     public byte[] forward(long batchId, float[] activations, int[] shape, int[] labels, boolean eval) {
+        return forward(batchId, activations, shape, labels, eval, null);
+    }
+
+    /** FORWARD; spentEpsilon: the device's spent epsilon with this release counted (null: no formal mechanism). */
+    public byte[] forward(long batchId, float[] activations, int[] shape, int[] labels, boolean eval, Double spentEpsilon) {
         Map<String, Object> m = Messages.message(Messages.FORWARD);
         m.put("batch_id", batchId);
         m.put("activations", Tensor.encode(activations, shape, encodings.getOrDefault("activations", "f32")));
@@ -65,6 +70,11 @@ public final class ClientSession {
             m.put("labels", ys);
         }
         if (eval) m.put("eval", true);
+        if (spentEpsilon != null) {
+            if (!Messages.isSpentEpsilon(spentEpsilon))
+                throw new IllegalArgumentException("spent_epsilon must be finite and >= 0, got " + spentEpsilon);
+            m.put("spent_epsilon", spentEpsilon);
+        }
         return checked(Messages.encode(m));
     }
 

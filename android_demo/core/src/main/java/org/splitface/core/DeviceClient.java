@@ -9,7 +9,9 @@ import java.util.TreeMap;
  * one batch in flight; a lost connection is re-opened and the same bytes re-sent (the server
  * applies a batch once and replays its reply for a retry); after a server restart the device
  * rolls back to the server's checkpoint using the snapshots it keeps back to durable_through.
- * The layer changes only when BACKWARD arrives.
+ * The layer changes only when BACKWARD arrives. A device with noise and a budget guard reports its
+ * spent epsilon in every FORWARD and stops ({@link BudgetGuard.LostState}) if WELCOME says the server
+ * recorded more for it than its own books hold (SPEC.md section 5.11).
  */
 public final class DeviceClient implements AutoCloseable {
     /** The server resumed from an older checkpoint: continue from batch {@code batchId + 1}. */
@@ -48,14 +50,24 @@ public final class DeviceClient implements AutoCloseable {
     public long committed() { return committed; }
 
     /**
-     * HELLO / WELCOME; may throw Rollback (state already restored), RemoteError (e.g. a wrong token) or
-     * UntrustedServer (the server's certificate is refused), none of which a retry would change.
+     * HELLO / WELCOME; may throw Rollback (state already restored), RemoteError (e.g. a wrong token),
+     * UntrustedServer (the server's certificate is refused) or BudgetGuard.LostState (this device's budget state
+     * says less than the server's figure), none of which a retry would change.
      */
     public void connect() throws Transport.ConnectionLost {
         transport = transports.open(url, maxMessageBytes);
         transport.send(session.hello());
         Map<String, Object> welcome = session.acceptWelcome(transport.receive(replyTimeoutMs));
         transport.maxMessageBytes(Math.max(maxMessageBytes, session.maxMessageBytes()));
+        if (guard != null) {
+            try {
+                Object figure = welcome.get("spent_epsilon");
+                guard.checkServerFigure(session.deviceId, figure == null ? null : ((Number) figure).doubleValue());
+            } catch (BudgetGuard.LostState e) {
+                close();
+                throw e;
+            }
+        }
         long serverApplied = (Long) welcome.get("resume_from") - 1;
         long durable = (Long) welcome.get("durable_through");
         if (serverApplied > committed + 1)
@@ -95,7 +107,8 @@ public final class DeviceClient implements AutoCloseable {
         }
         if (guard != null) guard.admit(imageIds);   // before anything is sent; a re-send below is the same release
         int[] outShape = layer.outputShape(shape[0], shape[2], shape[3]);
-        byte[] forward = session.forward(batchId, out, outShape, labels, false);
+        Double spent = noise != null && guard != null ? guard.spent() : null;   // with this release counted
+        byte[] forward = session.forward(batchId, out, outShape, labels, false, spent);
         double forwardMs = (System.nanoTime() - t0) / 1e6;
 
         long t1 = System.nanoTime();
@@ -124,13 +137,13 @@ public final class DeviceClient implements AutoCloseable {
         double backwardMs = (System.nanoTime() - t2) / 1e6;
 
         Object serverS = backward.get("server_s");
-        double spent = guard == null ? Double.POSITIVE_INFINITY : guard.spent();
-        double left = guard == null ? Double.NaN : guard.budget - spent;
-        if (noise == null) spent = Double.POSITIVE_INFINITY;
+        double epsilon = guard == null ? Double.POSITIVE_INFINITY : guard.spent();
+        double left = guard == null ? Double.NaN : guard.budget - epsilon;
+        if (noise == null) epsilon = Double.POSITIVE_INFINITY;
         return new BatchMetrics(batchId, forwardMs, backwardMs, roundTripMs,
                 serverS == null ? null : ((Number) serverS).doubleValue() * 1e3, forward.length, received,
                 ((Number) backward.get("loss")).doubleValue(), (int) (long) (Long) backward.get("n_correct"),
-                labels.length, spent, left, null);
+                labels.length, epsilon, left, null);
     }
 
     private void restore(long batchId) {

@@ -28,6 +28,10 @@ public final class Messages {
     }
     static boolean isIntList(Object v) { return v instanceof List && ((List<?>) v).stream().allMatch(Messages::isInt); }
     static boolean isStr(Object v) { return v instanceof String; }
+    /** spent_epsilon (SPEC.md section 5.11): a finite number >= 0. */
+    static boolean isSpentEpsilon(Object v) {
+        return isNumber(v) && Double.isFinite(((Number) v).doubleValue()) && ((Number) v).doubleValue() >= 0;
+    }
 
     private static final Map<String, Map<String, Field>> SCHEMA = new LinkedHashMap<>();
 
@@ -58,7 +62,8 @@ public final class Messages {
                 "durable_through", (Predicate<Object>) v -> intAtLeast(v, 0), true,
                 "activation_shape", (Predicate<Object>) Messages::isIntList, true,
                 "embedding_dim", (Predicate<Object>) Messages::isInt, true,
-                "limits", (Predicate<Object>) v -> v instanceof Map, true);
+                "limits", (Predicate<Object>) v -> v instanceof Map, true,
+                "spent_epsilon", (Predicate<Object>) Messages::isSpentEpsilon, false);
         type(ERROR,
                 "code", (Predicate<Object>) Messages::isStr, true,
                 "message", (Predicate<Object>) Messages::isStr, true,
@@ -67,7 +72,8 @@ public final class Messages {
                 "batch_id", (Predicate<Object>) v -> intAtLeast(v, 0), true,
                 "activations", TENSOR, true,
                 "labels", (Predicate<Object>) Messages::isIntList, false,
-                "eval", bool, false);
+                "eval", bool, false,
+                "spent_epsilon", (Predicate<Object>) Messages::isSpentEpsilon, false);
         type(BACKWARD,
                 "batch_id", (Predicate<Object>) Messages::isInt, true,
                 "grad", TENSOR, true,

@@ -61,6 +61,20 @@ public class VectorConformanceTest {
         assertTrue(counts[0] >= 4 && counts[1] >= 3);
     }
 
+    /** The optional spent_epsilon fields and epsilon_regressed (protocol/vectors/epsilon, SPEC.md section 5.11). */
+    @Test
+    public void spentEpsilonVectors() throws Exception {
+        int[] counts = conform(VECTORS.resolve("epsilon"));
+        assertTrue(counts[0] >= 5 && counts[1] >= 7);
+        // and this core's own builder writes the reference's bytes
+        byte[] vector = Files.readAllBytes(VECTORS.resolve("epsilon/01_forward_spent_epsilon.msgpack"));
+        Map<String, Object> forward = Messages.decode(vector, Messages.DEFAULT_MAX_MESSAGE_BYTES);
+        Tensor activations = (Tensor) forward.get("activations");
+        byte[] built = ClientSessionTest.session().forward(1, activations.values(), new int[] {2, 2, 3}, new int[] {3, 7},
+                false, (Double) forward.get("spent_epsilon"));
+        assertArrayEquals(vector, built);
+    }
+
     /** Checks every vector in `dir`; returns {valid, invalid} counts. */
     @SuppressWarnings("unchecked")
     static int[] conform(Path dir) throws Exception {
