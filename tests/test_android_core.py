@@ -127,16 +127,26 @@ def test_java_device_is_refused_in_words_and_stops_at_its_budget(java, faces, tm
     schedule = release_schedule(10.0, 1e-5, numel, 3)
     budget = (schedule[0] + schedule[1]) / 2   # one release of each image, not two
     sched = msgpack.packb({"delta": 1e-5, "epsilon_after": schedule})
+    state_file = tmp_path / "state" / "device-0.budget.msgpack"
+
+    def private(url: str) -> subprocess.CompletedProcess:
+        return run_java(java, train_job(url, faces, TOKENS["device-0"], epochs=2, epsilon=10.0, clamp=1.0,
+                                        schedule=sched, budget=budget, state_dir=str(tmp_path / "state")), tmp_path)
     with serve_in_thread(small_trainer(faces[2], MODEL, lr=0.05), tmp_path / "server") as server:
         refused = run_java(java, train_job(server.url, faces, "wrong-token", epochs=1), tmp_path)
-        noisy = run_java(java, train_job(server.url, faces, TOKENS["device-0"], epochs=2, epsilon=10.0, clamp=1.0,
-                                         schedule=sched, budget=budget), tmp_path)
+        noisy = private(server.url)
         steps = server.trainer.steps
+        reported = server.server.metrics.epsilon["device-0"]   # the FORWARDs' spent_epsilon
+        assert state_file.exists()   # resuming from it and refusing past the budget: BudgetStateTest (JUnit)
+        state_file.unlink()   # lost: a new file would start at 0, but this server's WELCOME says more
+        lost = private(server.url)
     assert refused.returncode == 2 and "server refused (unauthorized)" in refused.stderr
     assert noisy.returncode == 3 and "privacy budget spent" in noisy.stderr and "nothing was sent" in noisy.stderr
     batches = [json.loads(line) for line in noisy.stdout.splitlines()]
     assert len(batches) == 4 and steps == 4   # epoch 1 trained; epoch 2's first release refused, never sent
-    assert batches[-1]["epsilon_spent"] == pytest.approx(schedule[0], rel=1e-6)
+    assert batches[-1]["epsilon_spent"] == pytest.approx(schedule[0], rel=1e-6) and reported == schedule[0]
+    assert lost.returncode == 6 and f"{state_file} says epsilon 0.0 spent, but the server recorded {reported}" \
+        in lost.stderr, lost.stderr
 
 
 def test_java_device_survives_a_killed_server(java, faces, tmp_path):
