@@ -31,7 +31,6 @@ from .transforms import release_mask
 
 __all__ = ["DeviceEngine", "PrivacyEngine", "LAYER_TRAINING", "to_input", "initial_layer", "privatize", "bound_for",
            "release_key"]
-PrivacyConfig = PrivacyEngine  # old name; its last user is tests/test_transforms.py: delete this line with its rename
 
 
 def initial_layer(spec: ModelSpec, split: str, seed: int, weights: Path | None = None) -> nn.Module:

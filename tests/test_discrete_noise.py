@@ -171,3 +171,11 @@ def test_noise_discrete_option_builds_the_exact_mechanism():
                            "needs --noise-multiplier")):
         with pytest.raises(SystemExit, match=message):
             privacy_engines(p.parse_args(argv), releases_per_image=1)
+
+
+def test_an_auditor_rebuilds_the_discrete_mechanism_from_a_runs_description():
+    """Evaluation and the audit rebuild a run's mechanism from its results (mechanisms.from_description)."""
+    from device_sdk.privacy.mechanisms import from_description
+    mechanism = DiscreteGaussianMechanism(8.0, 0.5, step=8.0 / 127)
+    rebuilt = from_description(mechanism.describe())
+    assert isinstance(rebuilt, DiscreteGaussianMechanism) and rebuilt.describe() == mechanism.describe()

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from device_sdk.cli import add_model_args, model_argv, model_spec
 from device_sdk.client import DeviceClient
-from device_sdk.engine import DeviceEngine, PrivacyConfig, to_input
+from device_sdk.engine import DeviceEngine, PrivacyEngine, to_input
 from device_sdk.models import PRESETS, ModelSpec, activation_shape, build_backbone, build_classifier, split_backbone
 from device_sdk.models.weights import load_into, save_backbone
 from device_sdk.optim import TrainConfig, exponential_decay, make_sgd
@@ -108,7 +108,7 @@ def test_dct_keep_releases_a_random_subset_per_image_repeated_on_resend():
     engine.commit(1, np.ones_like(released))  # no device parameters: nothing to step
     # The per-image mechanism clips each image's kept channels and then noises every channel.
     noisy = DeviceEngine(replace(DCT, dct_keep=20), "layer2", "server", NUM_CLASSES,
-                         privacy=PrivacyConfig(PerImageGaussian(1.0, 0.5)))
+                         privacy=PrivacyEngine(PerImageGaussian(1.0, 0.5)))
     released = noisy.forward(images, ("train", 1), range(4), range(4))
     assert (np.abs(released).sum(axis=(2, 3)) > 0).all()
 
@@ -116,11 +116,11 @@ def test_dct_keep_releases_a_random_subset_per_image_repeated_on_resend():
 def test_engine_refuses_what_would_break_the_per_image_argument():
     with pytest.raises(ValueError, match="batch norm"):
         DeviceEngine(replace(BOTTLENECK, bottleneck_stride=1), "layer1", "server", NUM_CLASSES)
-    DeviceEngine(BOTTLENECK, "layer1", "server", NUM_CLASSES, privacy=PrivacyConfig(layer_training="frozen"))
+    DeviceEngine(BOTTLENECK, "layer1", "server", NUM_CLASSES, privacy=PrivacyEngine(layer_training="frozen"))
     with pytest.raises(ValueError, match="per-image"):
-        DeviceEngine(BOTTLENECK, "conv1", "server", NUM_CLASSES, privacy=PrivacyConfig(PerActivationGaussian(3, 1e-5)))
+        DeviceEngine(BOTTLENECK, "conv1", "server", NUM_CLASSES, privacy=PrivacyEngine(PerActivationGaussian(3, 1e-5)))
     with pytest.raises(ValueError, match="no parameters"):
-        DeviceEngine(DCT, "layer2", "server", NUM_CLASSES, privacy=PrivacyConfig(layer_training="dpsgd"))
+        DeviceEngine(DCT, "layer2", "server", NUM_CLASSES, privacy=PrivacyEngine(layer_training="dpsgd"))
 
 
 def _unsplit_steps(spec, split, batches):

@@ -169,6 +169,9 @@ def from_description(described: dict) -> Mechanism:
         return PerImageGaussian(described["clip_norm"], described["noise_multiplier"])
     if name == NoNoise.name:
         return NoNoise()
+    if name == "discrete_gaussian":  # imported here: discrete.py builds on this module
+        from .discrete import DiscreteGaussianMechanism
+        return DiscreteGaussianMechanism(described["clip_norm"], described["noise_multiplier"], described["step"])
     raise ValueError(f"unknown mechanism {name!r}")
 
 
