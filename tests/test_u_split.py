@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TOKENS, serve_in_thread, small_trainer
+from tests.conftest import TOKENS, serve_in_thread, small_trainer
 from device_sdk.client import DeviceClient
 from device_sdk.federated.consensus import consensus_loss
 from device_sdk.federated.dplc import DPLCConfig
