@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     add_threads_arg(p)
     p.add_argument("--backend", choices=BACKENDS, default="torch",
                    help="what runs the device layer: eager PyTorch, ExecuTorch (XNNPACK release + portable training "
-                        "program) or ONNX Runtime (see export/README.md)")
+                        "program), executorch-xnnpack (conv1 + ReLU + LRN as im2col programs XNNPACK runs whole, "
+                        "weights as inputs, closed-form weight gradient) or ONNX Runtime (see export/README.md)")
     p.add_argument("--artifacts", type=Path, default=None,
                    help="exported device programs for --backend (default: <results dir>/artifacts, exported there "
                         "and verified on first use)")
