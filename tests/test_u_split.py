@@ -66,6 +66,7 @@ def test_relay_refusals_leave_the_session_open_and_store_nothing():
     assert relay.latest == {} and not s.closed
     no_relay, c = _session("phone-n", "device", None)
     assert _error(no_relay.receive(c.clusters(np.eye(DIM)[:1]))) == ErrorCode.UNSUPPORTED.value
+    assert no_relay.closed  # unsupported is fatal (SPEC.md section 12)
 
 
 def test_consensus_engine_head_step_is_the_consensus_loss():
