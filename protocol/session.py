@@ -380,12 +380,11 @@ class ServerSession:
         if spent is not None and last is not None and spent < last:
             raise ProtocolError(ErrorCode.EPSILON_REGRESSED, f"spent_epsilon {spent!r} is below this device's last "
                                                              f"report {last!r}; the batch was not applied", batch_id)
-        if not is_eval:
-            replay = self._sequence(batch_id)
-            if replay is not None:
-                return replay
+        replay = None if is_eval else self._sequence(batch_id)
         if spent is not None:  # the device's claim, recorded once the release is accepted (SPEC.md section 5.11)
             self.epsilon[self.device_id] = float(spent)
+        if replay is not None:
+            return replay
         if self.head == "server":
             return (Evaluate if is_eval else Train)(batch_id, activations, labels)
         if not is_eval:
