@@ -44,7 +44,7 @@ from protocol.session import (
 )
 
 from protocol import messages as m
-from protocol.clusters import ClusterRelay
+from protocol.clusters import ClusterRelay, HeadBoard
 from protocol.transport import SERVER_WS_OPTIONS, reuse_large_buffers, send_fragments
 
 from .auth import AuthThrottle, throttled
@@ -185,14 +185,15 @@ class _Connection:
 
 class EdgeServer:
     def __init__(self, trainer: ServerTrainer | None, info: ServerInfo, authenticate: Authenticator,
-                 config: ServerConfig, board: RoundBoard | None = None):
+                 config: ServerConfig, board: RoundBoard | None = None, heads: HeadBoard | None = None):
         """`trainer` None: no split training (info.heads must then be empty); `board`: the federated rounds
-        this server hosts."""
+        this server hosts; `heads`: FedGC's correction of device heads, opt-in (federated.fedgc.device_head_board)."""
         if trainer is None and info.heads:
             raise ValueError("a server without a split trainer must offer no heads")
         self.trainer, self.info, self.authenticate, self.config = trainer, info, authenticate, config
         self.board = board
         self.relay = ClusterRelay(info.embedding_dim)  # device heads' PrivacyFace clusters (SPEC.md section 8.1)
+        self.heads = heads
         self.records: dict[str, DeviceRecord] = {}
         self.replies = ReplyStore(config.replies_dir)
         self.durable: dict[str, int] = {}
@@ -422,7 +423,7 @@ class EdgeServer:
         authenticate = throttled(self.authenticate, self.auth_throttle, address)
         # metrics.epsilon: each device's last reported spent epsilon, the gauge's figures and checkpointed with them
         conn = _Connection(ws, ServerSession(self.info, authenticate, self.records, self.durable_through, self.board,
-                                             self.relay, epsilon=self.metrics.epsilon))
+                                             self.relay, epsilon=self.metrics.epsilon, heads=self.heads))
         session = conn.session
         rate = RateLimit(self.config.limits.message_rate, self.config.limits.message_burst)
         try:

@@ -9,10 +9,13 @@ CLUSTERS with everyone else's. Sans-I/O, shared by the server's sessions like `s
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from .errors import ErrorCode, ProtocolError
 
+MAX_CLASSES = 4096  # rows of one device's head (SPEC.md section 8.2)
 MAX_CLUSTERS = 64  # rows one device may release (DPLC's Q; the reference device uses 2)
 NORM_TOLERANCE = 0.05  # rows are unit vectors, within f16/i8 rounding
 
@@ -42,3 +45,24 @@ class ClusterRelay:
         self.latest[device_id] = check_release(clusters, self.embedding_dim).astype(np.float32)
         others = [self.latest[d] for d in sorted(self.latest) if d != device_id]
         return np.concatenate(others) if others else np.zeros((0, self.embedding_dim), np.float32)
+
+
+class HeadBoard:
+    """FedGC on device heads (SPEC.md section 8.2, opt-in): each device's latest uploaded class embeddings; an
+    upload is corrected together with every other device's latest by `correct` (the server's FedGC step:
+    {device: head} -> {device: corrected head}), the corrected heads are kept, and the uploader gets its own."""
+
+    def __init__(self, embedding_dim: int, correct: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]):
+        self.embedding_dim, self.correct = embedding_dim, correct
+        self.latest: dict[str, np.ndarray] = {}
+
+    def upload(self, device_id: str, head: np.ndarray) -> np.ndarray:
+        shape = tuple(head.shape)
+        if len(shape) != 2 or shape[1] != self.embedding_dim or not 1 <= shape[0] <= MAX_CLASSES:
+            raise ProtocolError(ErrorCode.BAD_TENSOR, f"class embeddings shape {list(shape)} is not [C, "
+                                                      f"{self.embedding_dim}] with 1 <= C <= {MAX_CLASSES}")
+        if not np.all(np.linalg.norm(head.astype(np.float64), axis=1) > 0):
+            raise ProtocolError(ErrorCode.BAD_TENSOR, "class embeddings must be non-zero rows")
+        heads = {**self.latest, device_id: head.astype(np.float32)}
+        self.latest = {d: np.asarray(h, np.float32) for d, h in self.correct(heads).items()}
+        return self.latest[device_id]

@@ -37,6 +37,8 @@ UPDATE = "update"
 UPDATE_ACK = "update_ack"
 # U-shaped split: PrivacyFace's sanitised clusters, relayed between device-head devices (SPEC.md section 8.1)
 CLUSTERS = "clusters"
+# U-shaped split, opt-in: FedGC's correction of the device heads' class embeddings (SPEC.md section 8.2)
+CLASS_EMBEDDINGS = "class_embeddings"
 
 HEADS = ("server", "device")
 MODES = ("split", "federated")
@@ -176,6 +178,9 @@ SCHEMA: dict[str, dict[str, tuple[Check, bool]]] = {
     },
     CLUSTERS: {
         "clusters": (TENSOR, True),
+    },
+    CLASS_EMBEDDINGS: {
+        "class_embeddings": (TENSOR, True),
     },
 }
 

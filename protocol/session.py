@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import messages as m
-from .clusters import ClusterRelay
+from .clusters import ClusterRelay, HeadBoard
 from .errors import ErrorCode, ProtocolError, RemoteError, brief
 from .tensor import ENCODINGS, encode_tensor
 
@@ -236,15 +236,17 @@ class ServerSession:
     def __init__(self, info: ServerInfo, authenticate: Authenticator,
                  records: dict[str, DeviceRecord], durable_through: Callable[[str], int],
                  board: RoundBoard | None = None, relay: ClusterRelay | None = None,
-                 epsilon: dict[str, float] | None = None):
+                 epsilon: dict[str, float] | None = None, heads: HeadBoard | None = None):
         """`board`: the federated rounds this server hosts (None: split sessions only); `relay`: the device-head
         devices' cluster releases (None: CLUSTERS is `unsupported`); `epsilon`: each device's last reported
         spent epsilon (SPEC.md section 5.11), shared by all sessions and kept in the server's checkpoint, so
-        that WELCOME can tell a device that lost its privacy state what it had spent."""
+        that WELCOME can tell a device that lost its privacy state what it had spent; `heads`: FedGC on device
+        heads, opt-in (None: CLASS_EMBEDDINGS is `unsupported`)."""
         self.info = info
         self.epsilon = epsilon if epsilon is not None else {}
         self.board = board
         self.relay = relay
+        self.heads = heads
         self.mode = "split"
         self._authenticate = authenticate
         self._records = records
@@ -351,6 +353,8 @@ class ServerSession:
             return self._embedding_grad(message)
         if mtype == m.CLUSTERS:
             return Reply(self._clusters(message))
+        if mtype == m.CLASS_EMBEDDINGS:
+            return Reply(self._class_embeddings(message))
         raise ProtocolError(ErrorCode.BAD_STATE, f"a device may not send {mtype} here", message.get("batch_id"))
 
     def _federated(self, message: dict[str, Any]) -> bytes:
@@ -446,6 +450,15 @@ class ServerSession:
             raise ProtocolError(ErrorCode.UNSUPPORTED, "this server relays no clusters")
         others = self.relay.exchange(self.device_id, message["clusters"])
         return m.encode({"type": m.CLUSTERS, "clusters": encode_tensor(others, "f32")})
+
+    def _class_embeddings(self, message: dict[str, Any]) -> bytes:
+        """SPEC.md section 8.2: FedGC's correction of this device's head together with the others' latest."""
+        if self.head != "device":
+            raise ProtocolError(ErrorCode.BAD_STATE, "class embeddings are only for the device head")
+        if self.heads is None:
+            raise ProtocolError(ErrorCode.UNSUPPORTED, "this server does not correct device heads (FedGC is opt-in)")
+        corrected = self.heads.upload(self.device_id, message["class_embeddings"])
+        return m.encode({"type": m.CLASS_EMBEDDINGS, "class_embeddings": encode_tensor(corrected, "f32")})
 
     # Replies the shell asks for once it has done the work.
     def applied(self, batch_id: int, grad: np.ndarray, loss: float | None = None, n_correct: int | None = None,
@@ -551,6 +564,13 @@ class ClientSession:
             raise ValueError("clusters are relayed between device heads only")
         return self._checked(m.encode({"type": m.CLUSTERS, "clusters": encode_tensor(np.asarray(clusters, np.float32),
                                                                                        "f32")}))
+
+    def class_embeddings(self, head: np.ndarray) -> bytes:
+        """CLASS_EMBEDDINGS (device head, opt-in FedGC, SPEC.md section 8.2): this device's head, [C, embedding_dim]."""
+        if self.head != "device":
+            raise ValueError("class embeddings are corrected for device heads only")
+        return self._checked(m.encode({"type": m.CLASS_EMBEDDINGS,
+                                       "class_embeddings": encode_tensor(np.asarray(head, np.float32), "f32")}))
 
     def _checked(self, data: bytes) -> bytes:
         if len(data) > self.max_message_bytes:

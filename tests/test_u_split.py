@@ -16,7 +16,7 @@ from device_sdk.models import resolve_spec
 from device_sdk.federated.u_split import ConsensusEngine, ConsensusHead, train_u_split
 from edge_server.federated.population import private_faces
 from protocol import messages as m
-from protocol.clusters import ClusterRelay
+from protocol.clusters import ClusterRelay, HeadBoard
 from protocol.errors import ErrorCode
 from protocol.session import Admit, ClientSession, Reply, ServerInfo, ServerSession
 
@@ -25,9 +25,10 @@ INFO = ServerInfo(model={"family": "toy"}, split="conv1", activation_shape=(2,),
                   max_batch=2)
 
 
-def _session(device_id: str, head: str, relay: ClusterRelay | None) -> tuple[ServerSession, ClientSession]:
+def _session(device_id: str, head: str, relay: ClusterRelay | None,
+             heads: HeadBoard | None = None) -> tuple[ServerSession, ClientSession]:
     client = ClientSession(device_id, "t", {"family": "toy"}, "conv1", head, 2, 3 if head == "server" else None)
-    server = ServerSession(INFO, lambda d, t: True, {}, lambda d: 0, relay=relay)
+    server = ServerSession(INFO, lambda d, t: True, {}, lambda d: 0, relay=relay, heads=heads)
     assert isinstance(server.receive(client.hello()), Admit)
     return server, client
 
@@ -69,6 +70,28 @@ def test_relay_refusals_leave_the_session_open_and_store_nothing():
     assert no_relay.closed  # unsupported is fatal (SPEC.md section 12)
 
 
+def test_fedgc_head_board_corrects_each_upload_with_the_others_latest():
+    from edge_server.federated.fedgc import device_head_board, gradient_correction
+    board = device_head_board(DIM, lr=0.1, lam=20.0, scale=4.0)
+    (a, ca), (b, cb) = _session("phone-a", "device", None, board), _session("phone-b", "device", None, board)
+    rng = np.random.default_rng(0)
+    head_a, head_b = rng.normal(size=(2, DIM)).astype(np.float32), rng.normal(size=(3, DIM)).astype(np.float32)
+    alone = m.decode(a.receive(ca.class_embeddings(head_a)).data)["class_embeddings"]
+    np.testing.assert_allclose(alone, head_a, atol=1e-6)  # no other device: no negatives, no correction
+    got = m.decode(b.receive(cb.class_embeddings(head_b)).data)["class_embeddings"]
+    expected = gradient_correction({"phone-a": torch.tensor(alone), "phone-b": torch.from_numpy(head_b)},
+                                   lr=0.1, lam=20.0, scale=4.0)
+    np.testing.assert_array_equal(got, expected["phone-b"].numpy())
+    np.testing.assert_array_equal(board.latest["phone-a"], expected["phone-a"].numpy())  # a's corrected too
+    assert not np.allclose(got, head_b)
+    server_head, cs = _session("phone-s", "server", None, board)
+    raw = m.encode({"type": m.CLASS_EMBEDDINGS, "class_embeddings": head_a})
+    assert _error(server_head.receive(raw)) == ErrorCode.BAD_STATE.value
+    assert _error(a.receive(ca.class_embeddings(np.zeros((1, DIM), np.float32)))) == ErrorCode.BAD_TENSOR.value
+    off, co = _session("phone-o", "device", None)
+    assert _error(off.receive(co.class_embeddings(head_a))) == ErrorCode.UNSUPPORTED.value and off.closed
+
+
 def test_consensus_engine_head_step_is_the_consensus_loss():
     spec = resolve_spec("vgg_face_small")
     engine = ConsensusEngine(spec, "conv1", "device", 2)
@@ -88,12 +111,15 @@ def test_consensus_engine_head_step_is_the_consensus_loss():
 
 def test_two_devices_exchange_clusters_over_a_real_server(tmp_path, lfw):
     """Two device-head devices, two LFW people each (identity-partitioned), one shared server backbone: after
-    their first batch each releases its DPLC clusters and trains against the other's, as relayed."""
+    their first batch each releases its DPLC clusters and trains against the other's, as relayed; with the
+    opt-in FedGC correction on, each also uploads its head and adopts the server's correction."""
     faces = private_faces(lfw, max_users=4, seed=0)
     images, labels = faces.load(64, 160), faces.labels
     trainer = small_trainer(num_classes=2)
     config = DPLCConfig(min_members=1, queries=2, epsilon=1.0)  # T = 1: a 2-person device always releases
+    from edge_server.federated.fedgc import device_head_board
     with serve_in_thread(trainer, tmp_path, max_batch=8) as server:
+        server.server.heads = device_head_board(trainer.spec.embedding_dim, lr=0.1)  # opt-in, before any connection
         async def device(k: int) -> tuple[ConsensusEngine, list[float]]:
             mine = np.isin(labels, [2 * k, 2 * k + 1])
             engine = ConsensusEngine(trainer.spec, "conv1", "device", 2, head_loss=ConsensusHead(rho=config.rho))
@@ -101,7 +127,8 @@ def test_two_devices_exchange_clusters_over_a_real_server(tmp_path, lfw):
             await client.connect()
             try:
                 losses = await train_u_split(client, engine, images[mine], labels[mine] - 2 * k, epochs=1,
-                                             batch_size=2, exchange_every=1, config=config, seed=k)
+                                             batch_size=2, exchange_every=1, config=config, seed=k,
+                                             fedgc_every=1)
             finally:
                 await client.close()
             return engine, losses
@@ -118,3 +145,5 @@ def test_two_devices_exchange_clusters_over_a_real_server(tmp_path, lfw):
     np.testing.assert_array_equal(e1.received.numpy(), relay.latest["device-0"])  # what device 0 last released
     np.testing.assert_allclose(np.linalg.norm(e1.received.numpy(), axis=1), 1.0, rtol=1e-5)
     assert all(np.isfinite(l0)) and all(np.isfinite(l1)) and trainer.steps == len(l0) + len(l1)
+    assert {d: h.shape for d, h in server.server.heads.latest.items()} == {  # FedGC: the server holds both heads
+        "device-0": (2, trainer.spec.embedding_dim), "device-1": (2, trainer.spec.embedding_dim)}

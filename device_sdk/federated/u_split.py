@@ -83,14 +83,29 @@ async def exchange_clusters(client: DeviceClient, engine: ConsensusEngine, confi
     return result
 
 
+async def correct_head(client: DeviceClient, engine: ConsensusEngine) -> None:
+    """FedGC on device heads (opt-in, SPEC.md section 8.2): upload the head's class embeddings, adopt the server's
+    correction. The server then holds this device's class embeddings (docs/fedgc.md). Between batches only."""
+    reply = await client.request(client.session.class_embeddings(engine.classifier.weight.detach().numpy()),
+                                 {m.CLASS_EMBEDDINGS}, None)
+    corrected = reply["class_embeddings"]
+    if corrected.shape != tuple(engine.classifier.weight.shape):
+        raise ValueError(f"the server returned a head of shape {corrected.shape}, "
+                         f"not {tuple(engine.classifier.weight.shape)}")
+    with torch.no_grad():
+        engine.classifier.weight.copy_(torch.from_numpy(np.array(corrected, dtype=np.float32)))
+
+
 async def train_u_split(client: DeviceClient, engine: ConsensusEngine, images: np.ndarray, labels: np.ndarray,
                         epochs: int, batch_size: int, exchange_every: int | None, config: DPLCConfig,
-                        seed: int = 0) -> list[float]:
+                        seed: int = 0, fedgc_every: int | None = None) -> list[float]:
     """Shuffled batches of this device's own photos (labels 0..C-1 of its people) through the U-shaped split;
-    every `exchange_every` batches (None: never, the plain U-split baseline) a cluster exchange. Returns the
-    batch losses. The client must be connected; batch ids continue from the engine's last committed one."""
-    if epochs < 1 or batch_size < 1 or (exchange_every is not None and exchange_every < 1):
-        raise ValueError(f"need epochs, batch_size, exchange_every >= 1; got {epochs}, {batch_size}, {exchange_every}")
+    every `exchange_every` batches (None: never, the plain U-split baseline) a cluster exchange, and every
+    `fedgc_every` batches (None: never; opt-in) a FedGC head correction. Returns the batch losses. The client
+    must be connected; batch ids continue from the engine's last committed one."""
+    if epochs < 1 or batch_size < 1 or any(e is not None and e < 1 for e in (exchange_every, fedgc_every)):
+        raise ValueError(f"need epochs, batch_size, exchange_every, fedgc_every >= 1; got {epochs}, {batch_size}, "
+                         f"{exchange_every}, {fedgc_every}")
     rng = np.random.default_rng(seed)
     losses, done = [], 0
     for _ in range(epochs):
@@ -98,6 +113,8 @@ async def train_u_split(client: DeviceClient, engine: ConsensusEngine, images: n
         for i in range(0, len(order), batch_size):
             if exchange_every is not None and done % exchange_every == 0 and done > 0:
                 await exchange_clusters(client, engine, config, rng)
+            if fedgc_every is not None and done % fedgc_every == 0 and done > 0:
+                await correct_head(client, engine)
             idx = order[i:i + batch_size]
             result = await client.train_batch(engine.committed + 1, images[idx], labels[idx], idx)
             losses.append(result.loss)

@@ -26,8 +26,11 @@ from __future__ import annotations
 
 from typing import Hashable, Mapping
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from protocol.clusters import HeadBoard
 
 
 def stack_heads(heads: Mapping[Hashable, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[Hashable]]:
@@ -72,3 +75,15 @@ def gradient_correction(heads: Mapping[Hashable, torch.Tensor], lr: float, lam: 
     weights, owners, keys = stack_heads(heads)
     corrected = weights - lam * lr * regularizer_gradient(weights, owners, scale)
     return {k: corrected[owners == i].to(heads[k].dtype) for i, k in enumerate(keys)}
+
+
+def device_head_board(embedding_dim: int, lr: float, lam: float = 20.0, scale: float = 1.0) -> HeadBoard:
+    """FedGC on U-shaped split's device heads (SPEC.md section 8.2, opt-in: pass it to EdgeServer): each upload
+    is corrected together with every other device's latest head by `gradient_correction` (lr: the heads' own
+    learning rate, as in the federated form), and the uploader gets its corrected head back. The price: the
+    server sees every device's class embeddings (docs/fedgc.md)."""
+    def correct(heads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        corrected = gradient_correction({d: torch.from_numpy(h) for d, h in heads.items()}, lr, lam, scale)
+        return {d: h.numpy() for d, h in corrected.items()}
+
+    return HeadBoard(embedding_dim, correct)

@@ -276,6 +276,9 @@ def federated_invalid_cases() -> list[tuple[str, bytes, ErrorCode, str]]:
 # ---- U-shaped split: PrivacyFace's cluster relay (written to clusters/, SPEC.md section 8.1) ---------------
 CLUSTERS_OWN = np.array([[0.6, 0.0, -0.8, 0.0], [0.0, 1.0, 0.0, 0.0]], dtype=np.float32)
 CLUSTERS_OTHER = np.array([[0.0, 0.0, 0.0, -1.0]], dtype=np.float32)
+HEAD_OWN = np.array([[0.5, -0.25, 0.0, 1.0], [0.0, 2.0, 0.125, -0.5]], dtype=np.float32)
+HEAD_CORRECTED = np.array([[0.5, -0.25, 0.0625, 1.0], [0.0, 2.0, 0.125, -0.4375]], dtype=np.float32)  # as a server
+# would answer (the correction itself is the server's, edge_server/federated/fedgc.py: protocol/ does not run it)
 
 
 def clusters_valid_cases() -> list[tuple[str, bytes]]:
@@ -293,7 +296,9 @@ def clusters_valid_cases() -> list[tuple[str, bytes]]:
     empty = device.clusters(np.zeros((0, EMBEDDING_DIM), np.float32))
     return [("clusters_release", release), ("clusters_relayed", admitted(relay).receive(release).data),
             ("clusters_none_released", empty),
-            ("clusters_none_relayed", admitted(ClusterRelay(EMBEDDING_DIM)).receive(empty).data)]
+            ("clusters_none_relayed", admitted(ClusterRelay(EMBEDDING_DIM)).receive(empty).data),
+            ("class_embeddings_upload", device.class_embeddings(HEAD_OWN)),
+            ("class_embeddings_corrected", m.encode({"type": m.CLASS_EMBEDDINGS, "class_embeddings": HEAD_CORRECTED}))]
 
 
 def clusters_invalid_cases() -> list[tuple[str, bytes, ErrorCode, str]]:
@@ -301,6 +306,8 @@ def clusters_invalid_cases() -> list[tuple[str, bytes, ErrorCode, str]]:
         ("invalid_clusters_missing", _pack({"type": "clusters"}), ErrorCode.BAD_MESSAGE, "clusters without its tensor"),
         ("invalid_clusters_nan", _pack({"type": "clusters", "clusters": {
             "dtype": "f32", "shape": [1, 2], "data": _f32([1.0, math.nan])}}), ErrorCode.BAD_TENSOR, "NaN in a cluster"),
+        ("invalid_class_embeddings_wrong_type", _pack({"type": "class_embeddings", "class_embeddings": [[1.0]]}),
+         ErrorCode.BAD_TENSOR, "class embeddings as a nested array, not a tensor"),
         ("invalid_clusters_extra_field", _pack({"type": "clusters", "clusters": {
             "dtype": "f32", "shape": [0, 4], "data": b""}, "batch_id": 1}), ErrorCode.BAD_MESSAGE,
          "a field the schema does not define"),

@@ -16,6 +16,8 @@ public final class Messages {
             BACKWARD = "backward", EMBEDDINGS = "embeddings", EMBEDDING_GRAD = "embedding_grad", EVAL_RESULT = "eval_result";
     /** U-shaped split (SPEC.md section 8.1): PrivacyFace's sanitised clusters, relayed between device heads. */
     public static final String CLUSTERS = "clusters";
+    /** U-shaped split, opt-in (SPEC.md section 8.2): FedGC's correction of the device head's class embeddings. */
+    public static final String CLASS_EMBEDDINGS = "class_embeddings";
 
     private static final Predicate<Object> TENSOR = v -> true;
 
@@ -96,6 +98,8 @@ public final class Messages {
                 "n", (Predicate<Object>) Messages::isInt, true);
         type(CLUSTERS,
                 "clusters", TENSOR, true);
+        type(CLASS_EMBEDDINGS,
+                "class_embeddings", TENSOR, true);
     }
 
     /** A validated message: fields in wire order, tensor fields as {@link Tensor}. */
