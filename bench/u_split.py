@@ -1,6 +1,6 @@
 """Issue 14, U-shaped split, reduced: identity-partitioned device-head devices over a real loopback EdgeServer,
-plain (each head alone) against PrivacyFace (DPLC releases relayed by the server, consensus-aware loss), with the
-server head on the same people as the reference. Scored on LFW View 1 DevTest pairs (edge_server.evaluation)
+plain (each head alone) against PrivacyFace (DPLC releases relayed by the server, consensus-aware loss) and FedGC's
+opt-in head correction, with the server head on the same people as the reference. Scored on LFW View 1 DevTest pairs (edge_server.evaluation)
 with device 0's first layer and the server's shared part. Writes results/federated/u_split.json.
 
 Small on purpose (vgg_face_small at 64 px from its seeded start, split conv1; a few people per device, a few
@@ -31,6 +31,7 @@ from device_sdk.options import add_data_root_arg, add_threads_arg, apply_threads
 from edge_server.app import EdgeServer, ServerConfig, ServerThread, server_info
 from edge_server.auth import TokenAuthenticator, hash_token
 from edge_server.evaluation.verification import evaluate_embedder
+from edge_server.federated.fedgc import device_head_board
 from edge_server.federated.population import private_faces
 from edge_server.federated.privacyface_accounting import identity_epsilon
 from edge_server.trainer import ServerTrainer
@@ -39,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_mode(mode: str, args, images: np.ndarray, labels: np.ndarray, dplc: DPLCConfig) -> dict:
-    """One U-split run: `plain` / `privacyface` (device heads) or `server-head`."""
+    """One U-split run: `plain` / `privacyface` / `fedgc` (device heads; FedGC's opt-in correction every
+    `exchange_every` batches, lambda 20, s 1, the heads' lr) or `server-head`."""
     spec, devices = resolve_spec("vgg_face_small"), args.devices
     people = args.people_per_device
     config = TrainConfig(lr=args.lr, seed=args.seed)
@@ -48,7 +50,8 @@ def run_mode(mode: str, args, images: np.ndarray, labels: np.ndarray, dplc: DPLC
     started = time.time()
     with tempfile.TemporaryDirectory() as run_dir, ServerThread(EdgeServer(
             trainer, server_info(trainer, 64, 64 << 20), TokenAuthenticator({d: hash_token(t) for d, t in tokens.items()}),
-            ServerConfig(port=0, run_dir=Path(run_dir)))) as server:
+            ServerConfig(port=0, run_dir=Path(run_dir)),
+            heads=device_head_board(spec.embedding_dim, args.lr) if mode == "fedgc" else None)) as server:
         async def device(k: int):
             mine = (labels >= k * people) & (labels < (k + 1) * people)
             if mode == "server-head":
@@ -61,7 +64,8 @@ def run_mode(mode: str, args, images: np.ndarray, labels: np.ndarray, dplc: DPLC
             await client.connect()
             try:
                 losses = await train_u_split(client, engine, images[mine], y, args.epochs, args.batch_size,
-                                             args.exchange_every if mode == "privacyface" else None, dplc, args.seed + k)
+                                             args.exchange_every if mode == "privacyface" else None, dplc, args.seed + k,
+                                             fedgc_every=args.exchange_every if mode == "fedgc" else None)
             finally:
                 await client.close()
             return engine, losses
@@ -82,7 +86,8 @@ def run_mode(mode: str, args, images: np.ndarray, labels: np.ndarray, dplc: DPLC
     released = [len(r) for r in server.server.relay.latest.values()] if mode == "privacyface" else []
     label = f" eps/query={dplc.epsilon:g}" if mode == "privacyface" else ""
     return {"run": f"u-split {mode}{label}", "method": {"plain": "u-split", "privacyface": "privacyface",
-                                                 "server-head": "server-head"}[mode], "mode": "u-split",
+                                                 "fedgc": "fedgc", "server-head": "server-head"}[mode],
+            "mode": "u-split",
             "epsilon": privacy.get("epsilon"), "delta": privacy.get("delta"),
             **{k: report[k] for k in ("view1_accuracy", "view1_std", "roc_auc", "tar_at_far_1e-2")},
             "devices": devices, "people_per_device": people, "images": int(len(images)), "epochs": args.epochs,
@@ -110,7 +115,8 @@ def main() -> None:
     images, labels = faces.load(64, 160), faces.labels
     configs = [DPLCConfig(min_members=1, queries=2, epsilon=eps) for eps in args.query_epsilon]
     rows = []
-    for mode, dplc in [("plain", configs[0]), *(("privacyface", c) for c in configs), ("server-head", configs[0])]:
+    for mode, dplc in [("plain", configs[0]), *(("privacyface", c) for c in configs), ("fedgc", configs[0]),
+                       ("server-head", configs[0])]:
         row = run_mode(mode, args, images, labels, dplc)
         print(f"{row['run']}: View 1 {row['view1_accuracy']:.3f} +- {row['view1_std']:.3f}, eps {row['epsilon']} "
               f"({row['wall_s']:.0f} s)", flush=True)
