@@ -24,7 +24,6 @@ from device_sdk.privacy.planner import release_schedule
 from edge_server.checkpoint import load_checkpoint
 from tests.conftest import TOKENS, serve_in_thread, small_trainer
 from tests.test_integration import NUM_CLASSES, _setup, _start_server, _stop
-from tests.test_tls import pki  # noqa: F401  (the fixture: a CA, a certificate for 'localhost', an unrelated CA)
 
 pytestmark = pytest.mark.slow  # real processes or real-face training: the full tier
 
@@ -182,7 +181,7 @@ def test_java_device_survives_a_killed_server(java, faces, tmp_path):
     assert json.loads(out.splitlines()[-1])["batch_id"] == total
 
 
-def test_java_device_over_wss_trusts_only_its_ca_and_the_servers_name(java, faces, tmp_path, pki):  # noqa: F811
+def test_java_device_over_wss_trusts_only_its_ca_and_the_servers_name(java, faces, tmp_path, pki):
     """The Java device trains a batch over wss:// with the CA file that signed the server's certificate; with
     an unrelated CA, or with the right CA but a host name the certificate does not carry, it stops at the
     handshake, names the certificate problem and sends nothing; it refuses a message over its size limit."""

@@ -20,7 +20,6 @@ from device_sdk.engine import DeviceEngine
 from edge_server.app import EdgeServer, ServerConfig, server_info
 from edge_server.auth import TokenAuthenticator, issue_tokens
 from tests.conftest import TOKENS, serve_in_thread, small_trainer
-from tests.conftest import pki  # noqa: F401  (the fixture lives in conftest; named here for tests/test_android_core.py's import)
 
 NUM_CLASSES = 5
 
