@@ -416,10 +416,26 @@ def main() -> None:
                     and name != SINGLE_PHOTO:
                 rows.extend({**x, "run": f"{name} @ {x['users']:.0e} users"} for x in extrapolation_rows(row, name))
     info = {"users": len(shared.population.users)}
-    (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
+    (args.out / "summary.json").write_text(json.dumps(rows + neighbour_rows(args.out), indent=2))
     (args.out / "table.md").write_text(table(rows, info))
     figures(rows, args.out)
     print(f"{len(rows)} rows -> {args.out} ({time.time() - started:.0f} s)")
+
+
+# rows that bench/privacyface_fedgc.py and bench/u_split.py measure into the same folder; they join summary.json
+# (not the table or figures, which are this script's runs), with the summary's keys they lack set to None
+NEIGHBOURS = ("privacyface_fedgc_summary.json", "u_split.json")
+SUMMARY_KEYS = ("method", "noise_multiplier", "rounds", "users_per_round", "epsilon", "delta", "view1_accuracy",
+                "view1_std", "roc_auc", "tar_at_far_1e-2")
+
+
+def neighbour_rows(out: Path) -> list[dict]:
+    rows = []
+    for name in NEIGHBOURS:
+        if (out / name).exists():
+            found = json.loads((out / name).read_text())
+            rows += [{**dict.fromkeys(SUMMARY_KEYS), **r} for r in (found["rows"] if isinstance(found, dict) else found)]
+    return rows
 
 
 if __name__ == "__main__":
