@@ -27,7 +27,7 @@ from device_sdk.federated.dplc import DPLCConfig
 from device_sdk.federated.u_split import ConsensusEngine, ConsensusHead, train_u_split
 from device_sdk.models import resolve_spec
 from device_sdk.optim import TrainConfig
-from device_sdk.options import add_data_root_arg, add_threads_arg, apply_threads
+from device_sdk.options import add_data_root_arg, add_seed_arg, add_threads_arg, apply_threads
 from edge_server.app import EdgeServer, ServerConfig, ServerThread, server_info
 from edge_server.auth import TokenAuthenticator, hash_token
 from edge_server.evaluation.verification import evaluate_embedder
@@ -106,7 +106,7 @@ def main() -> None:
     p.add_argument("--exchange-every", type=int, default=2, help="batches between a device's cluster exchanges")
     p.add_argument("--query-epsilon", type=float, nargs="+", default=[math.inf, 1.0],
                    help="PrivacyFace runs: DPLC's per-query epsilon (inf: no noise)")
-    p.add_argument("--seed", type=int, default=0)
+    add_seed_arg(p)
     add_threads_arg(p, 1)
     args = p.parse_args()
     apply_threads(args)

@@ -43,6 +43,7 @@ from torch import nn
 from tqdm import tqdm
 
 from device_sdk.cli import add_model_args, model_spec
+from device_sdk.options import add_data_root_arg, add_seed_arg, add_threads_arg
 from device_sdk.data import load_lfw
 from device_sdk.engine import to_input
 from device_sdk.models import ModelSpec, build_backbone, split_backbone
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     pre = sub.add_parser("pretrain", help="train the mask release's MAE on public faces; write a backbone file")
-    pre.add_argument("--data", type=Path, required=True, help="LFW root (with View 1's people files)")
+    add_data_root_arg(pre, required=True, help="LFW root (with View 1's people files)")
     pre.add_argument("--out", type=Path, required=True, help="the backbone file to write")
     add_model_args(pre)
     pre.add_argument("--epochs", type=int, default=6)
@@ -212,15 +213,15 @@ def main(argv: list[str] | None = None) -> None:
     pre.add_argument("--tau", type=float, default=0.1, help="IRM's softmax temperature")
     pre.add_argument("--lr", type=float, default=2e-3)
     pre.add_argument("--batch-size", type=int, default=64)
-    pre.add_argument("--seed", type=int, default=0)
+    add_seed_arg(pre)
     pre.add_argument("--limit", type=int, default=None, help="only the first N public images (smoke tests)")
-    pre.add_argument("--threads", type=int, default=None)
+    add_threads_arg(pre)
     risk = sub.add_parser("risk", help="R(A, S, K) of a --release mask run's MAE reconstructions")
     risk.add_argument("run", type=Path, help="a splitface-demo --record-max N run with --release mask")
-    risk.add_argument("--data", type=Path, required=True)
+    add_data_root_arg(risk, required=True)
     risk.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
     risk.add_argument("--cache", type=Path, default=Path("runs") / "audit-cache")
-    risk.add_argument("--threads", type=int, default=None)
+    add_threads_arg(risk)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -24,6 +24,7 @@ from device_sdk.models.weights import load_into
 
 from .artifacts import transform_mask
 from .verify import ExportMismatch, export_verified
+from device_sdk.options import add_data_root_arg, add_seed_arg
 
 
 def real_images(data: str | None, batch_size: int, input_size: int, seed: int) -> np.ndarray | None:
@@ -50,8 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gemm", action="store_true",
                    help="also the im2col programs (release_gemm.pte, vjp_gemm.pte) for --backend executorch-xnnpack: "
                         "conv + ReLU + LRN in XNNPACK with the weights as inputs (stride-1 conv1 layers)")
-    p.add_argument("--data", default=None, help="LFW directory: also verify on real faces")
-    p.add_argument("--seed", type=int, default=0)
+    add_data_root_arg(p, help="LFW directory: also verify on real faces")
+    add_seed_arg(p)
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)

@@ -19,6 +19,7 @@ import torch
 
 from ..models import resolve_spec
 from .device import FederatedDevice
+from ..options import add_model_arg, add_threads_arg
 
 
 def parser() -> argparse.ArgumentParser:
@@ -28,10 +29,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device-id", required=True)
     p.add_argument("--token-file", type=Path, required=True, help="a file holding this device's token")
     p.add_argument("--data", type=Path, required=True, help=".npz with images (uint8 N,3,S,S) and labels")
-    p.add_argument("--model", default="iresnet_small", help="model preset or a ModelSpec as JSON")
+    add_model_arg(p, "iresnet_small")
     p.add_argument("--ca-file", type=Path, default=None, help="CA certificates (PEM) trusted for a wss:// server")
     p.add_argument("--insecure", action="store_true", help="allow plain ws:// to a non-loopback host")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (results depend on it in the last bits)")
+    add_threads_arg(p, 1, help="torch threads (results depend on it in the last bits)")
     p.add_argument("--leave-in-round", type=int, default=None, help=argparse.SUPPRESS)  # tests: drop mid-round
     return p
 

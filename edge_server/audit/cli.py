@@ -40,6 +40,7 @@ from .metrics import reidentification_risk  # noqa: E402
 from .recognizer import CachedFaces, DlibResNet, Eigenfaces, PublicBackbone  # noqa: E402
 from .substitute import fit_substitute  # noqa: E402
 from .run import AttackerView, GroundTruth, ground_truth, load_run, public_faces  # noqa: E402
+from device_sdk.options import add_data_root_arg, add_threads_arg
 
 SAMPLES = 6  # reconstructions shown per run
 STRONG = "dlib"  # the strong recognizer: identity matching targets its embedding
@@ -287,12 +288,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="splitface-audit", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", type=Path, help="splitface-demo run directories recorded with --record-max")
-    p.add_argument("--data", default=None, help="LFW root (the private images' ground truth and the public faces)")
+    add_data_root_arg(p, help="LFW root (the private images' ground truth and the public faces)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--published-weights", type=Path, default=None,
                    help="the frozen device layer's published weights, if not at the path the run recorded")
     p.add_argument("--resume", action="store_true", help="keep the reports of runs already audited into --out")
-    p.add_argument("--threads", type=int, default=0)
+    add_threads_arg(p)
     add_attacker_args(p)
     args = p.parse_args(argv)
     if args.threads:

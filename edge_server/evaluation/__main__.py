@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from .run import evaluate_run
+from device_sdk.options import add_data_root_arg
 
 
 def summary(report: dict) -> str:
@@ -20,8 +21,8 @@ def summary(report: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m edge_server.evaluation", description=__doc__)
     p.add_argument("runs", nargs="+", type=Path, help="splitface-demo run directories")
-    p.add_argument("--data", default=None, help="LFW root (holding images/ and the View 1 pairs files); "
-                                                "default: $SPLITFACE_DATA, ~/.cache/splitface/lfw, ./data/lfw")
+    add_data_root_arg(p, help="LFW root (holding images/ and the View 1 pairs files); "
+                              "default: $SPLITFACE_DATA, ~/.cache/splitface/lfw, ./data/lfw")
     p.add_argument("--limit", type=int, default=None, help="only the first N/2 matched and N/2 mismatched pairs")
     args = p.parse_args(argv)
     for run_dir in args.runs:

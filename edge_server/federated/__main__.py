@@ -25,6 +25,7 @@ from .engine import CRASH_EXIT_CODE, FederatedConfig, SimulatedCrash, in_process
 from .experiment import Shared, run_centralized, run_federated
 from .options import add_run_args, check_users, config_from, shared_from, spec_from
 from .population import virtual_clients
+from device_sdk.options import add_threads_arg
 
 BACKENDS = ("in-process", "websocket", "ray")
 
@@ -33,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m edge_server.federated", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(p)
-    p.add_argument("--threads", type=int, default=0)
+    add_threads_arg(p)
     b = p.add_argument_group("backends")
     b.add_argument("--backend", choices=BACKENDS, default="in-process")
     b.add_argument("--host", default="127.0.0.1", help="websocket: the server's address")
