@@ -174,8 +174,8 @@ def test_noise_discrete_option_builds_the_exact_mechanism():
 
 
 def test_an_auditor_rebuilds_the_discrete_mechanism_from_a_runs_description():
-    """Evaluation and the audit rebuild a run's mechanism from its results (mechanisms.from_description)."""
-    from device_sdk.privacy.mechanisms import from_description
+    """Evaluation and the audit rebuild a run's mechanism from its results (privacy.described)."""
+    from device_sdk.privacy.described import from_description
     mechanism = DiscreteGaussianMechanism(8.0, 0.5, step=8.0 / 127)
     rebuilt = from_description(mechanism.describe())
     assert isinstance(rebuilt, DiscreteGaussianMechanism) and rebuilt.describe() == mechanism.describe()

@@ -159,22 +159,6 @@ class NoNoise(Mechanism):
         return {"name": self.name, "noise_std": 0.0}
 
 
-def from_description(described: dict) -> Mechanism:
-    """The mechanism a `describe()` came from: a device's privacy setting is published with the app,
-    so an auditor (or the curious server) may rebuild it from a run's results."""
-    name = described["name"]
-    if name == PerActivationGaussian.name:
-        return PerActivationGaussian(described["epsilon_per_activation"], described["delta"], described["sensitivity"])
-    if name == PerImageGaussian.name:
-        return PerImageGaussian(described["clip_norm"], described["noise_multiplier"])
-    if name == NoNoise.name:
-        return NoNoise()
-    if name == "discrete_gaussian":  # imported here: discrete.py builds on this module
-        from .discrete import DiscreteGaussianMechanism
-        return DiscreteGaussianMechanism(described["clip_norm"], described["noise_multiplier"], described["step"])
-    raise ValueError(f"unknown mechanism {name!r}")
-
-
 MECHANISMS = ("none", "per-activation", "per-image")  # the names a device's options choose from
 
 

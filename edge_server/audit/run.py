@@ -24,7 +24,8 @@ from torch import nn
 from device_sdk.data import FaceSet, load_lfw, partition
 from device_sdk.engine import bound_for, initial_layer
 from device_sdk.models import ModelSpec, build_backbone, build_classifier, split_backbone
-from device_sdk.privacy.mechanisms import Mechanism, from_description
+from device_sdk.privacy.described import from_description
+from device_sdk.privacy.mechanisms import Mechanism
 from device_sdk.simulator import batch_indices
 
 from ..checkpoint import load_checkpoint

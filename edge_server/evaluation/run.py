@@ -16,7 +16,8 @@ from torch import nn
 from device_sdk.cli import load_selection
 from device_sdk.engine import bound_for, privatize
 from device_sdk.models import ModelSpec, build_backbone, split_backbone
-from device_sdk.privacy.mechanisms import from_description, noise_generator
+from device_sdk.privacy.described import from_description
+from device_sdk.privacy.mechanisms import noise_generator
 from protocol.tensor import decode_tensor, encode_tensor
 
 from ..checkpoint import load_checkpoint
