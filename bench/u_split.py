@@ -85,7 +85,8 @@ def run_mode(mode: str, args, images: np.ndarray, labels: np.ndarray, dplc: DPLC
     privacy = identity_epsilon(dplc, calls, dplc.delta) if mode == "privacyface" and calls else {}
     released = [len(r) for r in server.server.relay.latest.values()] if mode == "privacyface" else []
     label = f" eps/query={dplc.epsilon:g}" if mode == "privacyface" else ""
-    return {"run": f"u-split {mode}{label}", "method": f"split-{'u' if mode == 'plain' else mode}",  # summary.json's split-… methods
+    return {"run": f"u-split {mode}{label}", "method": {"plain": "u-split", "privacyface": "privacyface",
+                                                 "fedgc": "fedgc", "server-head": "server-head"}[mode],
             "mode": "u-split",
             "epsilon": privacy.get("epsilon"), "delta": privacy.get("delta"),
             **{k: report[k] for k in ("view1_accuracy", "view1_std", "roc_auc", "tar_at_far_1e-2")},
