@@ -74,6 +74,21 @@ POINTS: list[tuple[str, dict, list[str]]] = [
        ["--release", "dct", "--split", "layer2", "--dct-drop", "4",
         "--mechanism", "per-image", "--clip-norm", "8", "--noise-multiplier", f"{z:g}"])
       for z in (0.0025, 0.005)),
+    # DCTDP-style noise per frequency: frequency (u, v) gets z C / ((1+u+v)/3)^gamma (transforms/dct.py), so the low
+    # frequencies that carry a face's look get more noise and the mid ones less, at the same per-image epsilon as
+    # uniform noise of the same z. C ~ 1.26x the median weighted norm of public faces, as C = 8 is for gamma 0.
+    *(("dct", {"drop": 4, "clip_norm": c, "noise_multiplier": z, "frequency_gamma": g},
+       ["--release", "dct", "--split", "layer2", "--dct-drop", "4", "--mechanism", "per-image",
+        "--clip-norm", f"{c:g}", "--noise-multiplier", f"{z:g}", "--frequency-gamma", f"{g:g}"])
+      for g, c, z in ((2, 12, 0.005), (3, 20, 0.005))),
+    # NoPeek: the devices train the bottleneck with a distance-correlation penalty between their images and their
+    # releases (device_sdk/privacy/nopeek.py); weight 5 puts the penalty's gradient at about the size of the
+    # server's cross-entropy gradient on the device layer at the start. Alone, and with the noise of the nearest point.
+    ("nopeek", {"channels": 4, "stride": 2, "weight": 5},
+     ["--release", "bottleneck", "--bottleneck-channels", "4", "--bottleneck-stride", "2", "--nopeek-weight", "5"]),
+    ("nopeek", {"channels": 4, "stride": 2, "weight": 5, "clip_norm": 16, "noise_multiplier": 0.01},
+     ["--release", "bottleneck", "--bottleneck-channels", "4", "--bottleneck-stride", "2", "--nopeek-weight", "5",
+      "--mechanism", "per-image", "--clip-norm", "16", "--noise-multiplier", "0.01"]),
     # the bottleneck's device part pre-trained against a decoder and an identity matcher (edge_server/ressfl.py),
     # then run frozen with those published weights: the audit attacks it white-box with fresh attackers
     ("ressfl", {"channels": 4, "stride": 2, "lambda_rec": 10, "lambda_id": 2},

@@ -25,9 +25,11 @@ from .optim import TrainConfig, exponential_decay, make_sgd
 from .privacy.dpsgd import clipped_noisy_grad, dpsgd_event, per_sample_grads
 from .privacy.discrete import DiscreteGaussianMechanism
 from .privacy.engine import LAYER_TRAINING, PrivacyEngine, Release, release_key
+from .privacy.nopeek import distance_correlation
 from .privacy.mechanisms import Mechanism, PerActivationGaussian
 from .runtimes.base import LayerRuntime
 from .transforms import release_mask
+from .transforms.dct import frequency_weights
 
 __all__ = ["DeviceEngine", "PrivacyEngine", "LAYER_TRAINING", "to_input", "initial_layer", "privatize", "bound_for",
            "release_key"]
@@ -49,7 +51,14 @@ def privatize(spec: ModelSpec, mechanism: Mechanism, outputs: torch.Tensor, gene
     then the mechanism. Both draw from `generator`, in that order, so a re-sent batch repeats both; an
     auditor or evaluator that simulates the device passes a generator of its own."""
     mask = release_mask(spec, len(outputs), tuple(outputs.shape[1:]), generator)
-    return mechanism.privatize(outputs if mask is None else outputs * mask, generator)
+    masked = outputs if mask is None else outputs * mask
+    gamma = getattr(mechanism, "frequency_gamma", 0.0)
+    if not gamma:
+        return mechanism.privatize(masked, generator)
+    if spec.release != "dct":
+        raise ValueError(f"frequency-shaped noise (--frequency-gamma) needs the dct release, not {spec.release!r}")
+    weights = frequency_weights(spec.dct_drop, gamma)   # noise per frequency: z C / w (mechanisms.PerImageGaussian)
+    return mechanism.privatize(masked * weights, generator) / weights
 
 
 def bound_for(mechanism: Mechanism, layer: nn.Module) -> None:
@@ -81,6 +90,8 @@ class DeviceEngine:
             raise ValueError(f"the per-activation mechanism's sensitivity is the paper's LRN output; a {spec.release} "
                              f"release ends elsewhere: use the per-image mechanism")
         bound_for(mechanism, self.layer)
+        if getattr(mechanism, "frequency_gamma", 0.0) and spec.release != "dct":
+            raise ValueError(f"frequency-shaped noise (--frequency-gamma) needs the dct release, not {spec.release!r}")
         frozen = self.privacy.layer_training == "frozen"
         if not frozen and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.layer.modules()):
             # In training mode batch norm normalises each image with its batch's statistics (one image's release
@@ -91,6 +102,9 @@ class DeviceEngine:
         self.trainable = not frozen and any(True for _ in self.layer.parameters())
         if self.privacy.layer_training == "dpsgd" and not self.trainable:
             raise ValueError("the device part has no parameters: nothing for DP-SGD to train (use plain or frozen)")
+        if self.privacy.nopeek_weight and not self.trainable:
+            raise ValueError(f"NoPeek trains the device part, and the part up to {split!r} of this release has no "
+                             f"parameters: drop --nopeek-weight")
         self.classifier = build_classifier(spec, num_classes) if head == "device" else None
         params = list(self.classifier.parameters()) if self.classifier else []
         if frozen:
@@ -119,6 +133,9 @@ class DeviceEngine:
                              f"not {self.privacy.mechanism.name} (use --backend torch)")
         if self.privacy.layer_training == "dpsgd":
             raise ValueError(f"the {runtime.name} backend has no per-sample gradients: DP-SGD needs --backend torch")
+        if self.privacy.nopeek_weight:
+            raise ValueError(f"the {runtime.name} backend computes the server's gradient only; NoPeek's penalty needs "
+                             f"--backend torch")
         if runtime.static_weights and self.trainable:
             raise ValueError(f"the {runtime.name} program has the layer's weights baked in (exported with "
                              f"--static-weights) but this layer trains: its releases would go stale; re-export "
@@ -208,6 +225,10 @@ class DeviceEngine:
             params = list(self.layer.parameters())
             for p, g in zip(params, self.runtime.weight_grads(pending["x"], pending["noise"], grad, params)):
                 p.grad = g
+        elif mode == "plain" and self.privacy.nopeek_weight:
+            # NoPeek: the server's gradient of its loss, plus the device's own penalty on what it released
+            penalty = self.privacy.nopeek_weight * distance_correlation(pending["x"], pending["released"])
+            torch.autograd.backward([pending["released"], penalty], [grad, None])
         elif mode == "plain":
             pending["released"].backward(grad)
         elif mode == "dpsgd":

@@ -193,6 +193,9 @@ def add_privacy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--epsilon", type=float, default=None, help="per-activation: the paper's epsilon for each value")
     g.add_argument("--delta", type=float, default=1e-5)
     add_noise_args(g)
+    g.add_argument("--frequency-gamma", type=float, default=0.0,
+                   help="per-image with --release dct: noise per frequency (u, v) as z C / ((1+u+v)/(1+u0+v0))^gamma "
+                        "(DCTDP-style; 0: uniform); same epsilon")
     g.add_argument("--noise", choices=NOISE, default="float",
                    help="per-image: float draws the Gaussian in floating point (torch, keyed per release); discrete "
                         "releases int8 integers with exact discrete Gaussian noise (rho-zCDP, docs/privacy.md)")
@@ -204,6 +207,9 @@ def add_privacy_args(p: argparse.ArgumentParser) -> None:
                    help="plain voids per-image guarantees; frozen (public weights) or dpsgd keep them")
     g.add_argument("--dpsgd-clip", type=float, default=1.0)
     g.add_argument("--dpsgd-noise", type=float, default=1.0)
+    g.add_argument("--nopeek-weight", type=float, default=0.0,
+                   help="plain: weight of NoPeek's distance-correlation penalty between images and releases in the "
+                        "layer's loss (0: none; a defence the audit measures, no guarantee)")
     g.add_argument("--budget-epsilon", type=float, default=math.inf, help="refuse releases past this epsilon")
     g.add_argument("--budget-level", choices=("image", "identity"), default="image")
     g.add_argument("--device-weights", type=Path, default=None, help="a saved backbone for the device layer")
@@ -214,6 +220,8 @@ def discrete_mechanism(args: argparse.Namespace) -> DiscreteGaussianMechanism:
     if args.mechanism != "per-image":
         raise ValueError(f"--noise discrete is the per-image mechanism's exact form: give --mechanism per-image "
                          f"(not {args.mechanism})")
+    if args.frequency_gamma:
+        raise ValueError("--frequency-gamma shapes the float Gaussian's noise; --noise discrete has no such option")
     if args.noise_multiplier is None:
         raise ValueError("--noise discrete needs --noise-multiplier (--target-epsilon plans the float Gaussian's "
                          "noise by PLD, which does not hold for the discrete one)")
@@ -231,9 +239,11 @@ def privacy_engines(args: argparse.Namespace, releases_per_image: int) -> Callab
             mechanism = discrete_mechanism(args)
         else:
             mechanism = build_mechanism(args.mechanism, epsilon=args.epsilon, delta=args.delta,
-                                        clip_norm=args.clip_norm, noise_multiplier=noise_multiplier)
+                                        clip_norm=args.clip_norm, noise_multiplier=noise_multiplier,
+                                        frequency_gamma=args.frequency_gamma)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     return lambda: PrivacyEngine(mechanism, delta=args.delta, budget_epsilon=args.budget_epsilon,
                                  budget_level=args.budget_level, layer_training=args.layer_training,
-                                 dpsgd_clip=args.dpsgd_clip, dpsgd_noise=args.dpsgd_noise)
+                                 dpsgd_clip=args.dpsgd_clip, dpsgd_noise=args.dpsgd_noise,
+                                 nopeek_weight=args.nopeek_weight)

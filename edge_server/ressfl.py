@@ -40,22 +40,12 @@ from device_sdk.models import ModelSpec, build_backbone, build_classifier, split
 from device_sdk.models.weights import RELEASE_STAGES, save_backbone
 from device_sdk.optim import exponential_decay, make_sgd
 from device_sdk.privacy.mechanisms import PerImageGaussian
+from device_sdk.privacy.nopeek import distance_correlation
 
 from .audit.decoder import DecoderNet
 from .audit.inversion import resized
 from .audit.matcher import MatcherNet
 from .audit.recognizer import CachedFaces, DlibResNet
-
-
-def distance_correlation(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """Sample distance correlation of two batches (rows are samples): NoPeek's leakage penalty."""
-    def centred(v: torch.Tensor) -> torch.Tensor:
-        d = torch.cdist(v.flatten(1), v.flatten(1))
-        return d - d.mean(0, keepdim=True) - d.mean(1, keepdim=True) + d.mean()
-
-    a, b = centred(x), centred(z)
-    dcov_ab, dcov_aa, dcov_bb = (a * b).mean(), (a * a).mean(), (b * b).mean()
-    return dcov_ab.clamp_min(0).sqrt() / (dcov_aa.sqrt() * dcov_bb.sqrt()).clamp_min(1e-12).sqrt()
 
 
 def release_stage_state(device: torch.nn.Module, server: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -1,15 +1,18 @@
-"""Attacker-aware pre-training (edge_server/ressfl.py): NoPeek's distance correlation, and a tiny
-pre-training whose file carries the trained bottleneck that devices then load frozen."""
+"""Attacker-aware pre-training (edge_server/ressfl.py): NoPeek's distance correlation, NoPeek's penalty in the
+device's own training step, and a tiny pre-training whose file carries the trained bottleneck that devices then
+load frozen."""
 from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
-from device_sdk.engine import initial_layer
+from device_sdk.engine import DeviceEngine, PrivacyEngine, initial_layer
 from device_sdk.models import PRESETS
-from edge_server.ressfl import attacker_aware_pretrain, distance_correlation
+from device_sdk.privacy.nopeek import distance_correlation
+from edge_server.ressfl import attacker_aware_pretrain
 
 
 def test_distance_correlation_is_one_for_a_copy_and_small_for_independent_batches():
@@ -22,6 +25,30 @@ def test_distance_correlation_is_one_for_a_copy_and_small_for_independent_batche
     x.requires_grad_(True)
     distance_correlation(x, x.flatten(1)[:, :4] ** 2).backward()   # a penalty: it has a gradient
     assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+
+
+def test_nopeek_penalty_trains_the_device_layer_towards_lower_distance_correlation():
+    spec = replace(PRESETS["iresnet_small"], release="bottleneck", bottleneck_channels=4, bottleneck_stride=2)
+    images = np.random.default_rng(0).integers(0, 256, (16, 3, 64, 64), dtype=np.uint8)
+
+    def dcor_after_steps(weight: float, steps: int) -> tuple[float, float]:
+        engine = DeviceEngine(spec, "conv1", "server", 5, privacy=PrivacyEngine(nopeek_weight=weight, secret=1))
+        dcors = []
+        for b in range(1, steps + 1):
+            released = engine.forward(images, ("train", b), range(16), range(16))
+            dcors.append(distance_correlation(torch.from_numpy(images).float(), torch.from_numpy(released)).item())
+            engine.commit(b, np.zeros_like(released))  # no server gradient: only the penalty can move the layer
+        return dcors[0], dcors[-1]
+
+    plain_first, plain_last = dcor_after_steps(0.0, 3)
+    first, last = dcor_after_steps(5.0, 3)
+    assert plain_first == first and plain_last == plain_first   # same start; without the penalty nothing moves
+    assert last < first
+    assert PrivacyEngine(nopeek_weight=5.0).report(layer_trains=True)["nopeek_weight"] == 5.0
+    with pytest.raises(ValueError, match="plain"):
+        PrivacyEngine(nopeek_weight=1.0, layer_training="frozen")
+    with pytest.raises(ValueError, match="no parameters"):
+        DeviceEngine(replace(spec, release="dct"), "layer2", "server", 5, privacy=PrivacyEngine(nopeek_weight=1.0))
 
 
 @pytest.mark.slow

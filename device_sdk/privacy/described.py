@@ -14,7 +14,8 @@ def from_description(described: dict) -> Mechanism:
     if name == PerActivationGaussian.name:
         return PerActivationGaussian(described["epsilon_per_activation"], described["delta"], described["sensitivity"])
     if name == PerImageGaussian.name:
-        return PerImageGaussian(described["clip_norm"], described["noise_multiplier"])
+        return PerImageGaussian(described["clip_norm"], described["noise_multiplier"],
+                                described.get("frequency_gamma", 0.0))
     if name == NoNoise.name:
         return NoNoise()
     if name == DiscreteGaussianMechanism.name:

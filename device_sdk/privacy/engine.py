@@ -62,9 +62,16 @@ class PrivacyEngine:
 
     def __init__(self, mechanism: Mechanism | None = None, *, delta: float = 1e-5, budget_epsilon: float = math.inf,
                  budget_level: str = "image", layer_training: str = "plain", dpsgd_clip: float = 1.0,
-                 dpsgd_noise: float = 1.0, secret: int | None = None, state_path: Path | None = None) -> None:
+                 dpsgd_noise: float = 1.0, nopeek_weight: float = 0.0, secret: int | None = None,
+                 state_path: Path | None = None) -> None:
         if layer_training not in LAYER_TRAINING:
             raise ValueError(f"layer_training must be one of {LAYER_TRAINING}, not {layer_training!r}")
+        if not (nopeek_weight >= 0 and math.isfinite(nopeek_weight)):
+            raise ValueError(f"nopeek_weight must be finite and >= 0, got {nopeek_weight}")
+        if nopeek_weight and layer_training != "plain":
+            # DP-SGD clips per-sample gradients of per-sample losses; a batch penalty has none. Frozen: nothing trains.
+            raise ValueError(f"NoPeek's penalty trains the layer: it needs layer_training 'plain', not {layer_training!r}")
+        self.nopeek_weight = float(nopeek_weight)
         if not dpsgd_clip > 0 or dpsgd_noise < 0:
             raise ValueError(f"need dpsgd_clip > 0 and dpsgd_noise >= 0, got {dpsgd_clip=}, {dpsgd_noise=}")
         self.mechanism = mechanism if mechanism is not None else NoNoise()
@@ -169,6 +176,8 @@ class PrivacyEngine:
         report = self.accountant.report()
         report["mechanism"] = self.mechanism.describe()
         report["layer_training"] = self.layer_training
+        if self.nopeek_weight:
+            report["nopeek_weight"] = self.nopeek_weight
         report["guarantee_void"] = (layer_trains and self.layer_training == "plain"
                                     and not isinstance(self.mechanism, NoNoise))
         if report["guarantee_void"]:

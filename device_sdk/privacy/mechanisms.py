@@ -114,14 +114,24 @@ class PerActivationGaussian(Mechanism):
 
 
 class PerImageGaussian(Mechanism):
-    """Clip each image's whole tensor to L2 norm C, add N(0, (z C)^2) per value: GaussianDpEvent(z)."""
+    """Clip each image's whole tensor to L2 norm C, add N(0, (z C)^2) per value: GaussianDpEvent(z).
+
+    frequency_gamma > 0 (a `dct` release only; DCTDP-style noise per frequency): the release is first scaled per
+    frequency channel by w_f (transforms/dct.py `frequency_weights`), clipped and noised there, and scaled back, so
+    frequency f gets noise z C / w_f. The guarantee is the same GaussianDpEvent(z): the weighted release is what is
+    clipped and noised, and un-weighting it is post-processing. The device calls `privatize` through
+    `device_sdk.engine.privatize`, which supplies the weights.
+    """
 
     name = "per_image"
 
-    def __init__(self, clip_norm: float, noise_multiplier: float) -> None:
+    def __init__(self, clip_norm: float, noise_multiplier: float, frequency_gamma: float = 0.0) -> None:
         if not clip_norm > 0 or noise_multiplier < 0:
             raise ValueError(f"need clip_norm > 0 and noise_multiplier >= 0, got {clip_norm=}, {noise_multiplier=}")
+        if not (frequency_gamma >= 0 and math.isfinite(frequency_gamma)):
+            raise ValueError(f"frequency_gamma must be finite and >= 0, got {frequency_gamma}")
         self.clip_norm, self.noise_multiplier = float(clip_norm), float(noise_multiplier)
+        self.frequency_gamma = float(frequency_gamma)
         self.std = self.noise_multiplier * self.clip_norm
 
     def clip(self, activations: torch.Tensor) -> torch.Tensor:
@@ -137,8 +147,11 @@ class PerImageGaussian(Mechanism):
         return dp_event.GaussianDpEvent(self.noise_multiplier)
 
     def describe(self) -> dict:
-        return {"name": self.name, "clip_norm": self.clip_norm, "noise_multiplier": self.noise_multiplier,
-                "noise_std": self.std}
+        described = {"name": self.name, "clip_norm": self.clip_norm, "noise_multiplier": self.noise_multiplier,
+                     "noise_std": self.std}
+        if self.frequency_gamma:
+            described["frequency_gamma"] = self.frequency_gamma
+        return described
 
 
 class NoNoise(Mechanism):
@@ -163,8 +176,10 @@ MECHANISMS = ("none", "per-activation", "per-image")  # the names a device's opt
 
 
 def build_mechanism(name: str, *, epsilon: float | None = None, delta: float = 1e-5, clip_norm: float = 1.0,
-                    noise_multiplier: float | None = None) -> Mechanism:
+                    noise_multiplier: float | None = None, frequency_gamma: float = 0.0) -> Mechanism:
     """The mechanism called `name` (one of MECHANISMS) from explicit parameters; a missing one is an error."""
+    if frequency_gamma and name != "per-image":
+        raise ValueError("--frequency-gamma shapes the per-image mechanism's noise: give --mechanism per-image")
     if name == "per-activation":
         if epsilon is None:
             raise ValueError("--mechanism per-activation needs --epsilon")
@@ -172,7 +187,7 @@ def build_mechanism(name: str, *, epsilon: float | None = None, delta: float = 1
     if name == "per-image":
         if noise_multiplier is None:
             raise ValueError("--mechanism per-image needs --noise-multiplier or --target-epsilon")
-        return PerImageGaussian(clip_norm, noise_multiplier)
+        return PerImageGaussian(clip_norm, noise_multiplier, frequency_gamma)
     if name == "none":
         return NoNoise()
     raise ValueError(f"unknown mechanism {name!r} (one of {', '.join(MECHANISMS)})")
