@@ -48,6 +48,7 @@ from device_sdk.options import (add_data_root_arg, add_model_arg, add_model_args
                                 model_argv)
 from device_sdk.engine import initial_layer  # noqa: E402
 from device_sdk.models import ModelSpec  # noqa: E402
+from edge_server.audit.cli import headline  # noqa: E402
 from edge_server.cli import add_record_max_arg  # noqa: E402
 from edge_server.demo import run_recorded, same_arguments  # noqa: E402
 
@@ -186,8 +187,8 @@ def audit(names: list[str], args: argparse.Namespace) -> dict[str, dict]:
     cmd = [sys.executable, "-m", "edge_server.audit.cli", *(str(args.out / "runs" / n) for n in names),
            "--data", str(args.data), "--out", str(out), *([] if args.force else ["--resume"]), *args.audit_args.split()]
     subprocess.run(cmd, check=True)
-    headlines = {row["run"]: row for row in json.loads((out / "summary.json").read_text())}
-    return {n: headlines[n] for n in names}
+    # each point's own report, not the audit's summary.json, which another frontier run may be rewriting
+    return {n: headline(json.loads((out / f"{n}.json").read_text())) for n in names}
 
 
 def retrieval_risks(names: list[str], transforms: list[str], args: argparse.Namespace) -> dict[str, dict]:
