@@ -81,19 +81,22 @@ POINTS: list[tuple[str, dict, list[str]]] = [
     *(("dct", {"drop": 4, "clip_norm": c, "noise_multiplier": z, "frequency_gamma": g},
        ["--release", "dct", "--split", "layer2", "--dct-drop", "4", "--mechanism", "per-image",
         "--clip-norm", f"{c:g}", "--noise-multiplier", f"{z:g}", "--frequency-gamma", f"{g:g}"])
-      for g, c, z in ((2, 12, 0.005), (3, 20, 0.005))),
+      for g, c, z in ((2, 12, 0.005), (3, 20, 0.005), (2, 12, 0.01), (2, 12, 0.02))),
     # NoPeek: the devices train the bottleneck with a distance-correlation penalty between their images and their
     # releases (device_sdk/privacy/nopeek.py); weight 5 puts the penalty's gradient at about the size of the
-    # server's cross-entropy gradient on the device layer at the start. Alone, and with the noise of the nearest point.
-    ("nopeek", {"channels": 4, "stride": 2, "weight": 5},
-     ["--release", "bottleneck", "--bottleneck-channels", "4", "--bottleneck-stride", "2", "--nopeek-weight", "5"]),
+    # server's cross-entropy gradient on the device layer at the start (weight 1 at a fifth of it). Alone, and with the
+    # noise of the nearest point.
+    *(("nopeek", {"channels": 4, "stride": 2, "weight": w},
+       ["--release", "bottleneck", "--bottleneck-channels", "4", "--bottleneck-stride", "2", "--nopeek-weight", f"{w:g}"])
+      for w in (5, 1)),
     ("nopeek", {"channels": 4, "stride": 2, "weight": 5, "clip_norm": 16, "noise_multiplier": 0.01},
      ["--release", "bottleneck", "--bottleneck-channels", "4", "--bottleneck-stride", "2", "--nopeek-weight", "5",
       "--mechanism", "per-image", "--clip-norm", "16", "--noise-multiplier", "0.01"]),
     # the bottleneck's device part pre-trained against a decoder and an identity matcher (edge_server/ressfl.py),
     # then run frozen with those published weights: the audit attacks it white-box with fresh attackers
-    ("ressfl", {"channels": 4, "stride": 2, "lambda_rec": 10, "lambda_id": 2},
-     ["--release", "bottleneck", "--bottleneck-channels", "4", "--bottleneck-stride", "2", "{pretrained}"]),
+    *(("ressfl", {"channels": 4, "stride": 2, "lambda_rec": r, "lambda_id": i},
+       ["--release", "bottleneck", "--bottleneck-channels", "4", "--bottleneck-stride", "2", "{pretrained}"])
+      for r, i in ((10, 2), (30, 10))),
     # noise-aware public pre-training: the same bottleneck pre-trained on public faces (no adversary) on releases
     # clipped and noised as the devices will noise them (z 0.05, the stronger noise of the plain bottleneck points);
     # the first is the reference of the pre-trained points
