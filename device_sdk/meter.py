@@ -32,7 +32,14 @@ def latency_stats(samples: Sequence[float], warmup: int = 0, trim: float = 0.1) 
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    """This process's peak resident set so far: Linux's VmHWM, the high-water mark of this process's own
+    memory. Not ru_maxrss there: Linux carries it over fork and exec, so a process started by a large
+    parent reports the parent's peak. Elsewhere ru_maxrss (bytes on macOS)."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 

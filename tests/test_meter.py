@@ -1,9 +1,14 @@
-"""The cost meter's arithmetic on constructed samples, and energy that is never invented."""
+"""The cost meter's arithmetic on constructed samples, energy that is never invented, and peak memory that
+is the process's own."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 
-from device_sdk.meter import BatchCost, EnergyCounter, latency_stats, summarize_costs
+from device_sdk.meter import BatchCost, EnergyCounter, latency_stats, peak_rss_bytes, summarize_costs
 
 
 def test_latency_stats_drop_warmup_and_trim():
@@ -36,3 +41,13 @@ def test_summary_splits_round_trip_into_network_and_server():
     assert s["energy_j_per_batch"] is None and s["energy_note"] == "no counter"
     unknown_server = [BatchCost(0.1, 0.2, 0.01, 0.5, None, 1, 1, 1, None)] * 3
     assert summarize_costs(unknown_server)["network_s"] is None
+
+
+def test_peak_memory_is_the_processs_own_not_its_parents():
+    """Linux carries ru_maxrss over fork and exec; a device process started by a large parent must not
+    report the parent's peak."""
+    held = np.ones(300 * 2**20 // 8)  # 300 MB touched in this process
+    child = subprocess.run([sys.executable, "-c", "from device_sdk.meter import peak_rss_bytes; "
+                            "print(peak_rss_bytes())"], capture_output=True, text=True, check=True)
+    assert int(child.stdout) < 250 * 2**20 < peak_rss_bytes()
+    del held
