@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         reconnect_timeout_s=args.reconnect_timeout, ca_file=args.ca_file, insecure=args.insecure,
         privacy=privacy_engines(args, releases_per_image=args.epochs),
         state_dir=args.state_dir or args.results.parent / STATE_DIR, device_weights=args.device_weights,
-        backend=args.backend, artifacts=args.artifacts or args.results.parent / "artifacts", data=data_selection(args))
+        backend=args.backend, pipeline=args.pipeline, artifacts=args.artifacts or args.results.parent / "artifacts", data=data_selection(args))
     tokens = json.loads(args.tokens.read_text())
     print(f"{len(data.class_names)} identities, {len(data.train)} train / {len(data.test)} test images; "
           f"{args.devices} devices, {args.head} head, {spec.family} {spec.input_size}px; "

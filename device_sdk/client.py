@@ -14,7 +14,7 @@ import math
 import os
 import ssl
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -148,6 +148,19 @@ class BatchResult:
     bytes_sent: int
     bytes_received: int
     cost: BatchCost        # the same batch split into phases, for the cost meter
+
+
+@dataclass
+class PreparedBatch:
+    """A training batch's FORWARD, made and counted by the privacy engine but not yet sent."""
+    batch_id: int
+    labels: np.ndarray
+    message: bytes
+    watch: Stopwatch
+    energy0: float | None
+    traffic0: tuple[float, ...] = (0, 0, 0.0, 0.0)
+    server_s: list[float] = field(default_factory=list)
+    head: dict[str, Any] = field(default_factory=dict)
 
 
 class DeviceClient:
@@ -300,6 +313,13 @@ class DeviceClient:
     async def train_batch(self, batch_id: int, images: np.ndarray, labels: np.ndarray,
                           image_ids: np.ndarray) -> BatchResult:
         """One training batch; raises BudgetExceeded (nothing sent) if the release would overspend."""
+        prepared = await self.prepare_batch(batch_id, images, labels, image_ids)
+        return await self.commit_batch(prepared, await self.send_batch(prepared))
+
+    async def prepare_batch(self, batch_id: int, images: np.ndarray, labels: np.ndarray,
+                            image_ids: np.ndarray) -> PreparedBatch:
+        """The batch's release, encoded, not yet sent (a pipelined device makes it while the previous batch is
+        at the server); raises BudgetExceeded, with nothing sent, if the release would overspend."""
         engine = self.engine
         watch = Stopwatch()
         energy0 = self.energy.read_joules()
@@ -308,43 +328,54 @@ class DeviceClient:
         with watch("encode"):
             forward = self.session.forward(batch_id, activations, labels if engine.head == "server" else None,
                                            spent_epsilon=self._spent())
-        traffic0 = (self.traffic.sent, self.traffic.received, self.traffic.round_trip_s, self.traffic.decode_s)
-        head: dict[str, Any] = {}
-        server_s: list[float] = []
+        return PreparedBatch(batch_id, labels, forward, watch, energy0)
+
+    async def send_batch(self, prepared: PreparedBatch) -> dict[str, Any]:
+        """Send the prepared FORWARD (with the device head's step if the server answers with embeddings) and
+        return the BACKWARD, retrying across reconnects; the device's state does not change here."""
+        engine, batch_id, watch = self.engine, prepared.batch_id, prepared.watch
+        prepared.traffic0 = (self.traffic.sent, self.traffic.received, self.traffic.round_trip_s,
+                             self.traffic.decode_s)
 
         async def attempt() -> dict[str, Any]:
-            server_s.clear()
-            reply = await self.request(forward, {m.BACKWARD, m.EMBEDDINGS}, batch_id, "forward")
+            prepared.server_s.clear()
+            reply = await self.request(prepared.message, {m.BACKWARD, m.EMBEDDINGS}, batch_id, "forward")
             if reply["type"] == m.EMBEDDINGS:
                 self._fault("after-embeddings", batch_id)
-                server_s.append(reply.get("server_s", math.nan))
+                prepared.server_s.append(reply.get("server_s", math.nan))
                 with watch("head"):
-                    grad, head["loss"], head["n_correct"] = await asyncio.to_thread(
-                        engine.head_step, reply["embeddings"], labels)
+                    grad, prepared.head["loss"], prepared.head["n_correct"] = await asyncio.to_thread(
+                        engine.head_step, reply["embeddings"], prepared.labels)
                 with watch("encode"):
                     message = self.session.embedding_grad(batch_id, grad)
                 reply = await self.request(message, {m.BACKWARD}, batch_id, "embedding-grad")
-            server_s.append(reply.get("server_s", math.nan))
+            prepared.server_s.append(reply.get("server_s", math.nan))
             return reply
 
-        backward = await self._with_retries(attempt)
+        return await self._with_retries(attempt)
+
+    async def commit_batch(self, prepared: PreparedBatch, backward: dict[str, Any]) -> BatchResult:
+        """Apply the batch's BACKWARD on the device and account for what the batch cost."""
+        engine, watch, traffic0 = self.engine, prepared.watch, prepared.traffic0
         with watch("backward"):
-            await asyncio.to_thread(engine.commit, batch_id, backward["grad"])
+            await asyncio.to_thread(engine.commit, prepared.batch_id, backward["grad"])
         engine.forget_before(backward["durable_through"])
-        loss = backward.get("loss", head.get("loss"))
-        n_correct = backward.get("n_correct", head.get("n_correct"))
+        loss = backward.get("loss", prepared.head.get("loss"))
+        n_correct = backward.get("n_correct", prepared.head.get("n_correct"))
         t = watch.seconds
         energy1 = self.energy.read_joules()
         round_trip = self.traffic.round_trip_s - traffic0[2]
         sent, received = self.traffic.sent - traffic0[0], self.traffic.received - traffic0[1]
-        server_total = sum(server_s)
+        server_total = sum(prepared.server_s)
+        energy0 = prepared.energy0
         cost = BatchCost(forward_s=t["forward"], backward_s=t["backward"] + t.get("head", 0.0),
                          serialise_s=t["encode"] + self.traffic.decode_s - traffic0[3], round_trip_s=round_trip,
                          server_s=None if math.isnan(server_total) else server_total, bytes_sent=sent,
                          bytes_received=received, peak_rss_bytes=peak_rss_bytes(),
                          energy_j=None if energy0 is None or energy1 is None else energy1 - energy0)
         device_s = t["forward"] + t.get("head", 0.0) + t["backward"]
-        return BatchResult(batch_id, len(labels), float(loss), int(n_correct), device_s, round_trip, sent, received, cost)
+        return BatchResult(prepared.batch_id, len(prepared.labels), float(loss), int(n_correct), device_s, round_trip,
+                           sent, received, cost)
 
     async def evaluate_batch(self, images: np.ndarray, labels: np.ndarray, image_ids: np.ndarray,
                              release: tuple) -> tuple[float, int]:

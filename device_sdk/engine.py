@@ -5,6 +5,11 @@ roll back.
 Nothing leaves the device except through `forward`/`evaluate_release`, which apply the privacy
 mechanism and ask the budget guard first. Device state changes only when a batch's BACKWARD
 arrives (`commit`), so a batch re-sent after a dropped connection is never applied twice.
+
+Pipelined (`pipeline=True`): the release of batch n+1 is made while batch n is still at the server,
+so it uses the weights from before batch n's step (staleness one). Each forward then runs on its own
+copy of the weights, and its commit takes the gradient at that copy: the gradient of the release that
+was actually sent, applied to the current weights.
 """
 from __future__ import annotations
 
@@ -78,12 +83,20 @@ def bound_for(mechanism: Mechanism, layer: nn.Module) -> None:
 class DeviceEngine:
     def __init__(self, spec: ModelSpec, split: str, head: str, num_classes: int,
                  config: TrainConfig | None = None, privacy: PrivacyEngine | None = None,
-                 device_weights: Path | None = None):
+                 device_weights: Path | None = None, pipeline: bool = False):
         if head not in ("server", "device"):
             raise ValueError(f"head must be 'server' or 'device', not {head!r}")
+        privacy_engine = privacy if privacy is not None else PrivacyEngine()
+        if pipeline and head == "device":
+            raise ValueError("pipelining keeps the next batch's release ready while the server works; with the "
+                             "device head (U-shaped) the device's own head step sits in that wait: drop --pipeline")
+        if pipeline and privacy_engine.layer_training == "dpsgd":
+            raise ValueError("DP-SGD clips per-sample gradients at the current weights; a pipelined release was "
+                             "made at the previous ones: drop --pipeline or use --layer-training plain")
+        self.pipeline = pipeline
         self.spec, self.split, self.head, self.num_classes = spec, split, head, num_classes
         self.config = config or TrainConfig()
-        self.privacy = privacy if privacy is not None else PrivacyEngine()
+        self.privacy = privacy_engine
         self.layer = initial_layer(spec, split, self.config.seed, device_weights)
         mechanism = self.privacy.mechanism
         if spec.release != "none" and isinstance(mechanism, PerActivationGaussian):
@@ -119,7 +132,7 @@ class DeviceEngine:
         self.runtime: LayerRuntime | None = None  # None: eager PyTorch
         self.committed = 0                      # last batch id applied on the device
         self.snapshots: dict[int, dict[str, Any]] = {0: self._state()}
-        self._pending: dict[str, Any] | None = None
+        self._pending: dict[int, dict[str, Any]] = {}  # batch id -> what its commit needs (two when pipelined)
 
     def attach_runtime(self, runtime: "LayerRuntime") -> None:
         """Compute releases and weight gradients with an exported program (ExecuTorch, ONNX Runtime).
@@ -144,26 +157,31 @@ class DeviceEngine:
 
     # ---- releases ----------------------------------------------------------------------
     def _release(self, x: torch.Tensor, release: Release, image_ids: Sequence[int], identities: Sequence[int],
-                 also: Sequence[tuple[Release, Any, bool]] = ()) -> dict[str, Any]:
+                 also: Sequence[tuple[Release, Any, bool]] = (),
+                 weights: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
         """Privatize through the privacy engine, which asks the guard before anything can be sent (raises
-        BudgetExceeded) and keys the noise by the release."""
+        BudgetExceeded) and keys the noise by the release. `weights`: the layer's parameters to use instead
+        of its own (a pipelined forward's copy)."""
         mechanism = self.privacy.mechanism
+
+        def layer(t: torch.Tensor) -> torch.Tensor:
+            return self.layer(t) if weights is None else torch.func.functional_call(self.layer, weights, (t,))
 
         def compute(generator: torch.Generator) -> dict[str, Any]:
             if isinstance(mechanism, DiscreteGaussianMechanism):  # the exact option: integers, keyed per release
-                activations = self.layer(x)
+                activations = layer(x)
                 mask = release_mask(self.spec, len(x), self.release_shape, generator)
                 masked = activations if mask is None else activations * mask
                 q = mechanism.release(masked, self.privacy.stream_key(generator))
                 return {"activations": activations, "released": mechanism.straight_through(masked, q),
                         "wire": mechanism.wire(q)}
             if self.runtime is None:
-                activations = self.layer(x)
+                activations = layer(x)
                 return {"activations": activations, "released": privatize(self.spec, mechanism, activations, generator)}
             # dct_keep: the channel subset is drawn first, from the same keyed generator, as `privatize` does
             mask = release_mask(self.spec, len(x), self.release_shape, generator)
             noise = mechanism.additive_noise((len(x), *self.release_shape), generator)
-            params = list(self.layer.parameters())
+            params = list(self.layer.parameters()) if weights is None else list(weights.values())
             if mask is None:
                 released = self.runtime.release(x, noise, params)
             else:  # the program adds its noise after the layer; the mask must come between
@@ -175,10 +193,15 @@ class DeviceEngine:
 
     def forward(self, images: np.ndarray, release: Release, image_ids: Sequence[int],
                 identities: Sequence[int]) -> np.ndarray:
-        """The training release of a batch; the graph (or the noise, with a runtime) is kept for `commit`."""
+        """The training release of a batch; the graph (or the noise, with a runtime) is kept for `commit`.
+        Pipelined, it runs on a copy of the weights taken now, which its commit differentiates."""
         self.layer.train(self.trainable)  # a frozen layer is a fixed function: eval mode (see __init__)
-        if self.optimizer is not None:
+        if self.optimizer is not None and not self.pipeline:
             self.optimizer.zero_grad(set_to_none=True)
+        weights = None
+        if self.pipeline and self.trainable:
+            weights = {n: p.detach().clone().requires_grad_(True)
+                       for n, p in self.layer.named_parameters()}
         x = to_input(images)
         also = []
         if self.privacy.layer_training == "dpsgd":
@@ -186,9 +209,14 @@ class DeviceEngine:
             # identity with k images in the batch moves it k times as far: recorded jointly.
             also.append((("dpsgd", *release[1:]), dpsgd_event(self.privacy.dpsgd_noise), True))
         with torch.set_grad_enabled(self.trainable and self.runtime is None):
-            out = self._release(x, release, image_ids, identities, also)
-        self._pending = {"x": x, "release": release, "image_ids": list(image_ids), "identities": list(identities),
-                         **out}
+            out = self._release(x, release, image_ids, identities, also, weights)
+        if not self.pipeline:
+            self._pending.clear()  # lock-step: a forward replaces a batch that was never committed
+        elif len(self._pending) >= 2:
+            raise RuntimeError(f"pipelined forward of {release} with batches {sorted(self._pending)} uncommitted: "
+                               "at most one batch may wait at the server while the next is prepared")
+        self._pending[release[1]] = {"x": x, "release": release, "image_ids": list(image_ids),
+                                     "identities": list(identities), "weights": weights, **out}
         return out["released"].detach().numpy()
 
     @torch.no_grad()
@@ -216,14 +244,18 @@ class DeviceEngine:
 
     def commit(self, batch_id: int, activation_grad: np.ndarray) -> None:
         """Apply the server's gradient to the layer (as its training mode says), step, snapshot."""
-        if self._pending is None:
-            raise RuntimeError("commit without a forward")
-        pending, self._pending = self._pending, None
+        if batch_id not in self._pending:
+            raise RuntimeError(f"commit of batch {batch_id} without its forward (pending: {sorted(self._pending)})")
+        pending = self._pending.pop(batch_id)
         grad = torch.from_numpy(np.array(activation_grad, dtype=np.float32))
         mode = self.privacy.layer_training if self.trainable else "frozen"  # no parameters: nothing to apply
+        copied = pending["weights"]  # pipelined: the weights this release was made with
+        if self.optimizer is not None and copied is not None:
+            self.optimizer.zero_grad(set_to_none=True)
         if mode == "plain" and self.runtime is not None:
             params = list(self.layer.parameters())
-            for p, g in zip(params, self.runtime.weight_grads(pending["x"], pending["noise"], grad, params)):
+            at = params if copied is None else list(copied.values())
+            for p, g in zip(params, self.runtime.weight_grads(pending["x"], pending["noise"], grad, at)):
                 p.grad = g
         elif mode == "plain" and self.privacy.nopeek_weight:
             # NoPeek: the server's gradient of its loss, plus the device's own penalty on what it released
@@ -248,6 +280,9 @@ class DeviceEngine:
                                          joint=True)["grads"]
             for name, p in self.layer.named_parameters():
                 p.grad = noisy[name]
+        if mode == "plain" and self.runtime is None and copied is not None:
+            for name, p in self.layer.named_parameters():  # the gradient at the copy, applied to the weights
+                p.grad = copied[name].grad
         if self.optimizer is not None:
             self.optimizer.step()
             self.scheduler.step()
@@ -265,6 +300,10 @@ class DeviceEngine:
     def privacy_report(self) -> dict[str, Any]:
         """The privacy engine's figures, and whether the layer's training voids them."""
         return self.privacy.report(layer_trains=self.trainable)
+
+    def drop_uncommitted(self) -> None:
+        """Forget releases whose batches will not be committed (a pipelined one made before a rollback)."""
+        self._pending.clear()
 
     # ---- snapshots for server rollbacks ------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -292,6 +331,6 @@ class DeviceEngine:
             self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
             self.scheduler.load_state_dict(state["scheduler"])
         self.committed = batch_id
-        self._pending = None
+        self.drop_uncommitted()
         for k in [k for k in self.snapshots if k > batch_id]:
             del self.snapshots[k]

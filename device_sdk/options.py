@@ -121,9 +121,12 @@ def model_argv(args: argparse.Namespace) -> list[str]:
 # ---- the devices -------------------------------------------------------------------------
 
 def add_devices_args(p: argparse.ArgumentParser) -> None:
-    """How many simulated devices, and where the classifier lives."""
+    """How many simulated devices, where the classifier lives, and whether they pipeline."""
     p.add_argument("--head", choices=("server", "device"), default="server")
     add_devices_arg(p)
+    p.add_argument("--pipeline", action="store_true",
+                   help="make batch n+1's release while batch n is at the server (its weights are one step stale; "
+                        "the gradient is taken at them); server head, plain or frozen layer training")
 
 
 def add_devices_arg(p: argparse.ArgumentParser, default: int = 2, help: str | None = None) -> None:

@@ -56,6 +56,7 @@ class SimConfig:
     device_weights: Path | None = None
     backend: str = "torch"                 # torch | executorch | onnxruntime (device_sdk.runtimes)
     artifacts: Path | None = None          # exported programs for the backend (exported here if empty)
+    pipeline: bool = False                 # make batch n+1's release while batch n is at the server
     data: dict[str, Any] = field(default_factory=dict)  # how the data was selected: lets an audit find each batch's images
 
 
@@ -93,7 +94,7 @@ class SimulatedDevice:
         if config.state_dir is not None:  # resume what this device spent, and its noise secret
             privacy.open_state(state_path(config.state_dir, device_id))
         engine = DeviceEngine(config.spec, config.split, config.head, num_classes, train_cfg, privacy,
-                              config.device_weights)
+                              config.device_weights, pipeline=config.pipeline)
         if config.backend != "torch":
             if config.artifacts is None:
                 raise ValueError(f"the {config.backend} backend needs SimConfig.artifacts (a directory)")
@@ -120,20 +121,39 @@ class SimulatedDevice:
                 break
             except Rollback:
                 continue
+        def prepare(batch_id: int):
+            _, idx = batch_indices(n, cfg.batch_size, batch_id, cfg.seed, self.index)
+            return self.client.prepare_batch(batch_id, data.train_images[idx], data.train_labels[idx],
+                                             data.train_ids[idx])
+
+        prepared = None  # pipelined: the next batch's release, made while the previous batch was at the server
         try:
             while engine.committed < total:
                 batch_id = engine.committed + 1
-                epoch, idx = batch_indices(n, cfg.batch_size, batch_id, cfg.seed, self.index)
+                epoch = (batch_id - 1) // per_epoch
                 try:
-                    result = await self.client.train_batch(batch_id, data.train_images[idx], data.train_labels[idx],
-                                                           data.train_ids[idx])
+                    if prepared is None or prepared.batch_id != batch_id:
+                        prepared = await prepare(batch_id)
+                    at_server = asyncio.ensure_future(self.client.send_batch(prepared))
+                    upcoming, spent = None, None
+                    if cfg.pipeline and batch_id < total:
+                        try:  # while this batch is away; its commit waits until this release is made
+                            upcoming = await prepare(batch_id + 1)
+                        except BudgetExceeded as exc:
+                            spent = exc  # this batch still finishes; nothing more is sent
+                    result = await self.client.commit_batch(prepared, await at_server)
+                    prepared = upcoming
                     self.batches[batch_id] = result
                     bar.n = engine.committed
                     bar.set_postfix(epoch=epoch + 1, loss=f"{result.loss:.3f}")
                     if batch_id % per_epoch == 0:
                         self.epochs[epoch] = await self._epoch_summary(epoch, per_epoch, started)
                         bar.write(f"{self.client.device_id} epoch {epoch + 1}: " + _fmt(self.epochs[epoch]))
+                    if spent is not None:
+                        raise spent
                 except Rollback as rb:
+                    prepared = None  # made from weights the rollback discarded
+                    engine.drop_uncommitted()
                     bar.write(f"{self.client.device_id}: {rb}")
                     self.batches = {k: v for k, v in self.batches.items() if k <= rb.batch_id}
                     bar.n = engine.committed

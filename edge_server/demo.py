@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO
 
 from device_sdk.cli import load_data
 from device_sdk.models import ModelSpec
@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
         copier.start()
         print(f"edge server on ws://127.0.0.1:{port} (log: {run_dir / 'server.log'})", flush=True)
         sim_cmd = [sys.executable, "-m", "device_sdk", "--server", f"ws://127.0.0.1:{port}", "--tokens", str(token_file),
-                   *common, *data_args, "--head", args.head, "--devices", str(args.devices), "--epochs", str(args.epochs),
+                   *common, *data_args, "--head", args.head, *(["--pipeline"] if args.pipeline else []),
+                   "--devices", str(args.devices), "--epochs", str(args.epochs),
                    "--batch-size", str(args.batch_size), "--lr", str(args.device_lr), "--results", str(run_dir / "results.json"),
                    *extra]
         sim = subprocess.Popen(sim_cmd)
@@ -138,11 +139,12 @@ def same_arguments(recorded: list[str], wanted: list[str]) -> bool:
     return normal(recorded) == normal(wanted)
 
 
-def run_recorded(run_dir: Path, demo_args: list[str], force: bool = False) -> dict:
+def run_recorded(run_dir: Path, demo_args: list[str], force: bool = False,
+                 on_trained: Callable[[], None] | None = None) -> dict:
     """One experiment run in fresh processes (the sweep's and the frontier's unit), logged to
     `run_dir/demo.log`. Resumable: a run that finished with the same arguments (its results.json and
     demo_args.json) is read back, not re-run, unless `force`; any other is removed first (the server
-    would otherwise resume its checkpoint)."""
+    would otherwise resume its checkpoint). `on_trained` is called after a run that was trained here."""
     import shutil
 
     results, recorded_args = run_dir / "results.json", run_dir / "demo_args.json"
@@ -159,6 +161,8 @@ def run_recorded(run_dir: Path, demo_args: list[str], force: bool = False) -> di
     if proc.returncode != 0:
         raise SystemExit(f"{run_dir.name} failed; see {run_dir / 'demo.log'}")
     print(f"{run_dir.name}: trained in {time.time() - started:.0f}s", flush=True)
+    if on_trained is not None:
+        on_trained()
     return json.loads(results.read_text())
 
 

@@ -42,9 +42,11 @@ def _start_server(run_dir: Path, port: int = 0, num_classes: int = NUM_CLASSES,
     raise AssertionError(f"server did not start (exit {proc.wait()})")
 
 
-def _simulator(port: int, lfw: Path, run_dir: Path, tokens: Path, epochs: int, head: str = "server") -> subprocess.Popen:
+def _simulator(port: int, lfw: Path, run_dir: Path, tokens: Path, epochs: int, head: str = "server",
+               pipeline: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "device_sdk", "--server", f"ws://127.0.0.1:{port}", "--tokens", str(tokens),
-           "--data", str(lfw), *DATA, "--model", MODEL, "--head", head, "--devices", "2", "--epochs", str(epochs),
+           "--data", str(lfw), *DATA, "--model", MODEL, "--head", head, *(["--pipeline"] if pipeline else []),
+           "--devices", "2", "--epochs", str(epochs),
            "--batch-size", "32", "--lr", "0.005", "--results", str(run_dir / "results.json"), "--threads", "1",
            "--no-progress", "--reconnect-timeout", "90"]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -99,15 +101,17 @@ def test_two_devices_learn_on_lfw(tmp_path, lfw, head):
     assert metrics["global"]["labelled"] == (metrics["global"]["samples"] if head == "server" else 0)
 
 
-def test_killed_server_resumes_and_devices_finish(tmp_path, lfw):
+@pytest.mark.parametrize("pipeline", [False, True], ids=["lock-step", "pipelined"])
+def test_killed_server_resumes_and_devices_finish(tmp_path, lfw, pipeline):
     """The server exits hard right after replying step 12 (`--fault crash-after-batch:12`), 2 steps after
     its checkpoint at step 10; restarted on the same port from that checkpoint, the devices reconnect, the
     ones that committed steps 11 and 12 roll back to what the checkpoint holds, and all finish. The server's
-    step count at the end equals the number of training batches exactly: none lost, none applied twice."""
+    step count at the end equals the number of training batches exactly: none lost, none applied twice.
+    Pipelined, the release each device had made ahead is dropped with the rollback and made again."""
     tokens = _setup(tmp_path)
     server, port = _start_server(tmp_path, checkpoint_every_batches="5", checkpoint_every="1000",
                                  fault="crash-after-batch:12")
-    sim = _simulator(port, lfw, tmp_path, tokens, epochs=2)
+    sim = _simulator(port, lfw, tmp_path, tokens, epochs=2, pipeline=pipeline)
     try:
         server.communicate(timeout=600)
         assert server.returncode == FAULT_EXIT

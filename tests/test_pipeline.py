@@ -1,0 +1,90 @@
+"""Pipelining on the device (`--pipeline`): batch n+1's release is made before batch n's gradient arrives,
+on the weights from before batch n's step. Its commit must then apply the gradient taken at those weights
+(the gradient of the release that was actually sent), for eager PyTorch and for an exported runtime; at most
+one batch waits; the configurations whose step needs the current weights are refused in words."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from device_sdk.engine import DeviceEngine
+from device_sdk.models import resolve_spec
+from device_sdk.privacy.engine import PrivacyEngine
+from device_sdk.optim import TrainConfig
+
+SPEC = resolve_spec("iresnet_small")
+rng = np.random.default_rng(0)
+IMAGES = rng.integers(0, 256, (4, 3, 64, 64), dtype=np.uint8)
+LABELS, IDS = np.array([0, 1, 0, 1]), np.arange(4)
+
+
+def gradient_at(engine: DeviceEngine, weights: list[torch.Tensor], images: np.ndarray, grad: np.ndarray):
+    """d sum(layer(images) * grad) / d weights at `weights`: what a lock-step device would apply there."""
+    from device_sdk.models import to_input
+
+    names = [n for n, _ in engine.layer.named_parameters()]
+    leaves = [w.clone().requires_grad_(True) for w in weights]
+    out = torch.func.functional_call(engine.layer, dict(zip(names, leaves)), (to_input(images),))
+    return torch.autograd.grad((out * torch.from_numpy(grad)).sum(), leaves)
+
+
+def test_a_pipelined_commit_applies_the_gradient_at_the_weights_its_release_used():
+    engine = DeviceEngine(SPEC, "conv1", "server", 2, TrainConfig(lr=0.1), pipeline=True)
+    w0 = [p.detach().clone() for p in engine.layer.parameters()]
+    first = engine.forward(IMAGES[:2], ("train", 1), IDS[:2], LABELS[:2])
+    second = engine.forward(IMAGES[2:], ("train", 2), IDS[2:], LABELS[2:])  # batch 1 is still at the server
+    g1, g2 = (np.random.default_rng(s).standard_normal(first.shape).astype(np.float32) for s in (1, 2))
+    engine.commit(1, g1)
+    w1 = [p.detach().clone() for p in engine.layer.parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(w0, w1))
+    for p, want in zip(engine.layer.parameters(), gradient_at(engine, w0, IMAGES[:2], g1)):
+        assert torch.allclose(p.grad, want, rtol=1e-5, atol=1e-6)
+    engine.commit(2, g2)   # its release was made at w0, not at w1: the gradient is taken there
+    for p, at_w0, at_w1 in zip(engine.layer.parameters(), gradient_at(engine, w0, IMAGES[2:], g2),
+                               gradient_at(engine, w1, IMAGES[2:], g2)):
+        assert torch.allclose(p.grad, at_w0, rtol=1e-5, atol=1e-6)
+    assert any(not torch.allclose(a, b) for a, b in zip(gradient_at(engine, w0, IMAGES[2:], g2),
+                                                         gradient_at(engine, w1, IMAGES[2:], g2)))
+    # and the release itself was made at w0: the lock-step device's first forward of those images
+    lockstep = DeviceEngine(SPEC, "conv1", "server", 2, TrainConfig(lr=0.1))
+    assert np.array_equal(lockstep.forward(IMAGES[2:], ("train", 2), IDS[2:], LABELS[2:]), second)
+    assert engine.committed == 2 and not engine._pending
+
+
+def test_at_most_one_batch_waits_and_a_rollback_drops_the_one_made_ahead():
+    engine = DeviceEngine(SPEC, "conv1", "server", 2, pipeline=True)
+    engine.forward(IMAGES[:2], ("train", 1), IDS[:2], LABELS[:2])
+    engine.forward(IMAGES[2:], ("train", 2), IDS[2:], LABELS[2:])
+    with pytest.raises(RuntimeError, match="at most one batch may wait"):
+        engine.forward(IMAGES[:2], ("train", 3), IDS[:2], LABELS[:2])
+    engine.rollback(0)
+    assert not engine._pending
+    with pytest.raises(RuntimeError, match="commit of batch 1 without its forward"):
+        engine.commit(1, np.zeros((2, *engine.release_shape), np.float32))
+
+
+@pytest.mark.parametrize("head, training, words", [("device", "plain", "device head"),
+                                                   ("server", "dpsgd", "DP-SGD clips")])
+def test_pipelining_is_refused_where_the_step_needs_the_current_weights(head, training, words):
+    with pytest.raises(ValueError, match=words):
+        DeviceEngine(SPEC, "conv1", head, 2, privacy=PrivacyEngine(layer_training=training, dpsgd_clip=1.0,
+                                                                    dpsgd_noise=1.0), pipeline=True)
+
+
+@pytest.mark.slow  # exports and verifies the ONNX programs
+def test_a_runtime_takes_the_pipelined_gradient_at_the_same_weights(tmp_path):
+    from device_sdk.runtimes import load_runtime
+
+    eager = DeviceEngine(SPEC, "conv1", "server", 2, TrainConfig(lr=0.1), pipeline=True)
+    onnx = DeviceEngine(SPEC, "conv1", "server", 2, TrainConfig(lr=0.1), pipeline=True)
+    onnx.attach_runtime(load_runtime("onnxruntime", onnx.layer, SPEC.input_size, 2, tmp_path))
+    grads = [np.random.default_rng(s).standard_normal((2, *eager.release_shape)).astype(np.float32) for s in (1, 2)]
+    for e in (eager, onnx):
+        e.forward(IMAGES[:2], ("train", 1), IDS[:2], LABELS[:2])
+        e.forward(IMAGES[2:], ("train", 2), IDS[2:], LABELS[2:])
+        e.commit(1, grads[0])
+        e.commit(2, grads[1])
+    for a, b in zip(eager.layer.parameters(), onnx.layer.parameters()):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+        assert torch.allclose(a.grad, b.grad, rtol=1e-3, atol=1e-4 * float(a.grad.abs().max()))
