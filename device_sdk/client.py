@@ -327,7 +327,7 @@ class DeviceClient:
             activations = await asyncio.to_thread(engine.forward, images, ("train", batch_id), image_ids, labels)
         with watch("encode"):
             forward = self.session.forward(batch_id, activations, labels if engine.head == "server" else None,
-                                           spent_epsilon=self._spent())
+                                           spent_epsilon=self._spent(), integer_step=engine.integer_step)
         return PreparedBatch(batch_id, labels, forward, watch, energy0)
 
     async def send_batch(self, prepared: PreparedBatch) -> dict[str, Any]:
@@ -385,7 +385,7 @@ class DeviceClient:
         self._eval_id += 1
         eval_id = self._eval_id
         message = self.session.forward(eval_id, activations, labels if engine.head == "server" else None, eval=True,
-                                       spent_epsilon=self._spent())
+                                       spent_epsilon=self._spent(), integer_step=engine.integer_step)
         reply = await self._with_retries(lambda: self.request(message, {m.EVAL_RESULT, m.EMBEDDINGS}, eval_id))
         if reply["type"] == m.EVAL_RESULT:
             return reply["loss"] * reply["n"], reply["n_correct"]

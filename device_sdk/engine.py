@@ -134,6 +134,13 @@ class DeviceEngine:
         self.snapshots: dict[int, dict[str, Any]] = {0: self._state()}
         self._pending: dict[int, dict[str, Any]] = {}  # batch id -> what its commit needs (two when pipelined)
 
+    @property
+    def integer_step(self) -> float | None:
+        """The public step of a release made of integers (the discrete Gaussian's), which the wire carries as
+        they are (`ClientSession.forward`); None for float releases."""
+        mechanism = self.privacy.mechanism
+        return mechanism.step if isinstance(mechanism, DiscreteGaussianMechanism) else None
+
     def attach_runtime(self, runtime: "LayerRuntime") -> None:
         """Compute releases and weight gradients with an exported program (ExecuTorch, ONNX Runtime).
 
@@ -173,8 +180,7 @@ class DeviceEngine:
                 mask = release_mask(self.spec, len(x), self.release_shape, generator)
                 masked = activations if mask is None else activations * mask
                 q = mechanism.release(masked, self.privacy.stream_key(generator))
-                return {"activations": activations, "released": mechanism.straight_through(masked, q),
-                        "wire": mechanism.wire(q)}
+                return {"activations": activations, "released": mechanism.straight_through(masked, q)}
             if self.runtime is None:
                 activations = layer(x)
                 return {"activations": activations, "released": privatize(self.spec, mechanism, activations, generator)}

@@ -536,11 +536,13 @@ class ClientSession:
         return self.welcome["limits"]["max_message_bytes"] if self.welcome else m.DEFAULT_MAX_MESSAGE_BYTES
 
     def forward(self, batch_id: int, activations: np.ndarray, labels: np.ndarray | None = None, eval: bool = False,
-                spent_epsilon: float | None = None) -> bytes:
+                spent_epsilon: float | None = None, integer_step: float | None = None) -> bytes:
         """FORWARD; `spent_epsilon`: the device's spent epsilon with this release counted (None: no formal
-        mechanism, the field is omitted)."""
-        message: dict[str, Any] = {"type": m.FORWARD, "batch_id": batch_id,
-                                   "activations": encode_tensor(activations, self.encodings.get("activations", "f32"))}
+        mechanism, the field is omitted). `integer_step`: the release is integers in this public step (the
+        discrete Gaussian's): they go as i8 at that scale, exactly, whatever the activation encoding."""
+        tensor = (encode_tensor(activations, "i8", scale=integer_step) if integer_step is not None
+                  else encode_tensor(activations, self.encodings.get("activations", "f32")))
+        message: dict[str, Any] = {"type": m.FORWARD, "batch_id": batch_id, "activations": tensor}
         if labels is not None:
             if self.head == "device":
                 raise ValueError("device head: labels stay on the device")

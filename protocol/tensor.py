@@ -31,14 +31,21 @@ MAX_DIM = 2**31 - 1
 F16_TOP_BELOW_F32_MAX = 32752.0
 
 
-def encode_tensor(array: np.ndarray, encoding: str = "f32") -> dict[str, Any]:
-    """Wire form of a float array in the given encoding."""
+def encode_tensor(array: np.ndarray, encoding: str = "f32", scale: float | None = None) -> dict[str, Any]:
+    """Wire form of a float array in the given encoding.
+
+    `scale` (i8 only): a public step fixed in advance, for values that are already integers in that step (the
+    discrete Gaussian's release): they travel as those integers, exactly, or the call refuses."""
     if encoding not in WIRE_DTYPES:
         raise ValueError(f"unknown encoding {encoding!r}; choose one of {ENCODINGS}")
+    if scale is not None and encoding != "i8":
+        raise ValueError(f"a fixed scale is for i8 integers, not {encoding}")
     a = np.asarray(array)
     shape = [int(d) for d in a.shape]
     out: dict[str, Any] = {"dtype": encoding, "shape": shape}
-    if encoding == "i8":
+    if scale is not None:
+        out["data"], out["scale"] = _bytes_view(_integers_at(a.astype(np.float32, copy=False), scale)), float(scale)
+    elif encoding == "i8":
         a = a.astype(np.float32, copy=False)
         peak = _peak(a)
         scale = peak / 127.0 if peak > 0 else 1.0
@@ -62,6 +69,17 @@ def encode_tensor(array: np.ndarray, encoding: str = "f32") -> dict[str, Any]:
         wire = np.ascontiguousarray(a, dtype=WIRE_DTYPES[encoding])
         out["data"] = _bytes_view(wire)
     return out
+
+
+def _integers_at(a: np.ndarray, scale: float) -> np.ndarray:
+    """The int8 integers q with float32(q) * float32(scale) == a exactly (how an i8 tensor decodes)."""
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"the i8 scale must be finite and > 0, got {scale}")
+    step = np.float32(scale)
+    q = np.rint(a / step)
+    if a.size and not (np.abs(q).max() <= 127 and np.array_equal(q.astype(np.float32) * step, a)):
+        raise ValueError(f"values are not int8 integers in steps of {scale:g}: they would not decode exactly")
+    return q.astype(np.int8)
 
 
 def _peak(a: np.ndarray) -> float:

@@ -19,7 +19,10 @@ from device_sdk.privacy import discrete
 from device_sdk.privacy.accountant import epsilon_of
 from device_sdk.privacy.discrete import DiscreteGaussian, DiscreteGaussianMechanism, clip_quantise, squared_norms
 from device_sdk.privacy.fastnoise import NoiseStream, fresh_key, gaussian
-from protocol.tensor import decode_tensor
+import msgpack
+
+from protocol.session import ClientSession
+from protocol.tensor import decode_tensor, encode_tensor
 
 KEY = bytes(range(32))  # tests only: production keys come from fresh_key()
 
@@ -92,8 +95,9 @@ def test_release_is_integer_after_an_exact_clip_and_reaches_the_wire():
     # the same key gives the same integers: q plus the sampler's draws, clamped to the protocol's i8 range
     want = np.clip(q.reshape(-1) + mech.noise.sample(q.size, NoiseStream(KEY)), -127, 127).reshape(x.shape)
     np.testing.assert_array_equal(released, want)
-    decoded = decode_tensor(mech.wire(released))  # the i8 tensor with the public step: value = q * step
-    np.testing.assert_array_equal(decoded, mech.values(released).numpy())
+    wire = encode_tensor(mech.values(released).numpy(), "i8", scale=mech.step)  # the integers, with the step
+    assert bytes(wire["data"]) == released.tobytes() and wire["scale"] == mech.step
+    np.testing.assert_array_equal(decode_tensor(wire), mech.values(released).numpy())  # value = q * step
     # the layer learns through the release as if it were its output (straight-through)
     a = x.clone().requires_grad_(True)
     out = mech.straight_through(a, released)
@@ -179,3 +183,27 @@ def test_an_auditor_rebuilds_the_discrete_mechanism_from_a_runs_description():
     mechanism = DiscreteGaussianMechanism(8.0, 0.5, step=8.0 / 127)
     rebuilt = from_description(mechanism.describe())
     assert isinstance(rebuilt, DiscreteGaussianMechanism) and rebuilt.describe() == mechanism.describe()
+
+
+@pytest.mark.parametrize("negotiated", ["f32", "f16", "i8"])
+def test_the_integers_travel_as_they_are_whatever_encoding_was_negotiated(negotiated):
+    """A discrete release is sent as its int8 integers with the public step as the i8 scale: one byte a value,
+    exactly what the mechanism drew (with f32 it would cost four, and i8's peak-derived scale would re-round)."""
+    mech = DiscreteGaussianMechanism(clip_norm=8.0, noise_multiplier=1.0)
+    released = mech.release(torch.rand(2, 4, 8, 8), KEY)
+    session = ClientSession("d", "t", {}, "conv1", "server", 2, 5, encodings={"activations": negotiated,
+                                                                              "gradients": "f32"})
+    message = msgpack.unpackb(session.forward(1, mech.values(released).numpy(), np.array([0, 1]),
+                                              integer_step=mech.step))
+    assert message["activations"] == {"dtype": "i8", "shape": [2, 4, 8, 8], "data": released.tobytes(),
+                                      "scale": mech.step}
+
+
+def test_a_fixed_scale_refuses_values_that_would_not_decode_exactly():
+    step = 0.25
+    with pytest.raises(ValueError, match="not int8 integers"):
+        encode_tensor(np.array([0.25, 0.3], np.float32), "i8", scale=step)   # 0.3 is not a multiple of the step
+    with pytest.raises(ValueError, match="not int8 integers"):
+        encode_tensor(np.array([128 * step], np.float32), "i8", scale=step)  # outside int8's symmetric range
+    with pytest.raises(ValueError, match="fixed scale is for i8"):
+        encode_tensor(np.zeros(2, np.float32), "f16", scale=step)

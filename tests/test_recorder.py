@@ -55,6 +55,8 @@ def test_server_records_the_releases_it_received(lfw, tmp_path):
     np.testing.assert_allclose(kept["activations"].astype(np.float32), sent, atol=1e-3)
 
     assert all(np.isfinite(r.loss) for r in trained)  # the server trained on the integer releases
+    values = 4 * 16 * 64 * 64  # per batch: sent as one byte each (f32 is the negotiated encoding here)
+    assert all(values < r.bytes_sent < values + 1024 for r in trained)
     got = load_recordings(tmp_path / "server" / "recordings")["device-1"]["activations"].astype(np.float32)
     steps = got / np.float32(exact.step)  # kept as f16: integers to within f16's 11 bits
     assert got.shape == (8, 16, 64, 64) and np.abs(steps - np.rint(steps)).max() < 0.07

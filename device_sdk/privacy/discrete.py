@@ -232,12 +232,6 @@ class DiscreteGaussianMechanism(Mechanism):
             raise ValueError(f"expected int8 values, got {released.dtype}")
         return torch.from_numpy(released.astype(np.float32) * np.float32(self.step))
 
-    def wire(self, released: np.ndarray) -> dict:
-        """The release as the protocol's i8 tensor (SPEC.md section 4) with the public step as its scale."""
-        if released.dtype != np.int8:
-            raise ValueError(f"expected int8 values, got {released.dtype}")
-        return {"dtype": "i8", "shape": list(released.shape), "data": released.tobytes(), "scale": self.step}
-
     def privatize(self, activations: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """The released values, with a gradient that passes straight through the clip and the rounding (the
         layer learns as if the release were its output); the key is drawn from `generator`."""
