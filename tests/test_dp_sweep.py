@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -74,6 +75,17 @@ def test_reduced_sweep_runs_end_to_end(tmp_path, lfw):
     assert all(not s["informative"] and s["identity_r1"] >= s["identity_matching_r1"] for s in summary)
     for figure in ("privacy_utility.png", "reconstructions.png"):
         assert (audit / figure).stat().st_size > 10_000
+
+    # resumed where the recordings are gone (they are never committed: a clean clone has only the reports), the
+    # audit reads its reports back, re-audits nothing, and still writes its summary of every run
+    import shutil
+    reports = {p: p.stat().st_mtime_ns for p in audit.glob("*.json") if p.name != "summary.json"}
+    for run in runs:
+        shutil.rmtree(Path(run) / "server" / "recordings")
+    proc = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert {p: p.stat().st_mtime_ns for p in reports} == reports
+    assert [s["run"] for s in json.loads((audit / "summary.json").read_text())] == [r["name"] for r in rows]
 
 
 def test_audit_refuses_a_run_without_recordings(tmp_path, lfw):

@@ -29,7 +29,7 @@ def test_frontier_runs_its_full_size_configuration_and_resumes(tmp_path, lfw):
     out = tmp_path / "full"
     cmd = [sys.executable, str(ROOT / "bench" / "frontier.py"), "--data", str(lfw), "--out", str(out),
            "--model", "iresnet50", "--only", "dct-drop4-keep36", "--epochs", "1", "--record-max", "8",
-           "--view1-limit", "20",
+           "--view1-limit", "20", "--accuracy-seeds", "1",
            "--demo-args=--threads 2 --max-identities 2 --max-images 11 --devices 1 --batch-size 8",
            f"--audit-args=--recognizers eigenfaces --public-images 64 --decoder-epochs 1 --matcher-epochs 1 "
            f"--cache {tmp_path / 'cache'}"]
@@ -72,3 +72,16 @@ def test_the_main_job_finds_its_audited_point_whatever_spec_fields_were_added_si
     assert audited_point(now)["run"] == "dct-drop4"
     now["config"]["model"]["dct_drop"] = 2
     assert audited_point(now) is None
+
+
+def test_accuracies_are_seed_means_relative_to_the_references_mean_on_the_same_seeds():
+    """A point trained at seeds 0-2 against a reference that has them too: means over the three; a point with
+    seed 0 only is compared with the reference's seed 0 alone (not with its mean over seeds it lacks)."""
+    from bench import frontier
+
+    reference = {0: (0.4, 0.70), 1: (0.6, 0.80), 2: (0.5, 0.75)}
+    point = {0: (0.4, 0.70), 1: (0.3, 0.60), 2: (0.5, 0.65)}
+    test, view1 = frontier.relative(point, reference)
+    assert test == pytest.approx(0.4 / 0.5) and view1 == pytest.approx(0.65 / 0.75)
+    assert frontier.relative({0: (0.2, 0.35)}, reference) == pytest.approx((0.5, 0.5))
+    assert frontier.relative(reference, reference) == pytest.approx((1.0, 1.0))

@@ -260,12 +260,35 @@ def add_attacker_args(p: argparse.ArgumentParser) -> None:
                    help="where the strong recognizer's embeddings of clean photos are kept between audits")
 
 
-def attacker_settings(args: argparse.Namespace, recognizers: dict, run_dir: Path) -> dict:
+def recognizer_names(args: argparse.Namespace) -> list[str]:
+    """The recognizers `make_recognizers` builds, by name, in its order."""
+    return [*args.recognizers, *(["public_backbone"] if args.recognizer_weights else [])]
+
+
+def attacker_settings(args: argparse.Namespace, run_dir: Path) -> dict:
     """What a kept report must have been made with to be resumed: the same attacker, the same run."""
-    digest = hashlib.sha256((run_dir / "results.json").read_bytes()).hexdigest()
+    try:
+        digest = hashlib.sha256((run_dir / "results.json").read_bytes()).hexdigest()
+    except FileNotFoundError as exc:
+        raise SystemExit(f"splitface-audit: {run_dir} has no results.json: not a finished splitface-demo run ({exc})")
     return {"public_images": args.public_images, "image_size": args.image_size, "decoder_epochs": args.decoder_epochs,
-            "recognizers": list(recognizers), "matcher_epochs": args.matcher_epochs, "substitute": args.substitute,
-            "run_results_sha256": digest}
+            "recognizers": recognizer_names(args), "matcher_epochs": args.matcher_epochs,
+            "substitute": args.substitute, "run_results_sha256": digest}
+
+
+def kept_report(args: argparse.Namespace, run_dir: Path) -> tuple[dict, dict] | None:
+    """With --resume, the report and samples already written for this run by the same attacker, if any. Read
+    without the run's recordings, which are never committed: a clean clone resumes from the reports alone."""
+    saved = args.out / f"{run_dir.name}.json"
+    saved_samples = saved.with_suffix(".samples.npz")
+    if not (args.resume and saved.exists() and saved_samples.exists()):
+        return None
+    report = json.loads(saved.read_text())
+    settings = attacker_settings(args, run_dir)
+    if {k: report["config"].get(k) for k in settings} != settings:
+        return None
+    with np.load(saved_samples) as z:
+        return report, dict(z)
 
 
 def make_recognizers(args: argparse.Namespace, public: np.ndarray) -> dict[str, CachedFaces]:
@@ -302,38 +325,37 @@ def main(argv: list[str] | None = None) -> None:
     if args.recognizer_weights and not args.recognizer_weights.exists():
         raise SystemExit(f"splitface-audit: {args.recognizer_weights} does not exist "
                          f"(make one with `splitface-server pretrain`, or leave --recognizer-weights out)")
+    kept = {r: kept_report(args, r) for r in args.runs}
+    to_audit = [r for r in args.runs if kept[r] is None]
     try:
         # fail on a bad run before spending time on the others
-        views = [load_run(r, args.published_weights) for r in args.runs]
-        faces = public_faces(root, args.public_images)
-        truths = [ground_truth(view, root, faces) for view in views]
+        views = {r: load_run(r, args.published_weights) for r in to_audit}
+        faces = public_faces(root, args.public_images) if to_audit else None
+        truths = {r: ground_truth(views[r], root, faces) for r in to_audit}
     except (FileNotFoundError, ValueError, KeyError) as exc:
         raise SystemExit(f"splitface-audit: {exc}")
     args.out.mkdir(parents=True, exist_ok=True)
     public: dict[tuple[int, int], PublicFaces] = {}   # decoded once per input size and crop, for all runs
-    for truth in truths:
+    for truth in truths.values():
         if (truth.size, truth.crop) not in public:
             public[truth.size, truth.crop] = PublicFaces(faces, to_input(faces.load(truth.size, truth.crop)).numpy())
-    recognizers = make_recognizers(args, next(iter(public.values())).images)
+    recognizers = make_recognizers(args, next(iter(public.values())).images) if to_audit else {}
     rows, samples, reports = [], {}, {}
-    for run_dir, view, truth in zip(args.runs, views, truths):
+    for run_dir in args.runs:
         started = time.time()
-        saved, saved_samples = args.out / f"{view.name}.json", args.out / f"{view.name}.samples.npz"
-        settings = attacker_settings(args, recognizers, run_dir)
-        kept = json.loads(saved.read_text()) if args.resume and saved.exists() and saved_samples.exists() else None
-        if kept is not None and {k: kept["config"].get(k) for k in settings} == settings:
-            report = kept
-            with np.load(saved_samples) as z:
-                samples[view.name] = dict(z)
+        if kept[run_dir] is not None:
+            report, samples[run_dir.name] = kept[run_dir]
         else:
+            view, truth = views[run_dir], truths[run_dir]
             report, samples[view.name] = audit_run(view, truth, public[truth.size, truth.crop], recognizers, args)
-            report["config"] = {**settings, "seconds": round(time.time() - started, 1)}
+            report["config"] = {**attacker_settings(args, run_dir), "seconds": round(time.time() - started, 1)}
+            saved = args.out / f"{view.name}.json"
             saved.write_text(json.dumps(report, indent=2))
-            np.savez_compressed(saved_samples, **samples[view.name])
+            np.savez_compressed(saved.with_suffix(".samples.npz"), **samples[view.name])
         rows.append(headline(report))
-        reports[view.name] = report
+        reports[run_dir.name] = report
         r = rows[-1]
-        print(f"{view.name}: test acc {r['test_accuracy']:.3f} | identity R@1 {r['identity_r1']:.3f} (chance "
+        print(f"{run_dir.name}: test acc {r['test_accuracy']:.3f} | identity R@1 {r['identity_r1']:.3f} (chance "
               f"{r['identity_r1_chance']:.3f}, {r['identity_attack']}; {r['recognizer']} clean {r['recognizer_clean_r1']:.3f}) "
               f"| pixel linkage {r['linkage_pixels']:.3f} | server-model R@1 {r['server_model_risk@1']:.3f} "
               f"| MI AUC {_fmt(r['membership_auc'])} | label AUC {_fmt(r['label_direction_auc'])} "
