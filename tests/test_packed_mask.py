@@ -6,7 +6,9 @@ websocket the packed run trains exactly as the dense one with a quarter of the b
 from __future__ import annotations
 
 import asyncio
+import random
 from dataclasses import replace
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -21,8 +23,9 @@ from device_sdk.transforms.mask import infer_mask
 from edge_server.trainer import ServerTrainer
 from protocol import messages as m
 from protocol.errors import ErrorCode
+from protocol.mutate import mutate
 from protocol.patches import pack
-from protocol.session import ClientSession, DeviceRecord, Embed, Evaluate, Reply, ServerInfo, ServerSession, Train
+from protocol.session import Admit, ClientSession, DeviceRecord, Embed, Evaluate, Reply, ServerInfo, ServerSession, Train
 from protocol.tensor import encode_tensor
 from protocol.vectors import generate as gen
 from tests.conftest import TOKENS, serve_in_thread
@@ -228,3 +231,34 @@ def test_over_a_websocket_the_packed_run_trains_exactly_as_the_dense_one(tmp_pat
     assert losses1 == losses0
     assert all(torch.equal(v, state0[k]) for k, v in state1.items())
     assert sent0 / 4 < sent1 < sent0 / 3.5
+
+
+PACKED_VECTORS = sorted((Path(gen.__file__).parent / "packed").glob("*.msgpack"))
+
+
+def _packed_server(last_applied: int = 0) -> ServerSession:
+    server = ServerSession(gen.PACKED_INFO, lambda d, t: True, {gen.DEVICE_ID: DeviceRecord(last_applied)}, lambda d: 0)
+    assert isinstance(server.receive(gen.packed_client("server").hello()), Admit)
+    return server
+
+
+def test_the_packed_vectors_unpack_to_the_dense_release():
+    dense = gen._packed_release()
+    train = _packed_server().receive((PACKED_VECTORS[0]).read_bytes())
+    assert isinstance(train, Train) and np.array_equal(train.activations, dense)
+    assert train.visible.tolist() == [[[True, False, False], [False, True, False], [False, False, True]],
+                                      [[False, False, False], [False, False, False], [False, False, True]]]
+    nothing = _packed_server(last_applied=3).receive(PACKED_VECTORS[3].read_bytes())   # batch 4
+    assert isinstance(nothing, Train) and nothing.activations.shape == (1, 1, 6, 6) and not nothing.activations.any()
+
+
+def test_mutated_packed_vectors_are_messages_or_known_errors():
+    """protocol.mutate's hostile variants (bit flips, truncation, wrong types, huge shapes, ...) of the packed
+    vectors: the server session answers each with an action or an ERROR, never another failure."""
+    rng = random.Random(0)
+    vectors = [p.read_bytes() for p in PACKED_VECTORS if "_invalid_" not in p.name and "error_" not in p.name]
+    for _ in range(400):
+        _, data = mutate(rng.choice(vectors), rng)
+        action = _packed_server().receive(data)
+        if isinstance(action, Reply):
+            assert m.decode(action.data)["type"] == m.ERROR
