@@ -6,6 +6,7 @@ websocket the packed run trains exactly as the dense one with a quarter of the b
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -15,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from bench.mask_wire import forward_bytes
+from device_sdk.cli import load_selection
 from device_sdk.client import DeviceClient
 from device_sdk.engine import DeviceEngine, PrivacyEngine
 from device_sdk.models import PRESETS
@@ -262,3 +265,18 @@ def test_mutated_packed_vectors_are_messages_or_known_errors():
         action = _packed_server().receive(data)
         if isinstance(action, Reply):
             assert m.decode(action.data)["type"] == m.ERROR
+
+
+def test_the_wire_bench_counts_what_a_run_counts_and_the_packed_form_a_quarter(tmp_path, lfw):
+    """bench/mask_wire.py on a small run configuration: dense f32 is 3 x 64 x 64 floats a image plus the FORWARD's
+    share of headers and labels; packed, 16 patches of 3 x 8 x 8 floats plus an 8-byte bitmask."""
+    config = {"model": MASK.to_dict(), "split": "conv1", "head": "server", "num_devices": 2, "batch_size": 16,
+              "partition": "iid", "num_classes": 3, "seed": 0, "crop": 160, "train_images": None,
+              "data": {"image_folder": False, "min_images": 10, "max_identities": 3, "max_images": None,
+                       "people": "devtrain", "seed": 0}}
+    config["train_images"] = len(load_selection(lfw, config["data"]).train.labels)
+    (tmp_path / "results.json").write_text(json.dumps({"config": config}))
+    figures = forward_bytes(tmp_path, lfw)
+    assert 49152 < figures["f32"]["dense"] < 49152 + 40
+    assert 16 * 768 - 768 < figures["f32"]["packed"] < 16 * 768 + 8 + 40   # a black visible patch costs nothing
+    assert figures["i8"]["packed"] < figures["f16"]["packed"] < figures["f32"]["packed"]
