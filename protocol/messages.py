@@ -3,7 +3,8 @@
 One websocket binary message is one msgpack map with a `type`. A decoded message is a
 plain dict whose tensor fields are float32 numpy arrays; to encode, tensor fields may be
 numpy arrays (sent as f32) or maps from `encode_tensor` (any encoding). Named-tensor fields
-(federated weights and updates) are maps from a name to a tensor, decoded the same way.
+(federated weights and updates) are maps from a name to a tensor, decoded the same way. A packed FORWARD
+(SPEC.md section 5.12) decodes to its patches and its checked `visible` map; the server's session unpacks it.
 """
 from __future__ import annotations
 
