@@ -181,7 +181,8 @@ class DeviceClient:
         self.engine = engine
         self.session = ClientSession(device_id, token, engine.spec.to_dict(), engine.split, engine.head, batch_size,
                                      engine.num_classes if engine.head == "server" else None,
-                                     dict(encodings or {"activations": "f32", "gradients": "f32"}))
+                                     dict(encodings or {"activations": "f32", "gradients": "f32"}),
+                                     pack_patch=engine.spec.mask_patch if engine.spec.release == "mask" else None)
         self.reconnect_timeout_s = reconnect_timeout_s
         self.energy = EnergyCounter()
         self.server_retries = server_retries

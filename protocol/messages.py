@@ -3,7 +3,8 @@
 One websocket binary message is one msgpack map with a `type`. A decoded message is a
 plain dict whose tensor fields are float32 numpy arrays; to encode, tensor fields may be
 numpy arrays (sent as f32) or maps from `encode_tensor` (any encoding). Named-tensor fields
-(federated weights and updates) are maps from a name to a tensor, decoded the same way.
+(federated weights and updates) are maps from a name to a tensor, decoded the same way. A packed FORWARD
+(SPEC.md section 5.12) decodes to its patches and its checked `visible` map; the server's session unpacks it.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import msgpack
 import numpy as np
 
 from .errors import ErrorCode, ProtocolError, brief
+from .patches import check_packed, is_visible_field
 from .tensor import decode_tensor, encode_tensor
 
 PROTOCOL_VERSION = 1
@@ -116,6 +118,8 @@ SCHEMA: dict[str, dict[str, tuple[Check, bool]]] = {
     FORWARD: {
         "batch_id": (lambda v: is_int(v) and v >= 0, True),
         "activations": (TENSOR, True),
+        # the packed form of a patch-masked release (SPEC.md section 5.12): activations are then its patches
+        "visible": (is_visible_field, False),
         "labels": (_is_label_list, False),
         "eval": (lambda v: isinstance(v, bool), False),
         "spent_epsilon": (lambda v: _is_finite_number(v) and v >= 0, False),
@@ -240,6 +244,11 @@ def decode(data: bytes, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES) -> dict[st
             raise ProtocolError(ErrorCode.BAD_MESSAGE, f"{mtype}: field {field!r} has a wrong type or value", batch_id)
     if mtype == HELLO:
         _check_mode(message)
+    if mtype == FORWARD and "visible" in message:
+        try:
+            check_packed(message["activations"], message["visible"])
+        except ProtocolError as exc:
+            raise ProtocolError(exc.code, f"{mtype}: {exc.message}", batch_id) from None
     return message
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from . import messages as m
 from .clusters import ClusterRelay, HeadBoard
 from .errors import ErrorCode, ProtocolError, RemoteError, brief
+from .patches import check_packed, pack, unpack
 from .tensor import ENCODINGS, encode_tensor
 
 
@@ -62,6 +63,7 @@ class Train:
     batch_id: int
     activations: np.ndarray
     labels: np.ndarray
+    visible: np.ndarray | None = None  # packed FORWARD (SPEC.md 5.12): bool [N, GH, GW], the patches that travelled
 
 
 @dataclass
@@ -70,6 +72,7 @@ class Evaluate:
     batch_id: int
     activations: np.ndarray
     labels: np.ndarray
+    visible: np.ndarray | None = None  # packed FORWARD (SPEC.md 5.12): bool [N, GH, GW], the patches that travelled
 
 
 @dataclass
@@ -78,6 +81,7 @@ class Embed:
     batch_id: int
     activations: np.ndarray
     eval: bool
+    visible: np.ndarray | None = None  # packed FORWARD (SPEC.md 5.12): bool [N, GH, GW], the patches that travelled
 
 
 @dataclass
@@ -370,7 +374,9 @@ class ServerSession:
     def _forward(self, message: dict[str, Any]) -> Action:
         batch_id = message["batch_id"]
         activations = message["activations"]
-        shape = tuple(activations.shape)
+        visible = message.get("visible")
+        # packed (SPEC.md section 5.12): checked as the dense tensor it stands for, before that is allocated
+        shape = tuple(activations.shape) if visible is None else check_packed(activations, visible)
         if len(shape) != 1 + len(self.info.activation_shape) or shape[1:] != tuple(self.info.activation_shape):
             raise ProtocolError(ErrorCode.BAD_TENSOR,
                                 f"activations shape {list(shape)} is not [N, {', '.join(map(str, self.info.activation_shape))}]",
@@ -389,11 +395,14 @@ class ServerSession:
             self.epsilon[self.device_id] = float(spent)
         if replay is not None:
             return replay
+        mask = None
+        if visible is not None:  # the server gets the dense tensor either way, and the patches that travelled
+            activations, mask = unpack(activations, visible, shape)
         if self.head == "server":
-            return (Evaluate if is_eval else Train)(batch_id, activations, labels)
+            return (Evaluate if is_eval else Train)(batch_id, activations, labels, mask)
         if not is_eval:
             self._pending = (batch_id, shape[0])
-        return Embed(batch_id, activations, is_eval)
+        return Embed(batch_id, activations, is_eval, mask)
 
     def _labels(self, message: dict[str, Any], n: int) -> np.ndarray | None:
         labels = message.get("labels")
@@ -510,6 +519,9 @@ class ClientSession:
     num_classes: int | None = None
     encodings: dict[str, str] = field(default_factory=lambda: {"activations": "f32", "gradients": "f32"})
     welcome: dict[str, Any] | None = None
+    # a patch-masked release (FaceMAE's `mask`): FORWARDs carry only its non-zero patches of this side, and where
+    # they go (SPEC.md section 5.12); None: the dense tensor
+    pack_patch: int | None = None
 
     def hello(self) -> bytes:
         message: dict[str, Any] = {
@@ -540,9 +552,11 @@ class ClientSession:
         """FORWARD; `spent_epsilon`: the device's spent epsilon with this release counted (None: no formal
         mechanism, the field is omitted). `integer_step`: the release is integers in this public step (the
         discrete Gaussian's): they go as i8 at that scale, exactly, whatever the activation encoding."""
-        tensor = (encode_tensor(activations, "i8", scale=integer_step) if integer_step is not None
-                  else encode_tensor(activations, self.encodings.get("activations", "f32")))
-        message: dict[str, Any] = {"type": m.FORWARD, "batch_id": batch_id, "activations": tensor}
+        wire = (encode_tensor(activations, "i8", scale=integer_step) if integer_step is not None
+                else encode_tensor(activations, self.encodings.get("activations", "f32")))
+        message: dict[str, Any] = {"type": m.FORWARD, "batch_id": batch_id, "activations": wire}
+        if self.pack_patch is not None:
+            message["activations"], message["visible"] = pack(wire, self.pack_patch)
         if labels is not None:
             if self.head == "device":
                 raise ValueError("device head: labels stay on the device")

@@ -71,6 +71,8 @@ def test_valid_vector_decodes_to_its_meaning_and_reencodes_exactly(stem):
             assert raw.get("scale") == want.get("scale")
             assert message[key].dtype == np.float32 and list(message[key].shape) == want["shape"]
             assert message[key].reshape(-1).tolist() == want["values"]
+        elif key == "visible":   # a packed FORWARD's positions (SPEC.md section 5.12), bin spelled as hex
+            assert message[key] == {"grid": want["grid"], "bits": bytes.fromhex(want["bits_hex"])}
         else:
             assert message[key] == want, key
     assert m.encode(gen.wire_of(meaning)) == data

@@ -9,8 +9,9 @@ repeats its mask and a new release draws a new one. The device stage itself is a
 module (`ImageRelease`: the image bounded to [0, 1]); the mask is an input multiplied after it, so an
 exported program takes the mask as a tensor and draws nothing itself.
 
-What crosses the wire: the masked image with zeros in place (3 x S x S values, 4 x fewer non-zero than
-the image, but the same byte count: the protocol's tensors are dense). The zeros show the server which
+What crosses the wire: only the visible patches, with a bitmask of their positions (the packed FORWARD of
+SPEC.md section 5.12, `protocol.patches`, made by the device's ClientSession from this dense release); the
+server's session unpacks it to the masked image with zeros in place. The positions show the server which
 patches were visible, which it needs to reconstruct; they reveal nothing of the hidden pixels.
 
 Server side (`MaskedReconstruction`): a small convolutional MAE that sees the masked image and the

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,8 @@ def _tensor_wire(value: dict[str, Any]) -> dict[str, Any]:
 
 
 def meaning_of(data: bytes) -> dict[str, Any]:
-    """JSON meaning of a valid message: every field in wire order, tensors spelled out."""
+    """JSON meaning of a valid message: every field in wire order, tensors spelled out (a packed FORWARD's
+    `visible` as `{"grid", "bits_hex"}`)."""
     m.decode(data)  # must be valid
     raw = msgpack.unpackb(data, raw=False)
     out: dict[str, Any] = {}
@@ -90,6 +92,8 @@ def meaning_of(data: bytes) -> dict[str, Any]:
             value = _tensor_meaning(value, key)
         elif key in named_tensor_fields(raw["type"]):
             value = {name: _tensor_meaning(t, key) for name, t in value.items()}
+        elif key == "visible":
+            value = {"grid": value["grid"], "bits_hex": value["bits"].hex()}
         out[key] = value
     return out
 
@@ -102,6 +106,8 @@ def wire_of(meaning: dict[str, Any]) -> dict[str, Any]:
             value = _tensor_wire(value)
         elif key in named_tensor_fields(meaning["type"]):
             value = {name: _tensor_wire(t) for name, t in value.items()}
+        elif key == "visible":
+            value = {"grid": value["grid"], "bits": bytes.fromhex(value["bits_hex"])}
         out[key] = value
     return out
 
@@ -350,6 +356,82 @@ def epsilon_invalid_cases() -> list[tuple[str, bytes, ErrorCode, str]]:
     ]
 
 
+# ---- packed mask releases (written to packed/, SPEC.md section 5.12) ---------------------------------------
+# A toy mask release: 2 images of 1 x 6 x 6 in 2 x 2 patches (a 3 x 3 grid: 9 bits, 2 bytes per image, so the
+# top 7 bits of each image's second byte are padding). Image 0 shows its diagonal patches 0, 4, 8; image 1 only
+# patch 8, the first bit of its second byte. A toy server expects [N, 1, 6, 6].
+PACKED_PATCH = 2
+PACKED_SHAPE = (1, 6, 6)
+PACKED_INFO = replace(INFO, activation_shape=PACKED_SHAPE)
+
+
+def _packed_release() -> np.ndarray:
+    values = np.arange(1, 2 * 36 + 1, dtype=np.float32).reshape(2, *PACKED_SHAPE) / 8
+    values[0, 0, 0, 0] = -0.75          # a negative value (i8 and f16 carry its sign)
+    grid = np.zeros((2, 3, 3), np.float32)
+    grid[0, [0, 1, 2], [0, 1, 2]] = 1
+    grid[1, 2, 2] = 1
+    return values * grid.repeat(PACKED_PATCH, 1).repeat(PACKED_PATCH, 2)[:, None]
+
+
+def packed_client(head: str, activations: str = "f32") -> ClientSession:
+    return replace(client(head, {"activations": activations, "gradients": "f32"}), pack_patch=PACKED_PATCH)
+
+
+def packed_valid_cases() -> list[tuple[str, bytes]]:
+    release, server_head = _packed_release(), packed_client("server")
+    nothing = np.zeros((1, *PACKED_SHAPE), np.float32)
+    s = ServerSession(PACKED_INFO, lambda d, t: d == DEVICE_ID and t == TOKEN, {}, lambda d: 0)
+    s.session_id = SESSION_ID
+    assert isinstance(s.receive(server_head.hello()), Admit)
+    larger = np.pad(release, ((0, 0), (0, 0), (0, 2), (0, 2)))   # 8 x 8: a 4 x 4 grid, not the server's 6 x 6
+    return [
+        ("forward_packed_f32_labels", server_head.forward(1, release, LABELS)),
+        ("forward_packed_i8_eval_device_head", packed_client("device", "i8").forward(2, release, eval=True)),
+        ("forward_packed_f16_spent_epsilon", packed_client("server", "f16").forward(3, release, LABELS,
+                                                                                    spent_epsilon=SPENT)),
+        ("forward_packed_nothing_visible", server_head.forward(4, nothing, LABELS[:1])),
+        ("error_packed_not_the_servers_shape", s.receive(server_head.forward(1, larger, LABELS)).data),
+    ]
+
+
+def packed_invalid_cases() -> list[tuple[str, bytes, ErrorCode, str]]:
+    valid = msgpack.unpackb(packed_client("server").forward(1, _packed_release(), LABELS), raw=False)
+
+    def forward(visible: Any = None, shape: list[int] | None = None, data: bytes | None = None, **extra: Any) -> bytes:
+        wire = dict(valid, **extra)
+        wire["activations"] = dict(valid["activations"])
+        if shape is not None:
+            wire["activations"].update(shape=shape, data=data if data is not None else wire["activations"]["data"])
+        if visible is not None:
+            wire["visible"] = visible
+        return _pack(wire)
+
+    bits = valid["visible"]["bits"]
+    assert bits == bytes([0b00010001, 0b1, 0, 0b1])   # image 0: patches 0, 4, 8; image 1: patch 8
+    return [
+        ("invalid_visible_not_a_map", forward(bits), ErrorCode.BAD_MESSAGE, "visible is the bitmask alone"),
+        ("invalid_visible_nil", _pack(dict(valid, visible=None)), ErrorCode.BAD_MESSAGE, "visible is nil"),
+        ("invalid_visible_extra_key", forward({"grid": [3, 3], "bits": bits, "patch": 2}), ErrorCode.BAD_MESSAGE,
+         "a key besides grid and bits"),
+        ("invalid_visible_grid_zero", forward({"grid": [3, 0], "bits": bits}), ErrorCode.BAD_MESSAGE,
+         "a grid dimension of 0"),
+        ("invalid_visible_bits_str", forward({"grid": [3, 3], "bits": bits.hex()}), ErrorCode.BAD_MESSAGE,
+         "bits as str, not bin"),
+        ("invalid_visible_bits_length", forward({"grid": [3, 3], "bits": bits[:3]}), ErrorCode.BAD_TENSOR,
+         "3 bytes: not a multiple of the 2 bytes per image of a 3 x 3 grid"),
+        ("invalid_visible_position_past_grid", forward({"grid": [3, 3], "bits": bytes([0b10001, 0b10, 0, 0b1])}),
+         ErrorCode.BAD_TENSOR, "image 0 marks patch 9 instead of 8: a position past the grid's 9 (count still 4)"),
+        ("invalid_visible_count_mismatch", forward({"grid": [3, 3], "bits": bytes([0b10001, 0b1, 0b1, 0b1])}),
+         ErrorCode.BAD_TENSOR, "5 positions for 4 patches"),
+        ("invalid_packed_rank", forward(shape=[4, 1, 4]), ErrorCode.BAD_TENSOR, "patches of rank 3, not [T, C, P, P]"),
+        ("invalid_packed_not_square", forward(shape=[4, 1, 1, 4]), ErrorCode.BAD_TENSOR, "1 x 4 patches"),
+        ("invalid_packed_unpacks_too_large", forward({"grid": [1, 8], "bits": b"\x00\x00"}, shape=[0, 2**20, 32, 32],
+                                                     data=b""),
+         ErrorCode.BAD_TENSOR, "no patch, but the 2 x 2^20 x 32 x 256 dense tensor is past the tensor bounds"),
+    ]
+
+
 def build(valid: list[tuple[str, bytes]] | None = None,
           invalid: list[tuple[str, bytes, ErrorCode, str]] | None = None) -> list[tuple[str, bytes, dict[str, Any]]]:
     """(NN_name, message bytes, JSON meaning) for every case, numbered in order (default: the split set)."""
@@ -377,7 +459,8 @@ def generate(out_dir: Path = HERE) -> list[Path]:
     for folder, cases in ((out_dir, build()),
                           (out_dir / "federated", build(federated_valid_cases(), federated_invalid_cases())),
                           (out_dir / "clusters", build(clusters_valid_cases(), clusters_invalid_cases())),
-                          (out_dir / "epsilon", build(epsilon_valid_cases(), epsilon_invalid_cases()))):
+                          (out_dir / "epsilon", build(epsilon_valid_cases(), epsilon_invalid_cases())),
+                          (out_dir / "packed", build(packed_valid_cases(), packed_invalid_cases()))):
         folder.mkdir(parents=True, exist_ok=True)
         for stem, data, meaning in cases:
             (folder / f"{stem}.msgpack").write_bytes(data)

@@ -73,6 +73,7 @@ public final class Messages {
         type(FORWARD,
                 "batch_id", (Predicate<Object>) v -> intAtLeast(v, 0), true,
                 "activations", TENSOR, true,
+                "visible", (Predicate<Object>) Patches::isVisibleField, false,   // the packed form, SPEC.md 5.12
                 "labels", (Predicate<Object>) Messages::isIntList, false,
                 "eval", bool, false,
                 "spent_epsilon", (Predicate<Object>) Messages::isSpentEpsilon, false);
@@ -132,6 +133,13 @@ public final class Messages {
                 }
             } else if (!e.getValue().check().test(msg.get(name))) {
                 throw new ProtocolException(ProtocolException.BAD_MESSAGE, type + ": field '" + name + "' has a wrong type or value", batchId);
+            }
+        }
+        if (FORWARD.equals(type) && msg.containsKey("visible")) {
+            try {
+                Patches.check((Tensor) msg.get("activations"), (Map<?, ?>) msg.get("visible"));
+            } catch (ProtocolException ex) {
+                throw new ProtocolException(ex.code, type + ": " + ex.getMessage(), batchId);
             }
         }
         return msg;

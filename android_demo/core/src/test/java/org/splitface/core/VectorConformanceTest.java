@@ -36,6 +36,7 @@ public class VectorConformanceTest {
                     if (e.getKey().equals("values")) continue;
                     if (e.getKey().equals("data_hex")) { out.put("data", HexFormat.of().parseHex((String) e.getValue())); continue; }
                 }
+                if (e.getKey().equals("bits_hex")) { out.put("bits", HexFormat.of().parseHex((String) e.getValue())); continue; }
                 out.put(e.getKey(), meaning(e.getValue()));
             }
             return out;
@@ -73,6 +74,17 @@ public class VectorConformanceTest {
         byte[] built = ClientSessionTest.session().forward(1, activations.values(), new int[] {2, 2, 3}, new int[] {3, 7},
                 false, (Double) forward.get("spent_epsilon"));
         assertArrayEquals(vector, built);
+    }
+
+    /** A patch-masked release's packed FORWARD (protocol/vectors/packed, SPEC.md section 5.12): decoded, its positions
+     *  checked against its patches, and re-encoded as the reference does; malformed ones refused with its codes. */
+    @Test
+    public void packedVectors() throws Exception {
+        int[] counts = conform(VECTORS.resolve("packed"));
+        assertTrue(counts[0] >= 5 && counts[1] >= 11);
+        Map<String, Object> forward = Messages.decode(Files.readAllBytes(VECTORS.resolve("packed/01_forward_packed_f32_labels.msgpack")),
+                Messages.DEFAULT_MAX_MESSAGE_BYTES);
+        assertArrayEquals(new long[] {2, 1, 6, 6}, Patches.check((Tensor) forward.get("activations"), (Map<?, ?>) forward.get("visible")));
     }
 
     /** Checks every vector in `dir`; returns {valid, invalid} counts. */
