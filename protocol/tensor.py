@@ -113,6 +113,16 @@ def decode_tensor(obj: Any, *, field: str = "tensor", finite: bool = True) -> np
             array = array.astype(np.float32) * np.float32(scale)
     elif "scale" in obj:
         raise bad("f32 takes no scale")
-    if finite and array.size and not np.isfinite(array).all():
+    if finite and array.size and not all_finite(array):
         raise bad("contains NaN or infinity")
     return array
+
+
+def all_finite(array: np.ndarray) -> bool:
+    """Whether a float array holds no NaN or infinity, without np.isfinite's temporary bool array when it does not.
+
+    A sum is finite only if every term is (a NaN or an infinity makes it NaN or infinite); a non-finite sum
+    may also be an overflow of finite values, so then the exact check decides."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = np.add.reduce(array, axis=None)
+    return bool(np.isfinite(total)) or bool(np.isfinite(array).all())
