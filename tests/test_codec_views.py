@@ -201,16 +201,19 @@ def test_views_decode_hostile_messages_as_before(data):
     assert _same_outcome(data)[0] == "refused"
 
 
-def test_large_message_decodes_to_read_only_views_of_its_bytes():
+def test_large_message_decodes_to_read_only_aligned_views_of_its_bytes():
     a = np.random.default_rng(0).random((4, 16, 64, 64), dtype=np.float32)   # 1 MiB: the view path's size
-    data = m.encode({"type": m.FORWARD, "batch_id": 1, "activations": a, "labels": [1, 2, 3, 4]})
-    out = m.decode(data)["activations"]
-    assert np.array_equal(out, a) and not out.flags.writeable
-    assert np.shares_memory(out, np.frombuffer(data, np.uint8))
-    copied = _plain(lambda: m.decode(data))["activations"]
-    assert np.array_equal(copied, a) and not np.shares_memory(copied, np.frombuffer(data, np.uint8))
-    # a mutable buffer is never viewed: its owner could change the tensor after the checks
-    assert not np.shares_memory(m.decode(bytearray(data))["activations"], np.frombuffer(data, np.uint8))
+    viewed = 0
+    for batch_id in (1, 200, 300, 70000, 2**33):     # the tensor's offset in the message moves with the id's size
+        data = m.encode({"type": m.FORWARD, "batch_id": batch_id, "activations": a, "labels": [1, 2, 3, 4]})
+        out = m.decode(data)["activations"]
+        assert np.array_equal(out, a) and not out.flags.writeable and out.flags.aligned
+        viewed += np.shares_memory(out, np.frombuffer(data, np.uint8))      # aligned: a view; else a copy
+        copied = _plain(lambda: m.decode(data))["activations"]
+        assert np.array_equal(copied, a) and not np.shares_memory(copied, np.frombuffer(data, np.uint8))
+        # a mutable buffer is never viewed: its owner could change the tensor after the checks
+        assert not np.shares_memory(m.decode(bytearray(data))["activations"], np.frombuffer(data, np.uint8))
+    assert 0 < viewed < 5                              # both ways taken
 
 
 # ---- the finite check -------------------------------------------------------------------------
