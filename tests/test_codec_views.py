@@ -72,7 +72,8 @@ def test_encode_parts_gives_packb_bytes_for_every_vector(stem, bin_min):
 
 @settings(max_examples=200, derandomize=True, deadline=None)
 @given(encoding=st.sampled_from(list(WIRE_DTYPES)), shape=st.lists(st.integers(0, 70), max_size=4),
-       bin_min=st.sampled_from([0, 1, 255, 256, 257, 65535, 65536]), labels=st.booleans(), seed=st.integers(0, 2**32 - 1))
+       bin_min=st.sampled_from([0, 1, 255, 256, 257, 65535, 65536]), labels=st.booleans(),
+       seed=st.integers(0, 2**32 - 1))
 def test_encode_parts_gives_packb_bytes_for_random_tensors(encoding, shape, bin_min, labels, seed):
     a = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
     message: dict[str, Any] = {"type": m.FORWARD, "batch_id": seed, "activations": encode_tensor(a, encoding)}
@@ -175,7 +176,8 @@ values = st.recursive(
 
 
 @FUZZ
-@given(value=values, mtype=st.sampled_from(list(m.SCHEMA) + ["nope"]), key=st.sampled_from(["activations", "data", "x"]))
+@given(value=values, mtype=st.sampled_from(list(m.SCHEMA) + ["nope"]),
+       key=st.sampled_from(["activations", "data", "x"]))
 def test_views_decode_any_msgpack_value_as_before(value, mtype, key):
     _same_outcome(_packb({"type": mtype, key: value, "batch_id": 1}))
     _same_outcome(_packb(value))
