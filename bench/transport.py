@@ -15,7 +15,12 @@ same load from other processes on this shared machine. Variants:
 - protocol, as before: websocket message in one frame, the old settings (the client's default 32 KiB write
   limit), glibc's default allocator behaviour;
 - protocol, fragments only / allocator only: one of the two changes of protocol/transport.py;
-- protocol, tuned: both (what the device client does, and the server once app.py uses the settings);
+- protocol, tuned: both, with the codec before the zero-copy one (msgpack.packb, msgpack.unpackb,
+  np.isfinite(...).all());
+- protocol, zero-copy codec: tuned, and today's codec (the client sends ClientSession.forward_parts, the
+  tensor from its own buffer; decode views the tensor in the received message; the sum-first finite check;
+  the echo encodes its reply with messages.encode, one copy, as ServerSession.applied does): what the device
+  client and the edge server do now;
 - raw blocking sockets: a length prefix, then sendall / recv_into a buffer reused across trips (no protocol,
   no validation, no allocation): the ceiling.
 
@@ -48,15 +53,49 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1e6
 
-# variant -> (send in fragments, reuse_large_buffers); None: raw sockets
-VARIANTS: dict[str, tuple[bool, bool] | None] = {
-    "protocol, as before (one frame, default allocator)": (False, False),
-    "protocol, fragments only": (True, False),
-    "protocol, allocator only": (False, True),
-    "protocol, tuned (fragments + allocator)": (True, True),
+# variant -> (send in fragments, reuse_large_buffers, zero-copy codec); None: raw sockets
+VARIANTS: dict[str, tuple[bool, bool, bool] | None] = {
+    "protocol, as before (one frame, default allocator)": (False, False, False),
+    "protocol, fragments only": (True, False, False),
+    "protocol, allocator only": (False, True, False),
+    "protocol, tuned (fragments + allocator)": (True, True, False),
+    "protocol, zero-copy codec (tuned + views)": (True, True, True),
     "raw blocking sockets, recv_into": None,
 }
-BEFORE, TUNED, RAW = (list(VARIANTS)[i] for i in (0, 3, 4))
+BEFORE, TUNED, ZERO_COPY, RAW = (list(VARIANTS)[i] for i in (0, 3, 4, 5))
+
+
+def codec_setting(zero_copy: bool) -> None:
+    """This process's codec (once, at its start): today's (encode_parts' views, decode's views, the sum-first finite
+    check), or the one before it (msgpack.packb, msgpack.unpackb, np.isfinite(...).all()) for the variants that
+    show it. The bytes on the wire are the same."""
+    from protocol import messages as m
+    from protocol import tensor
+    global _all_finite_now
+    _all_finite_now = _all_finite_now or tensor.all_finite
+    m.ZERO_COPY = zero_copy
+    tensor.all_finite = _all_finite_now if zero_copy else _all_finite_before
+
+
+_all_finite_now = None
+
+
+def _all_finite_before(array: np.ndarray) -> bool:
+    return bool(np.isfinite(array).all())
+
+
+def _with_codec(zero_copy: bool, fn):
+    """`fn` run with one codec or the other, whatever this process's own (for the codec table)."""
+    from protocol import messages as m
+
+    def run() -> Any:
+        own = m.ZERO_COPY
+        codec_setting(zero_copy)
+        try:
+            return fn()
+        finally:
+            codec_setting(own)
+    return run
 
 
 def ws_options(side: str, fragmented: bool) -> dict[str, Any]:
@@ -87,7 +126,8 @@ def server_main(conn, variant: str) -> None:
         conn.recv()
         conn.send(phases)
         return
-    fragmented, allocator = setting
+    fragmented, allocator, zero_copy = setting
+    codec_setting(zero_copy)
     from websockets.asyncio.server import serve
 
     from protocol import messages as m
@@ -186,11 +226,12 @@ def client_main(conn, variant: str, port: int, shape: tuple[int, ...]) -> None:
             conn.send({"times": times, "phases": {}, "message_bytes": list(sizes)})
         s.close()
         return
-    fragmented, allocator = setting
+    fragmented, allocator, zero_copy = setting
+    codec_setting(zero_copy)
     from protocol.transport import reuse_large_buffers
     if allocator:
         reuse_large_buffers()
-    asyncio.run(_client_loop(conn, port, fragmented, activations, labels))
+    asyncio.run(_client_loop(conn, port, fragmented, zero_copy, activations, labels))
 
 
 def _protocol_sizes(activations: np.ndarray, labels: np.ndarray) -> tuple[int, int]:
@@ -204,12 +245,13 @@ def _protocol_sizes(activations: np.ndarray, labels: np.ndarray) -> tuple[int, i
     return len(forward), len(backward)
 
 
-async def _client_loop(conn, port: int, fragmented: bool, activations: np.ndarray, labels: np.ndarray) -> None:
+async def _client_loop(conn, port: int, fragmented: bool, zero_copy: bool, activations: np.ndarray,
+                       labels: np.ndarray) -> None:
     from websockets.asyncio.client import connect
 
     from protocol import messages as m
     from protocol.session import ClientSession
-    from protocol.transport import send_fragments
+    from protocol.transport import message_size, send_fragments
     session = ClientSession("bench-device", "bench-token", {}, "conv1", "server", len(activations), 1000,
                             {"activations": "f32", "gradients": "f32"})
     batch_id = 0
@@ -224,7 +266,9 @@ async def _client_loop(conn, port: int, fragmented: bool, activations: np.ndarra
             for _ in range(cmd[1]):
                 batch_id += 1
                 t0 = time.perf_counter()
-                data = session.forward(batch_id, activations, labels)
+                # the device client's path: the FORWARD's parts, its activations sent from their own buffer
+                data = session.forward_parts(batch_id, activations, labels) if zero_copy else \
+                    session.forward(batch_id, activations, labels)
                 t1 = time.perf_counter()
                 if fragmented:
                     await send_fragments(ws, data)
@@ -237,7 +281,7 @@ async def _client_loop(conn, port: int, fragmented: bool, activations: np.ndarra
                 t4 = time.perf_counter()
                 if grad.shape != activations.shape:
                     raise AssertionError(f"echo returned {grad.shape}, sent {activations.shape}")
-                sizes = [len(data), len(reply)]
+                sizes = [message_size(data), len(reply)]
                 del data, reply, grad
                 times.append(t4 - t0)
                 for k, a, b in (("encode", t0, t1), ("send", t1, t2), ("wait", t2, t3), ("decode", t3, t4)):
@@ -255,15 +299,19 @@ def codec_steps(activations: np.ndarray, labels: np.ndarray, reps: int = 3) -> l
     from protocol.transport import fragments
     msg = {"type": m.FORWARD, "batch_id": 1, "activations": encode_tensor(activations, "f32"),
            "labels": [int(x) for x in labels]}
-    data = m.encode(msg)
+    data = msgpack.packb(m.wire_form(msg), use_bin_type=True)
     keep = bytearray(len(data))
     ops = {
         "copy into a reused buffer (memcpy)": lambda: memoryview(keep).__setitem__(slice(None), data),
         "copy into a new buffer (bytearray(data))": lambda: bytearray(data),
-        "messages.encode (msgpack.packb)": lambda: m.encode(msg),
+        "messages.encode before (msgpack.packb)": _with_codec(False, lambda: m.encode(msg)),
+        "messages.encode_parts (views, no copy)": _with_codec(True, lambda: m.encode_parts(msg)),
+        "messages.encode now (encode_parts joined: one copy)": _with_codec(True, lambda: m.encode(msg)),
         "msgpack.unpackb alone": lambda: msgpack.unpackb(data),
         "np.isfinite(...).all() alone": lambda: np.isfinite(activations).all(),
-        "messages.decode (unpackb + checks + frombuffer + finite)": lambda: m.decode(data),
+        "tensor.all_finite alone (sum first)": lambda: _all_finite_now(activations),
+        "messages.decode before (unpackb + checks + frombuffer + isfinite)": _with_codec(False, lambda: m.decode(data)),
+        "messages.decode now (views + checks + all_finite)": _with_codec(True, lambda: m.decode(data)),
         "websocket client frame, one (mask + serialize)": lambda: Frame(Opcode.BINARY, data).serialize(mask=True),
         "websocket client frames, 1 MiB fragments": lambda: [Frame(Opcode.BINARY, f).serialize(mask=True)
                                                                for f in fragments(data)],
@@ -368,7 +416,8 @@ def table(res: dict[str, Any]) -> str:
     for r in res["rows"]:
         L.append(f"| {r['variant']} | {r['trips']} | {r['p50_s'] * 1e3:.0f} | {r['min_s'] * 1e3:.0f} | "
                  f"{r['payload_mb_s']:,.0f} | {_ratio(r['vs_raw_sockets'])} |")
-    L += ["", "Where a round trip goes (p50 ms; client: encode = ClientSession.forward, send = until websockets "
+    L += ["", "Where a round trip goes (p50 ms; client: encode = ClientSession.forward (forward_parts with the "
+          "zero-copy codec, as the device client), send = until websockets "
           "has handed the message to the transport, wait = until the reply is assembled, decode = validated "
           "ClientSession.receive; server: the echo's decode, encode and send):", "",
           "| variant | client encode | send | wait | decode | server decode | encode | send |",

@@ -26,7 +26,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from protocol import messages as m
 from protocol.errors import ErrorCode, RemoteError
 from protocol.session import ClientSession
-from protocol.transport import CLIENT_WS_OPTIONS, reuse_large_buffers, send_fragments
+from protocol.transport import CLIENT_WS_OPTIONS, Message, message_size, reuse_large_buffers, send_fragments
 
 from .engine import DeviceEngine
 from .meter import BatchCost, EnergyCounter, Stopwatch, peak_rss_bytes
@@ -155,7 +155,7 @@ class PreparedBatch:
     """A training batch's FORWARD, made and counted by the privacy engine but not yet sent."""
     batch_id: int
     labels: np.ndarray
-    message: bytes
+    message: list[m.Part]  # messages.encode_parts: the activations are sent from their own buffer, not copied
     watch: Stopwatch
     energy0: float | None
     traffic0: tuple[float, ...] = (0, 0, 0.0, 0.0)
@@ -272,7 +272,7 @@ class DeviceClient:
                 self._ws.transport.abort()  # no close frame: as if the network went away
             raise ConnectionLost(f"injected fault {fault}")
 
-    async def request(self, data: bytes, expect: set[str], batch_id: int, phase: str | None = None) -> dict[str, Any]:
+    async def request(self, data: Message, expect: set[str], batch_id: int, phase: str | None = None) -> dict[str, Any]:
         """Send `data`, return the validated reply. `phase` names the message for fault injection: the faults
         `*-after-<phase>` fire once it is sent and `*-before-backward` when a BACKWARD has arrived."""
         if self._ws is None:
@@ -288,7 +288,7 @@ class DeviceClient:
         if phase and self.faults and m.decode(reply)["type"] == m.BACKWARD:
             self._fault("before-backward", batch_id)
         self.traffic.round_trip_s += time.perf_counter() - start
-        self.traffic.sent += len(data)
+        self.traffic.sent += message_size(data)
         self.traffic.received += len(reply)
         start = time.perf_counter()
         try:
@@ -327,8 +327,8 @@ class DeviceClient:
         with watch("forward"):
             activations = await asyncio.to_thread(engine.forward, images, ("train", batch_id), image_ids, labels)
         with watch("encode"):
-            forward = self.session.forward(batch_id, activations, labels if engine.head == "server" else None,
-                                           spent_epsilon=self._spent(), integer_step=engine.integer_step)
+            forward = self.session.forward_parts(batch_id, activations, labels if engine.head == "server" else None,
+                                                 spent_epsilon=self._spent(), integer_step=engine.integer_step)
         return PreparedBatch(batch_id, labels, forward, watch, energy0)
 
     async def send_batch(self, prepared: PreparedBatch) -> dict[str, Any]:
@@ -385,8 +385,8 @@ class DeviceClient:
         activations = await asyncio.to_thread(engine.evaluate_release, images, release, image_ids, labels)
         self._eval_id += 1
         eval_id = self._eval_id
-        message = self.session.forward(eval_id, activations, labels if engine.head == "server" else None, eval=True,
-                                       spent_epsilon=self._spent(), integer_step=engine.integer_step)
+        message = self.session.forward_parts(eval_id, activations, labels if engine.head == "server" else None,
+                                             eval=True, spent_epsilon=self._spent(), integer_step=engine.integer_step)
         reply = await self._with_retries(lambda: self.request(message, {m.EVAL_RESULT, m.EMBEDDINGS}, eval_id))
         if reply["type"] == m.EVAL_RESULT:
             return reply["loss"] * reply["n"], reply["n_correct"]

@@ -189,8 +189,8 @@ SCHEMA: dict[str, dict[str, tuple[Check, bool]]] = {
 }
 
 
-def encode(message: dict[str, Any]) -> bytes:
-    """msgpack bytes of a message; numpy tensor fields go out as f32."""
+def wire_form(message: dict[str, Any]) -> dict[str, Any]:
+    """The map that goes on the wire: numpy tensor fields as f32 wire tensors, numpy scalars as plain numbers."""
     mtype = message.get("type")
     if mtype not in SCHEMA:
         raise ValueError(f"cannot encode unknown message type {mtype!r}")
@@ -203,17 +203,91 @@ def encode(message: dict[str, Any]) -> bytes:
         elif SCHEMA[mtype].get(key, (None,))[0] == TENSORS:
             value = {name: encode_tensor(t, "f32") if isinstance(t, np.ndarray) else t for name, t in value.items()}
         wire[key] = value
-    return msgpack.packb(wire, use_bin_type=True)
+    return wire
+
+
+# Zero-copy codec (docs/transport.md). Encoding: a bin of at least VIEW_BIN_MIN bytes inside the message's maps
+# is not copied into the packed bytes but handed out as its own part (a view of the tensor). Decoding: in a
+# `bytes` message of at least VIEW_MESSAGE_MIN bytes, every bin of at least VIEW_BIN_MIN bytes under a "data"
+# key becomes a read-only memoryview of the message instead of a copy. ZERO_COPY = False restores plain
+# msgpack.packb / unpackb (the benchmark's baseline); the bytes on the wire are the same either way.
+ZERO_COPY = True
+VIEW_BIN_MIN = 1 << 16
+VIEW_MESSAGE_MIN = 1 << 20
+# Map nesting that encode_parts walks (message -> field -> named tensors -> tensor); deeper maps are packed whole.
+_PARTS_DEPTH = 3
+# Most msgpack objects _tensor_bins walks before it leaves a message to plain unpackb (bounds its Python loop).
+_MAX_WALK = 1 << 17
+_PLACEHOLDER_EXT = 0x5F  # ext type standing for a tensor's bin in the short copy that unpackb parses
+Part = bytes | memoryview
+
+
+def encode_parts(message: dict[str, Any]) -> list[Part]:
+    """The msgpack bytes of `message` as consecutive parts (joined, exactly `msgpack.packb`'s bytes).
+
+    Large bins are views of the caller's buffers, not copies: the tensors must not change until the parts
+    are sent. A message without large bins is one `bytes` part."""
+    wire = wire_form(message)
+    packer = msgpack.Packer(use_bin_type=True)
+    if not ZERO_COPY:
+        return [packer.pack(wire)]
+    parts: list[Part] = []
+    head = bytearray()
+    _pack_parts(wire, packer, head, parts, 0)
+    if head:
+        parts.append(bytes(head))
+    return parts
+
+
+def _has_large_bin(value: Any, depth: int) -> bool:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return memoryview(value).nbytes >= VIEW_BIN_MIN
+    return type(value) is dict and depth <= _PARTS_DEPTH and any(_has_large_bin(v, depth + 1) for v in value.values())
+
+
+def _pack_parts(value: Any, packer: msgpack.Packer, head: bytearray, parts: list[Part], depth: int) -> None:
+    """Append `value` to head/parts as msgpack.packb would write it, large bins as views of their buffers."""
+    if type(value) is dict and depth <= _PARTS_DEPTH and _has_large_bin(value, depth):
+        head += packer.pack_map_header(len(value))
+        for k, v in value.items():
+            head += packer.pack(k)
+            _pack_parts(v, packer, head, parts, depth + 1)
+        return
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        view = memoryview(value)
+        if view.c_contiguous and VIEW_BIN_MIN <= view.nbytes < 2**32:
+            view = view.cast("B")
+            head += _bin_header(len(view))
+            parts.append(bytes(head))
+            head.clear()
+            parts.append(view)
+            return
+    head += packer.pack(value)
+
+
+def _bin_header(n: int) -> bytes:
+    """msgpack's header of a bin of n < 2**32 bytes: bin 8, bin 16 or bin 32, the shortest that fits (as packb)."""
+    if n < 2**8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    return b"\xc5" + n.to_bytes(2, "big") if n < 2**16 else b"\xc6" + n.to_bytes(4, "big")
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """msgpack bytes of a message; numpy tensor fields go out as f32."""
+    parts = encode_parts(message)
+    return parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
 
 
 def decode(data: bytes, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES) -> dict[str, Any]:
-    """Validated message from bytes, tensors as float32 arrays; raises ProtocolError."""
+    """Validated message from bytes, tensors as float32 arrays; raises ProtocolError.
+
+    The f32 tensors of a large `bytes` message are read-only views of `data` (see `_unpack`)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(ErrorCode.BAD_MESSAGE, "expected a binary websocket message, got text")
     if len(data) > max_size:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"message of {len(data)} bytes exceeds the limit of {max_size}")
     try:
-        message = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        message = _unpack(data)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise ProtocolError(ErrorCode.BAD_MESSAGE, f"not a msgpack message: {exc}") from None
     if not isinstance(message, dict) or not isinstance(message.get("type"), str):
@@ -250,6 +324,95 @@ def decode(data: bytes, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES) -> dict[st
         except ProtocolError as exc:
             raise ProtocolError(exc.code, f"{mtype}: {exc.message}", batch_id) from None
     return message
+
+
+def _unpack(data: bytes | bytearray | memoryview) -> Any:
+    """msgpack.unpackb(data, raw=False, strict_map_key=True), with the tensors' bins of a large `bytes` message as
+    memoryviews of `data` instead of copies.
+
+    `_tensor_bins` finds those bins; unpackb then parses a short copy of the message in which each of them is a
+    placeholder ext, which `ext_hook` turns into the view, with unpackb's own limits for the whole message. Any
+    message the walk does not fully understand (malformed, truncated, trailing bytes, too many objects, an ext
+    of the placeholder's type) goes to plain unpackb, which accepts or refuses it as it always did. Only
+    immutable `bytes` are viewed, so nothing can change a decoded tensor behind its back."""
+    bins = _tensor_bins(data) if ZERO_COPY and type(data) is bytes and len(data) >= VIEW_MESSAGE_MIN else None
+    if not bins:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+    view = memoryview(data)
+    short, views, at = [], [], 0
+    for i, (start, payload, end) in enumerate(bins):
+        short += (data[at:start], b"\xd6" + _PLACEHOLDER_EXT.to_bytes(1, "big") + i.to_bytes(4, "big"))  # fixext 4
+        views.append(view[payload:end])
+        at = end
+    short.append(data[at:])
+
+    def ext_hook(code: int, payload: bytes) -> Any:
+        return views[int.from_bytes(payload, "big")] if code == _PLACEHOLDER_EXT else msgpack.ExtType(code, payload)
+
+    n = len(data)   # unpackb's limits for `data` itself (msgpack derives them from the buffer's size)
+    return msgpack.unpackb(b"".join(short), raw=False, strict_map_key=True, ext_hook=ext_hook, max_str_len=n,
+                           max_bin_len=n, max_array_len=n, max_map_len=n // 2, max_ext_len=n)
+
+
+# msgpack's head byte -> (bytes of the header after it holding a length, fixed bytes after that); see _tensor_bins
+_SIZED = {0xc4: (1, 0), 0xc5: (2, 0), 0xc6: (4, 0),     # bin 8/16/32
+          0xc7: (1, 1), 0xc8: (2, 1), 0xc9: (4, 1),     # ext 8/16/32 (length, then the type byte)
+          0xd9: (1, 0), 0xda: (2, 0), 0xdb: (4, 0)}     # str 8/16/32
+_FIXED = {0xc0: 0, 0xc2: 0, 0xc3: 0, 0xca: 4, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8, 0xd0: 1, 0xd1: 2,
+          0xd2: 4, 0xd3: 8, 0xd4: 2, 0xd5: 3, 0xd6: 5, 0xd7: 9, 0xd8: 17}   # nil, bools, numbers, fixext 1..16
+_DATA_KEY = b"\xa4data"
+
+
+def _tensor_bins(data: bytes) -> list[tuple[int, int, int]] | None:
+    """(start, payload start, end) of each bin of at least VIEW_BIN_MIN bytes that is the value of a "data" key,
+    from a walk over the message's msgpack objects; None where the walk stops short of a plain, whole message."""
+    n, pos, steps, found = len(data), 0, 0, []
+    stack = [[1, False, False]]   # per open container: items left, is a map, the last key was "data"
+    while stack:
+        frame = stack[-1]
+        if frame[0] == 0:
+            stack.pop()
+            continue
+        is_key = frame[1] and frame[0] % 2 == 0
+        data_value = frame[1] and not is_key and frame[2]
+        frame[0] -= 1
+        steps += 1
+        if steps > _MAX_WALK or pos >= n:
+            return None
+        b = data[pos]
+        if is_key:
+            frame[2] = data[pos:pos + 5] == _DATA_KEY
+        if b <= 0x7f or b >= 0xe0:                         # fixint
+            pos += 1
+        elif b <= 0x8f:                                    # fixmap
+            pos += 1
+            stack.append([2 * (b & 0x0f), True, False])
+        elif b <= 0x9f:                                    # fixarray
+            pos += 1
+            stack.append([b & 0x0f, False, False])
+        elif b <= 0xbf:                                    # fixstr
+            pos += 1 + (b & 0x1f)
+        elif b in _FIXED:
+            if 0xd4 <= b <= 0xd8 and pos + 1 < n and data[pos + 1] == _PLACEHOLDER_EXT:   # fixext of that type
+                return None
+            pos += 1 + _FIXED[b]
+        elif b in _SIZED:
+            width, extra = _SIZED[b]
+            length = int.from_bytes(data[pos + 1:pos + 1 + width], "big")
+            start, pos = pos, pos + 1 + width + extra
+            if extra and (pos > n or data[pos - 1] == _PLACEHOLDER_EXT):
+                return None
+            if data_value and b <= 0xc6 and length >= VIEW_BIN_MIN and pos + length <= n:
+                found.append((start, pos, pos + length))
+            pos += length
+        elif b in (0xdc, 0xdd, 0xde, 0xdf):                # array 16/32, map 16/32
+            width = 2 if b in (0xdc, 0xde) else 4
+            count = int.from_bytes(data[pos + 1:pos + 1 + width], "big")
+            pos += 1 + width
+            stack.append([2 * count if b >= 0xde else count, b >= 0xde, False])
+        else:                                              # 0xc1: never used
+            return None
+    return found if pos == n else None
 
 
 def _decode_named_tensors(mtype: str, field: str, value: Any) -> dict[str, np.ndarray]:

@@ -552,6 +552,13 @@ class ClientSession:
         """FORWARD; `spent_epsilon`: the device's spent epsilon with this release counted (None: no formal
         mechanism, the field is omitted). `integer_step`: the release is integers in this public step (the
         discrete Gaussian's): they go as i8 at that scale, exactly, whatever the activation encoding."""
+        return b"".join(self.forward_parts(batch_id, activations, labels, eval, spent_epsilon, integer_step))
+
+    def forward_parts(self, batch_id: int, activations: np.ndarray, labels: np.ndarray | None = None,
+                      eval: bool = False, spent_epsilon: float | None = None,
+                      integer_step: float | None = None) -> list[m.Part]:
+        """`forward`'s bytes as parts (messages.encode_parts): f32 activations are not copied but sent from
+        their own buffer, so they must not change until the message is sent (and re-sent on a retry)."""
         wire = (encode_tensor(activations, "i8", scale=integer_step) if integer_step is not None
                 else encode_tensor(activations, self.encodings.get("activations", "f32")))
         message: dict[str, Any] = {"type": m.FORWARD, "batch_id": batch_id, "activations": wire}
@@ -567,7 +574,7 @@ class ClientSession:
             if not (math.isfinite(spent_epsilon) and spent_epsilon >= 0):
                 raise ValueError(f"spent_epsilon must be finite and >= 0 (None: no formal mechanism), got {spent_epsilon}")
             message["spent_epsilon"] = float(spent_epsilon)
-        return self._checked(m.encode(message))
+        return self._checked(m.encode_parts(message))
 
     def embedding_grad(self, batch_id: int, grad: np.ndarray) -> bytes:
         return self._checked(m.encode({"type": m.EMBEDDING_GRAD, "batch_id": batch_id,
@@ -588,10 +595,12 @@ class ClientSession:
         return self._checked(m.encode({"type": m.CLASS_EMBEDDINGS,
                                        "class_embeddings": encode_tensor(np.asarray(head, np.float32), "f32")}))
 
-    def _checked(self, data: bytes) -> bytes:
-        if len(data) > self.max_message_bytes:
+    def _checked(self, data: Any) -> Any:
+        """`data` (bytes, or a message's parts) if the server accepts a message of its size."""
+        size = len(data) if isinstance(data, bytes) else sum(len(p) for p in data)
+        if size > self.max_message_bytes:
             raise ProtocolError(ErrorCode.TOO_LARGE,
-                                f"message of {len(data)} bytes exceeds the server's limit of {self.max_message_bytes}")
+                                f"message of {size} bytes exceeds the server's limit of {self.max_message_bytes}")
         return data
 
     def receive(self, data: bytes, expect: set[str], batch_id: int | None = None) -> dict[str, Any]:

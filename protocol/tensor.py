@@ -97,7 +97,8 @@ def decode_tensor(obj: Any, *, field: str = "tensor", finite: bool = True) -> np
     Checks follow SPEC.md section 4 in order. `finite` refuses NaN and infinity; message decoding
     always asks for it (no message may carry a non-finite value). Whether finite values are plausible
     for a model (e.g. 3e38 activations) is the receiver's business, not the codec's.
-    The returned f32 array is a read-only view of the message bytes.
+    The returned f32 array is read-only: a view of the message bytes, or an aligned copy where the bytes
+    are not at a multiple of 4 (a view inside a larger message, see messages.decode).
     """
     def bad(why: str) -> ProtocolError:
         return ProtocolError(ErrorCode.BAD_TENSOR, f"{field}: {why}")
@@ -131,6 +132,21 @@ def decode_tensor(obj: Any, *, field: str = "tensor", finite: bool = True) -> np
             array = array.astype(np.float32) * np.float32(scale)
     elif "scale" in obj:
         raise bad("f32 takes no scale")
-    if finite and array.size and not np.isfinite(array).all():
+    elif not array.flags.aligned:
+        # A view of the message (messages.decode) sits where the wire puts it, often not at a multiple of 4 bytes:
+        # numpy copes, but torch and BLAS take the floats' address as it is, so such a tensor is copied.
+        array = array.copy()
+        array.flags.writeable = False
+    if finite and array.size and not all_finite(array):
         raise bad("contains NaN or infinity")
     return array
+
+
+def all_finite(array: np.ndarray) -> bool:
+    """Whether a float array holds no NaN or infinity, without np.isfinite's temporary bool array when it does not.
+
+    A sum is finite only if every term is (a NaN or an infinity makes it NaN or infinite); a non-finite sum
+    may also be an overflow of finite values, so then the exact check decides."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = np.add.reduce(array, axis=None)
+    return bool(np.isfinite(total)) or bool(np.isfinite(array).all())

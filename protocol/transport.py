@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import platform
-from typing import Any
+from typing import Any, Sequence
 
 FRAGMENT_BYTES = 1 << 20
 # Largest block glibc serves from its heap after reuse_large_buffers (above it: mmap, as before).
@@ -37,18 +37,29 @@ CLIENT_WS_OPTIONS: dict[str, Any] = {**COMMON_WS_OPTIONS, "write_limit": WRITE_L
                                      "close_timeout": 2}
 
 
-def fragments(data: bytes | bytearray | memoryview, size: int = FRAGMENT_BYTES) -> list[memoryview]:
-    """`data` as consecutive views of at most `size` bytes (no copy); one view for a short or empty message."""
+Message = bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]
+
+
+def fragments(data: Message, size: int = FRAGMENT_BYTES) -> list[memoryview]:
+    """`data` (one buffer, or the consecutive parts of a message from messages.encode_parts) as consecutive views
+    of at most `size` bytes (no copy); one view for a short or empty message. Empty parts are left out."""
     if size < 1:
         raise ValueError(f"fragment size must be positive, not {size}")
-    view = memoryview(data).cast("B")
-    if len(view) <= size:
-        return [view]
-    return [view[i:i + size] for i in range(0, len(view), size)]
+    views = [memoryview(data).cast("B")] if isinstance(data, (bytes, bytearray, memoryview)) else \
+        [memoryview(p).cast("B") for p in data]
+    out = [v[i:i + size] for v in views for i in range(0, len(v), size)]
+    return out or [memoryview(b"")]
 
 
-async def send_fragments(ws: Any, data: bytes | bytearray | memoryview, size: int = FRAGMENT_BYTES) -> None:
-    """Send one binary message on a websockets connection, in frames of at most `size` bytes."""
+def message_size(data: Message) -> int:
+    """Bytes of a message given whole or as parts."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return memoryview(data).nbytes
+    return sum(memoryview(p).nbytes for p in data)
+
+
+async def send_fragments(ws: Any, data: Message, size: int = FRAGMENT_BYTES) -> None:
+    """Send one binary message (whole or as parts) on a websockets connection, in frames of at most `size` bytes."""
     parts = fragments(data, size)
     await ws.send(parts[0] if len(parts) == 1 else parts)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import platform
 
+import msgpack
 import numpy as np
 import pytest
 from websockets.asyncio.client import connect
@@ -13,7 +14,15 @@ from websockets.exceptions import ConnectionClosed
 
 from protocol import messages as m
 from protocol.tensor import encode_tensor
-from protocol.transport import CLIENT_WS_OPTIONS, SERVER_WS_OPTIONS, fragments, reuse_large_buffers, send_fragments
+from protocol.transport import (
+    CLIENT_WS_OPTIONS,
+    SERVER_WS_OPTIONS,
+    Message,
+    fragments,
+    message_size,
+    reuse_large_buffers,
+    send_fragments,
+)
 
 
 def test_fragments_are_views_that_cover_the_message():
@@ -33,7 +42,7 @@ def _forward(shape=(4, 16, 64, 64)) -> bytes:
                      "labels": [1, 2, 3, 4]})
 
 
-async def _exchange(message: bytes, fragment: int, max_size: int) -> tuple[list[bytes], int | None]:
+async def _exchange(message: Message, fragment: int, max_size: int) -> tuple[list[bytes], int | None]:
     """Send `message` in fragments to a real server with `max_size`; what it received, and the close code seen."""
     received: list[bytes] = []
 
@@ -50,7 +59,7 @@ async def _exchange(message: bytes, fragment: int, max_size: int) -> tuple[list[
                 echo = await ws.recv()
             except ConnectionClosed as exc:
                 return received, exc.rcvd.code if exc.rcvd else None
-            assert echo == message
+            assert echo == b"".join(fragments(message))
             return received, None
 
 
@@ -60,6 +69,25 @@ def test_fragmented_message_arrives_whole_and_decodes():
     assert closed is None and received == [message]            # 17 frames, one message, the same bytes
     decoded = m.decode(received[0])
     assert decoded["batch_id"] == 7 and decoded["activations"].shape == (4, 16, 64, 64)
+
+
+def test_fragments_of_parts_are_views_of_each_part():
+    parts = [b"head", memoryview(bytes(range(256)) * 10), b"", b"tail"]
+    views = fragments(parts, 1000)
+    assert [len(v) for v in views] == [4, 1000, 1000, 560, 4]     # no frame spans two parts; empty parts are left out
+    assert b"".join(views) == b"".join(parts) and message_size(parts) == len(b"".join(parts))
+    assert views[1].obj is parts[1].obj                           # the tensor's own buffer, not a copy
+    assert len(fragments([b""], 1000)) == 1 and message_size(b"abc") == 3
+
+
+def test_message_parts_arrive_as_packb_bytes():
+    activations = np.random.default_rng(1).random((4, 16, 64, 64), dtype=np.float32)
+    message = {"type": m.FORWARD, "batch_id": 7, "activations": activations, "labels": [1, 2, 3, 4]}
+    parts = m.encode_parts(message)
+    assert any(isinstance(p, memoryview) for p in parts)
+    received, closed = asyncio.run(_exchange(parts, 64 * 1024, m.DEFAULT_MAX_MESSAGE_BYTES))
+    assert closed is None and received == [msgpack.packb(m.wire_form(message), use_bin_type=True)]
+    assert np.array_equal(m.decode(received[0])["activations"], activations)
 
 
 def test_size_limit_counts_the_whole_fragmented_message():
