@@ -21,6 +21,7 @@
 namespace splitface {
 namespace {
 
+constexpr int kRounds = 20;                // ChaCha20
 constexpr int kLanes = 16;                 // ChaCha blocks per group
 constexpr int kGroup = kLanes * 16;        // values per group
 constexpr float kTwoPow24 = 16777216.0f;
@@ -98,17 +99,17 @@ void group_normals(const NoiseKey& key, uint64_t block, float* out) {
     lo[l] = static_cast<uint32_t>(b);
     hi[l] = static_cast<uint32_t>(b >> 32);
   }
-  u32v x[16];
-  for (int j = 0; j < 12; ++j) x[j] = u32v{} + in[j];
-  x[12] = lo; x[13] = hi; x[14] = u32v{}; x[15] = u32v{};
-  for (int round = 0; round < 10; ++round) {  // 20 rounds: 10 column + diagonal double rounds
-    quarter(x[0], x[4], x[8], x[12]); quarter(x[1], x[5], x[9], x[13]);
-    quarter(x[2], x[6], x[10], x[14]); quarter(x[3], x[7], x[11], x[15]);
-    quarter(x[0], x[5], x[10], x[15]); quarter(x[1], x[6], x[11], x[12]);
-    quarter(x[2], x[7], x[8], x[13]); quarter(x[3], x[4], x[9], x[14]);
+  // the state as 16 named values, not an array, so that it stays in registers through the rounds
+  u32v x0 = u32v{} + in[0], x1 = u32v{} + in[1], x2 = u32v{} + in[2], x3 = u32v{} + in[3];
+  u32v x4 = u32v{} + in[4], x5 = u32v{} + in[5], x6 = u32v{} + in[6], x7 = u32v{} + in[7];
+  u32v x8 = u32v{} + in[8], x9 = u32v{} + in[9], x10 = u32v{} + in[10], x11 = u32v{} + in[11];
+  u32v x12 = lo, x13 = hi, x14 = u32v{}, x15 = u32v{};
+  for (int round = 0; round < kRounds / 2; ++round) {  // column + diagonal double rounds
+    quarter(x0, x4, x8, x12); quarter(x1, x5, x9, x13); quarter(x2, x6, x10, x14); quarter(x3, x7, x11, x15);
+    quarter(x0, x5, x10, x15); quarter(x1, x6, x11, x12); quarter(x2, x7, x8, x13); quarter(x3, x4, x9, x14);
   }
-  for (int j = 0; j < 12; ++j) x[j] += in[j];
-  x[12] += lo; x[13] += hi;
+  const u32v x[16] = {x0 + in[0], x1 + in[1], x2 + in[2], x3 + in[3], x4 + in[4], x5 + in[5], x6 + in[6],
+                      x7 + in[7], x8 + in[8], x9 + in[9], x10 + in[10], x11 + in[11], x12 + lo, x13 + hi, x14, x15};
   f32v z0, z1;
   for (int p = 0; p < 8; ++p) {
     box_muller(x[2 * p], x[2 * p + 1], z0, z1);
