@@ -93,9 +93,14 @@ def _lrn_input(lrn: PaperLRN, x: torch.Tensor) -> torch.Tensor:
     return torch.relu(x) if lrn.input_max is None else torch.clamp(x, 0.0, float(lrn.input_max))
 
 
+def _times_alpha(lrn: PaperLRN, t: torch.Tensor) -> torch.Tensor:
+    """alpha * t, without the multiply when alpha is 1 (the paper's): each op here is a pass over the map."""
+    return t if lrn.alpha == 1 else lrn.alpha * t
+
+
 def _lrn_denominator(lrn: PaperLRN, a: torch.Tensor) -> torch.Tensor:
     """rsqrt(gamma + alpha * window(a^2)) = d^-beta for beta 1/2."""
-    return torch.rsqrt(lrn.gamma + lrn.alpha * lrn.window_sum(a * a))
+    return torch.rsqrt(lrn.gamma + _times_alpha(lrn, lrn.window_sum(a * a)))
 
 
 def _indicator_positive(t: torch.Tensor) -> torch.Tensor:
@@ -156,7 +161,7 @@ class GemmWeightGrad(nn.Module):
         x = _conv(cols, weight, bias).reshape(grad.shape)
         a = _lrn_input(self.lrn, x)
         inv = _lrn_denominator(self.lrn, a)
-        g_a = grad * inv - self.lrn.alpha * a * self.lrn.window_sum(grad * a * (inv * inv * inv))
+        g_a = grad * inv - _times_alpha(self.lrn, a * self.lrn.window_sum(grad * a * (inv * inv * inv)))
         g = g_a * _indicator_positive(x)
         m = self.lrn.input_max
         if m is not None:

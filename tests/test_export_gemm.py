@@ -23,11 +23,13 @@ def conv1(model: str, clamp: float | None) -> nn.Module:
     return layer
 
 
-@pytest.mark.parametrize("clamp", [None, 1.0])
-def test_strip_programs_put_together_are_the_layer(clamp):
+@pytest.mark.parametrize("clamp, alpha", [(None, 1.0), (1.0, 0.5)])
+def test_strip_programs_put_together_are_the_layer(clamp, alpha):
     """Each strip padded with the conv's halo as the native runner cuts it; the strips' releases stacked are the
-    layer's output, their weight gradients summed are the image's."""
+    layer's output, their weight gradients summed are the image's (alpha 1 skips its multiply; 0.5 keeps it)."""
     layer, rows = conv1("iresnet_small", clamp), 4
+    for lrn in (m for m in layer.modules() if isinstance(m, PaperLRN)):
+        lrn.alpha = alpha
     images = torch.rand(2, 3, 12, 20) * 3
     weights = [p.detach() for p in layer.parameters()]
     with torch.no_grad():
