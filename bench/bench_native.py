@@ -105,16 +105,33 @@ def errors(report: dict, want_release: torch.Tensor, want_grads: list[torch.Tens
     return release_err, grad_err
 
 
+TIMES = ("forward_compute_ms", "forward_noise_ms", "forward_total_ms", "backward_compute_ms", "backward_total_ms")
+
+
+def programs_of(config: dict) -> tuple[tuple[Path, list[str]], tuple[Path, list[str]], dict]:
+    """The release and gradient programs of a configuration with their inputs, and run_native's options."""
+    programs, strips = config["programs"], config["strips"]
+    release = (programs / (RELEASE_STRIP_PTE if strips else RELEASE_GEMM_PTE),
+               STRIP_RELEASE_INPUTS if strips else RELEASE_INPUTS)
+    grad = (programs / (VJP_STRIP_PTE if strips else VJP_GEMM_PTE), GRAD_INPUTS)
+    return release, grad, {"strips": strips, "noise_std": NOISE_STD if config["draw"] else None}
+
+
+def retime(binary: Path, work: Path, samples: int, config: dict, result: dict, runs: int, warmup: int) -> None:
+    """Another round of a configuration's timed runs (a fresh process), appended to `result`'s times."""
+    release, grad, run = programs_of(config)
+    report = run_native(binary, work, samples, release, grad, runs=runs, warmup=warmup, **run)
+    for key in TIMES:
+        result[key] += report[key]
+
+
 def measure(binary: Path, work: Path, layer: torch.nn.Module, tensors: dict, want: tuple, config: dict,
             runs: int, warmup: int) -> dict:
     """One configuration: checked against eager PyTorch, then timed. config: programs (a folder), strips,
     draw (whether the runner draws the noise)."""
     samples = len(tensors["images"])
-    programs, strips, draw = config["programs"], config["strips"], config["draw"]
-    release = (programs / (RELEASE_STRIP_PTE if strips else RELEASE_GEMM_PTE),
-               STRIP_RELEASE_INPUTS if strips else RELEASE_INPUTS)
-    grad = (programs / (VJP_STRIP_PTE if strips else VJP_GEMM_PTE), GRAD_INPUTS)
-    run = {"strips": strips, "noise_std": NOISE_STD if draw else None}
+    draw = config["draw"]
+    release, grad, run = programs_of(config)
     if draw:  # the check: a known key, whose normals eager PyTorch gets as its noise
         key = os.urandom(32)
         (work / "check.key").write_bytes(key)
@@ -161,7 +178,9 @@ def table(saved: dict) -> str:
     lines = [f"The device layer through ExecuTorch's C++ runtime (`splitface_native`, no Python, no libtorch), "
              f"{saved['model']} conv1 + ReLU + LRN at {saved['input_size']} px, {n} images per batch, one "
              f"thread, on {saved['machine']}. Not a phone: compare the rows with each other. Times in ms as mean / "
-             f"min over {saved['runs']} runs after {saved['warmup']} warm-up; 'compute' is the programs' execute "
+             f"min over {saved['rounds']} rounds of {saved['runs']} runs, each round a fresh process per row after "
+             f"{saved['warmup']} warm-up run, the rows taking turns (so a change of the machine's load hits them "
+             "all); 'compute' is the programs' execute "
              "calls plus what the runner does between them in memory (cutting strips, drawing and adding the noise), "
              "'with I/O' adds streaming each image's inputs from files and its release out (a phone's camera, "
              "server gradient and socket stand in for the files). Noise 'read': the release program adds noise "
@@ -200,9 +219,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--input-size", type=int, default=224)
     p.add_argument("--samples", type=int, default=8, help="images per device batch")
     p.add_argument("--batches", type=int, nargs="*", default=[8, 1], help="per-image program batch sizes to compare")
-    p.add_argument("--strip-rows", type=int, nargs="*", default=[8, 4], help="strip heights to compare")
+    p.add_argument("--strip-rows", type=int, nargs="*", default=[8, 4, 2], help="strip heights to compare")
     p.add_argument("--no-binding", action="store_true", help="skip the Python binding's rows")
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--runs", type=int, default=3, help="timed runs per configuration and round")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds over all configurations (each a fresh process per configuration)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--artifacts", type=Path, default=None, help="keep the exported programs here (default: a temp dir)")
     p.add_argument("--build-dir", type=Path, default=ROOT / "build" / "native")
@@ -230,13 +251,16 @@ def main(argv: list[str] | None = None) -> None:
     for config in configs:
         native.append(measure(binary, work, layer, tensors, want, config, args.runs, args.warmup))
         print(json.dumps(native[-1]), flush=True)
+    for _ in range(args.rounds - 1):  # the configurations in turn again, so that a change of load hits them all
+        for config, result in zip(configs, native, strict=True):
+            retime(binary, work, args.samples, config, result, args.runs, args.warmup)
     binding = not args.no_binding and args.model == "vgg_face" and args.input_size == 224 and args.samples == 8
     b8 = export_for_batch(layer, args.samples, args.input_size, artifacts / f"{args.model}-b{args.samples}") \
         if binding else None
     python_binding = minimal_rss(b8) if binding else None
     warm = binding_times(b8, tensors, args.runs, args.warmup) if binding else None
     saved = {"model": args.model, "input_size": args.input_size, "samples": args.samples, "runs": args.runs,
-             "warmup": args.warmup, "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
+             "warmup": args.warmup, "rounds": args.rounds, "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
              "noise_std": NOISE_STD, "native": native, "python_binding": python_binding, "python_binding_warm": warm,
              "load_before": load_before, "load_after": os.getloadavg()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
