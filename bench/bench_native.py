@@ -37,7 +37,7 @@ from bench_device import minimal_rss  # noqa: E402  (the Python binding's proces
 
 from device_sdk.models import build_device_part, resolve_spec  # noqa: E402
 from device_sdk.models.lrn import PaperLRN  # noqa: E402
-from device_sdk.runtimes.native import build, reference_normals, run_native, write_inputs  # noqa: E402
+from device_sdk.runtimes.native import build, etdump_ops, reference_normals, run_native, write_inputs  # noqa: E402
 from export.artifacts import (RELEASE_GEMM_PTE, RELEASE_STRIP_PTE, VJP_GEMM_PTE, VJP_STRIP_PTE,  # noqa: E402
                               export_gemm_ptes, export_strip_ptes)
 from export.verify import GRAD_RTOL, RELEASE_ATOL, reference  # noqa: E402
@@ -148,6 +148,47 @@ def measure(binary: Path, work: Path, layer: torch.nn.Module, tensors: dict, wan
             "release_max_abs_err": release_err, "grad_max_rel_err": grad_err}
 
 
+def profile(binary: Path, work: Path, samples: int, config: dict, runs: int) -> dict:
+    """Where a configuration's time goes: its runs recorded with ETDump (`--etdump`), each operator's ms per batch
+    (XNNPACK's operators inside the delegate call, which the call's own row includes). Recording adds a little
+    time per event, so these rows are for the split, the main table for the totals."""
+    release, grad, run = programs_of(config)
+    prefix = work / f"profile-{config['label'].replace(' ', '-')}"
+    run_native(binary, work, samples, release, grad, runs=runs, warmup=0, etdump=prefix, **run)
+    return {"label": config["label"], "runs": runs,
+            "release": etdump_ops(prefix.with_suffix(".release.etdp"), runs),
+            "grad": etdump_ops(prefix.with_suffix(".grad.etdp"), runs)}
+
+
+def profile_table(profiles: list[dict]) -> str:
+    """Each profiled program's operators grouped by kind (XNNPACK numbers its operators: "Slice (ND, X32) #19"),
+    ms per batch and share of Method::execute; the portable kernels (ExecuTorch's, outside XNNPACK) together."""
+    lines = ["Where the time goes (`--profile`: each program's runs recorded with ETDump, ms per batch of 8 summed "
+             "over its calls and over the operators of a kind, mean of the recorded runs, which ran after the main "
+             "table's and, with the recording's own cost, need not add up to its times; the JSON keeps every "
+             "operator):", ""]
+    for prof in profiles:
+        for program in ("release", "grad"):
+            kinds: dict[str, list[float]] = {}
+            total = 0.0
+            for name, ms in prof[program]:
+                if name == "Method::execute":
+                    total += ms
+                elif name == "OPERATOR_CALL" or name.startswith("native_call_"):
+                    kinds.setdefault("portable kernels (outside XNNPACK)", []).append(ms / 2)  # both rows time one call
+                elif name != "DELEGATE_CALL":
+                    kinds.setdefault(name.split(" #")[0], []).append(ms)
+            rows = sorted(((sum(v), len(v), k) for k, v in kinds.items()), reverse=True)
+            lines += [f"{prof['label']}, {'release' if program == 'release' else 'weight gradient'} program "
+                      f"(Method::execute {total:.0f} ms per batch):", "",
+                      "| operator | operators | ms per batch | share |", "|---|---:|---:|---:|"]
+            lines += [f"| {k} | {n} | {ms:.1f} | {ms / total:.0%} |" for ms, n, k in rows if ms >= 0.5]
+            rest = total - sum(ms for ms, _, _ in rows)
+            lines += [f"| rest: per-call cost of the runtime and the delegate outside any operator | | {rest:.1f} | "
+                      f"{rest / total:.0%} |", ""]
+    return "\n".join(lines)
+
+
 def binding_times(programs: Path, tensors: dict, runs: int, warmup: int) -> dict:
     """The same batch-N programs warm through the Python binding in this process, one thread: the same-run
     reference for the native rows' times (its memory is the minimal process's, not this one's)."""
@@ -221,6 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", type=int, nargs="*", default=[8, 1], help="per-image program batch sizes to compare")
     p.add_argument("--strip-rows", type=int, nargs="*", default=[8, 4, 2], help="strip heights to compare")
     p.add_argument("--no-binding", action="store_true", help="skip the Python binding's rows")
+    p.add_argument("--profile", action="store_true",
+                   help="also record the per-image (batch 1) and strip programs with ETDump: time per operator")
     p.add_argument("--runs", type=int, default=3, help="timed runs per configuration and round")
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds over all configurations (each a fresh process per configuration)")
@@ -254,6 +297,11 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.rounds - 1):  # the configurations in turn again, so that a change of load hits them all
         for config, result in zip(configs, native, strict=True):
             retime(binary, work, args.samples, config, result, args.runs, args.warmup)
+    profiles, profiled = [], set()
+    for config in configs if args.profile else []:
+        if (config["strips"] or config["label"] == "batch 1") and config["programs"] not in profiled:
+            profiled.add(config["programs"])  # batch 1 once: noise read and drawn share its programs
+            profiles.append(profile(binary, work, args.samples, config, args.runs))
     binding = not args.no_binding and args.model == "vgg_face" and args.input_size == 224 and args.samples == 8
     b8 = export_for_batch(layer, args.samples, args.input_size, artifacts / f"{args.model}-b{args.samples}") \
         if binding else None
@@ -261,11 +309,11 @@ def main(argv: list[str] | None = None) -> None:
     warm = binding_times(b8, tensors, args.runs, args.warmup) if binding else None
     saved = {"model": args.model, "input_size": args.input_size, "samples": args.samples, "runs": args.runs,
              "warmup": args.warmup, "rounds": args.rounds, "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
-             "noise_std": NOISE_STD, "native": native, "python_binding": python_binding, "python_binding_warm": warm,
+             "noise_std": NOISE_STD, "native": native, "profiles": profiles, "python_binding": python_binding, "python_binding_warm": warm,
              "load_before": load_before, "load_after": os.getloadavg()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(saved, indent=2))
-    text = table(saved)
+    text = table(saved) + ("\n" + profile_table(profiles) if profiles else "")
     args.out.with_suffix(".txt").write_text(text)
     print(text)
 

@@ -79,14 +79,15 @@ def write_inputs(workdir: Path, inputs: dict[str, np.ndarray]) -> None:
 def run_native(binary: Path, workdir: Path, samples: int, release: tuple[Path, list[str]],
                grad: tuple[Path, list[str]] | None = None, runs: int = 3, warmup: int = 1,
                threads: str = "1", strips: bool = False, noise_std: float | None = None,
-               noise_key: Path | None = None) -> dict:
+               noise_key: Path | None = None, etdump: Path | None = None) -> dict:
     """Run the release (and gradient) program over `samples` samples whose inputs `write_inputs` put in
     `workdir`; returns the runner's report (times in ms, RSS in kB) with "release" (the last run's, as
     float32 in the release program's per-sample shape) and "grads" (the summed gradient outputs).
 
     `strips`: the programs are strip programs (`export_strip_ptes`), run strip by strip over each image.
     `noise_std`: the runner draws the release's noise, N(0, noise_std^2) from ChaCha20 under a fresh key
-    from the OS CSPRNG per release, or under the 32 bytes in `noise_key` (tests only)."""
+    from the OS CSPRNG per release, or under the 32 bytes in `noise_key` (tests only). `etdump`: a path
+    prefix; every run is recorded with ExecuTorch's ETDump into <prefix>.release.etdp and .grad.etdp."""
     cmd = [str(binary), "--dir", str(workdir), "--samples", str(samples), "--runs", str(runs),
            "--warmup", str(warmup), "--threads", threads, "--release", f"{release[0]}:{','.join(release[1])}"]
     if grad is not None:
@@ -97,6 +98,8 @@ def run_native(binary: Path, workdir: Path, samples: int, release: tuple[Path, l
         cmd += ["--noise-std", repr(float(noise_std))]
     if noise_key is not None:
         cmd += ["--noise-key", str(noise_key)]
+    if etdump is not None:
+        cmd += ["--etdump", str(etdump)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{BINARY} failed ({proc.returncode}): {proc.stderr.strip()[-3000:]}")
@@ -105,3 +108,14 @@ def run_native(binary: Path, workdir: Path, samples: int, release: tuple[Path, l
     report["grads"] = [np.fromfile(workdir / f"grad_{i}.f32", dtype=np.float32)
                        for i in range(report["grad_outputs"])]
     return report
+
+
+def etdump_ops(path: Path, runs: int) -> list[tuple[str, float]]:
+    """(operator, ms per run) in program order from an ETDump of `runs` runs: every event the devtools
+    Inspector finds (XNNPACK's operators inside its delegate call, the portable kernels, the delegate call and
+    Method::execute themselves), its time summed over the run's calls."""
+    from executorch.devtools import Inspector
+
+    return [(event.name, sum(event.perf_data.raw) / runs)  # one event per operator, all its calls
+            for block in Inspector(etdump_path=str(path)).event_blocks if block.name == "Execute"
+            for event in block.events if event.perf_data is not None]

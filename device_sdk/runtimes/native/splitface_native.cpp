@@ -26,9 +26,13 @@
 // key from the OS CSPRNG per release (gaussian_noise.h); with --strips it is added to each strip's output
 // while that is in cache, otherwise it fills the program's input named "noise". --noise-key K: a 32-byte key
 // file instead (tests and replays only). Without --noise-std a "noise" input is read from its file.
+// --etdump PREFIX: record every run with ExecuTorch's ETDump (each operator's time, XNNPACK's inside its
+// delegate call included) into PREFIX.release.etdp and PREFIX.grad.etdp, for the devtools Inspector.
 #include <executorch/extension/module/module.h>
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/extension/threadpool/threadpool_guard.h>
+
+#include <executorch/devtools/etdump/etdump_flatcc.h>
 
 #include "gaussian_noise.h"
 
@@ -114,14 +118,33 @@ struct Noise {
   void rekey() { key = key_file.empty() ? splitface::fresh_key() : splitface::key_from_file(key_file.c_str()); }
 };
 
+bool g_profile = false;  // --etdump: load every program with an ETDump event tracer
+
+std::unique_ptr<Module> load_module(const std::string& path) {
+  // Mmap: the program's constant data stays in the file's pages (the im2col programs have almost none).
+  auto m = std::make_unique<Module>(path, Module::LoadMode::Mmap,
+                                    g_profile ? std::make_unique<executorch::etdump::ETDumpGen>() : nullptr);
+  if (m->load_method("forward") != executorch::runtime::Error::Ok) fail("cannot load " + path);
+  return m;
+}
+
+// The ETDump a program's runs recorded, written to `path` (nothing without --etdump).
+void write_etdump(Module& m, const std::string& path) {
+  auto* gen = static_cast<executorch::etdump::ETDumpGen*>(m.event_tracer());
+  if (gen == nullptr) return;
+  auto data = gen->get_etdump_data();
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  if (!f || std::fwrite(data.buf, 1, data.size, f) != data.size) fail("cannot write " + path);
+  std::fclose(f);
+  std::free(data.buf);
+}
+
 Program open_program(const std::string& spec, const std::string& dir, int samples, bool draw_noise) {
   auto colon = spec.rfind(':');
   if (colon == std::string::npos) fail("a program is PATH:input,input,...; got " + spec);
   Program p;
   p.path = spec.substr(0, colon);
-  // Mmap: the program's constant data stays in the file's pages (the im2col programs have almost none).
-  p.module = std::make_unique<Module>(p.path, Module::LoadMode::Mmap);
-  if (p.module->load_method("forward") != executorch::runtime::Error::Ok) fail("cannot load " + p.path);
+  p.module = load_module(p.path);
   auto meta = p.module->method_meta("forward");
   if (!meta.ok()) fail("no forward method in " + p.path);
   auto names = split(spec.substr(colon + 1), ',');
@@ -289,8 +312,7 @@ StripProgram open_strip(const std::string& spec, const std::string& dir, const s
   if (colon == std::string::npos) fail("a program is PATH:input,input,...; got " + spec);
   StripProgram p;
   p.path = spec.substr(0, colon);
-  p.module = std::make_unique<Module>(p.path, Module::LoadMode::Mmap);
-  if (p.module->load_method("forward") != executorch::runtime::Error::Ok) fail("cannot load " + p.path);
+  p.module = load_module(p.path);
   auto meta = p.module->method_meta("forward");
   if (!meta.ok()) fail("no forward method in " + p.path);
   p.names = split(spec.substr(colon + 1), ',');
@@ -483,6 +505,7 @@ int main(int argc, char** argv) {
   int samples = 0, runs = 3, warmup = 1;
   bool strips = false;
   Noise noise;
+  std::string etdump;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -499,13 +522,15 @@ int main(int argc, char** argv) {
     else if (a == "--strips") strips = true;
     else if (a == "--noise-std") { noise.on = true; noise.std = std::strtof(value().c_str(), nullptr); }
     else if (a == "--noise-key") noise.key_file = value();
+    else if (a == "--etdump") etdump = value();
     else fail("unknown argument " + a);
   }
   if (dir.empty() || samples <= 0 || release_spec.empty() || runs <= 0 || warmup < 0) {
     fail("usage: splitface_native --dir D --samples N --release P:inputs [--grad P:inputs] [--strips] "
-         "[--noise-std S [--noise-key K]] [--runs R] [--warmup W] [--threads 1|all]");
+         "[--noise-std S [--noise-key K]] [--etdump PREFIX] [--runs R] [--warmup W] [--threads 1|all]");
   }
   if (threads != "1" && threads != "all") fail("--threads is 1 or all (the runtime's pool, one per core)");
+  g_profile = !etdump.empty();
   if (!noise.key_file.empty() && !noise.on) fail("--noise-key needs --noise-std");
   if (noise.on && !(noise.std >= 0.0f)) fail("--noise-std must be a number >= 0");
   // One thread: XNNPACK gets no thread pool and runs on the calling thread.
@@ -542,6 +567,10 @@ int main(int argc, char** argv) {
   }
   close(out_fd);
   long peak_end = peak_kb();
+  if (g_profile) {
+    write_etdump(strips ? *striped.release.module : *release.module, etdump + ".release.etdp");
+    if (has_grad) write_etdump(strips ? *striped.grad.module : *grad.module, etdump + ".grad.etdp");
+  }
   for (size_t i = 0; i < sums.size(); ++i) {
     std::string path = dir + "/grad_" + std::to_string(i) + ".f32";
     std::FILE* f = std::fopen(path.c_str(), "wb");
