@@ -1,7 +1,8 @@
-// ChaCha20 + Box-Muller, written as plain loops over 16 lanes (16 ChaCha blocks side by side) so that the
-// compiler vectorises them: AVX-512, AVX2 or NEON, picked at run time on x86 (target_clones), at build
-// time elsewhere. log, sin and cos are Cephes' float polynomials (about 1 ulp on their reduced ranges), inline
-// so that they vectorise too. See gaussian_noise.h for the mapping from keystream words to normals.
+// ChaCha20 + Box-Muller on 16 lanes at once (16 ChaCha blocks side by side) with GCC/Clang vector extensions:
+// AVX-512, AVX2 or SSE2 picked at run time on x86 (target_clones), NEON on arm64 at build time. The ChaCha
+// state is 16 named vectors so that it stays in registers. log, sin and cos are Cephes' float polynomials
+// (about 1 ulp on their reduced ranges), branch-free so that they vectorise too. See gaussian_noise.h for the
+// mapping from keystream words to normals.
 #include "gaussian_noise.h"
 
 #include <sys/random.h>
@@ -24,7 +25,6 @@ namespace {
 constexpr int kRounds = 20;                // ChaCha20
 constexpr int kLanes = 16;                 // ChaCha blocks per group
 constexpr int kGroup = kLanes * 16;        // values per group
-constexpr float kTwoPow24 = 16777216.0f;
 
 [[noreturn]] void die(const char* why) {
   std::fprintf(stderr, "splitface_native: %s\n", why);
@@ -137,7 +137,7 @@ NoiseKey key_from_file(const char* path) {
   NoiseKey key{};
   std::FILE* f = std::fopen(path, "rb");
   unsigned char bytes[32];
-  if (!f || std::fread(bytes, 1, 32, f) != 32) die("the noise key file must hold 32 bytes");
+  if (!f || std::fread(bytes, 1, 32, f) != 32 || std::fgetc(f) != EOF) die("the noise key file must hold 32 bytes");
   std::fclose(f);
   for (int i = 0; i < 8; ++i) {  // little-endian words, as RFC 8439 reads the key
     key[i] = bytes[4 * i] | (bytes[4 * i + 1] << 8) | (bytes[4 * i + 2] << 16) | (static_cast<uint32_t>(bytes[4 * i + 3]) << 24);
