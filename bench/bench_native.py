@@ -13,9 +13,11 @@ VGG-Face conv1 + ReLU + LRN at 224x224, a batch of 8 images, one thread: the im2
 Every native configuration is checked against eager PyTorch first (export/verify.py's tolerances); where
 the runner draws the noise, the check runs once under a known key (`--noise-key`), whose normals
 `reference_normals` recomputes in float64, and the timed runs draw fresh keys. Peak RSS is the runner's
-own high-water mark (VmHWM), runtime libraries included.
+own high-water mark (VmHWM), runtime libraries included. The rows take turns over `--rounds` rounds, so
+that a change of the shared machine's load hits them all. `--profile` adds where each program's time goes:
+its runs recorded with ETDump, time per operator kind (XNNPACK's operators inside its delegate call).
 
-    python bench/bench_native.py   # writes results/bench_native.{json,txt}
+    python bench/bench_native.py --profile   # writes results/bench_native.{json,txt}
 """
 from __future__ import annotations
 
