@@ -22,9 +22,11 @@ its runs recorded with ETDump, time per operator kind (XNNPACK's operators insid
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -279,10 +281,13 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()
     binary = build(args.build_dir)
     artifacts = args.artifacts or Path(tempfile.mkdtemp(prefix="bench-native-"))
+    if args.artifacts is None:
+        atexit.register(shutil.rmtree, artifacts, ignore_errors=True)
     layer = device_layer(args.model, args.input_size)
     tensors = inputs(layer, args.samples, args.input_size)
     want = reference(layer, tensors["images"], tensors["noise"], tensors["grad"], [tensors["weight"], tensors["bias"]])
     work = Path(tempfile.mkdtemp(prefix="bench-native-io-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # 300 MB of inputs and releases
     write_inputs(work, {k: v.numpy() for k, v in tensors.items()})
     configs = [{"label": f"batch {b}", "programs": export_for_batch(layer, b, args.input_size,
                                                                      artifacts / f"{args.model}-b{b}"),
