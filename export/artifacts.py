@@ -38,12 +38,13 @@ from torch import nn
 if TYPE_CHECKING:
     from device_sdk.models import ModelSpec
 
-from .gemm_programs import GemmReleaseProgram, GemmWeightGrad, gemm_refusal
+from .gemm_programs import GemmReleaseProgram, GemmWeightGrad, gemm_refusal, strip_example
 from .programs import LayerVJP, ReleaseProgram, TrainingProgram, param_names, training_refusal
 
 RELEASE_PTE, TRAIN_PTE, RELEASE_ONNX, VJP_ONNX, MANIFEST = (
     "release.pte", "train.pte", "release.onnx", "vjp.onnx", "manifest.json")
 RELEASE_GEMM_PTE, VJP_GEMM_PTE = "release_gemm.pte", "vjp_gemm.pte"
+RELEASE_STRIP_PTE, VJP_STRIP_PTE = "release_strip.pte", "vjp_strip.pte"  # the native runner's strip programs
 NO_GEMM = "not exported (export with --gemm)"
 
 
@@ -137,6 +138,17 @@ def export_gemm_ptes(layer: nn.Module, images: torch.Tensor, noise: torch.Tensor
     release = lower_to_xnnpack(GemmReleaseProgram(layer, masked=mask_shape is not None).eval(),
                                (images, noise, *example_mask(mask_shape), *weights))
     return release, lower_to_xnnpack(GemmWeightGrad(layer).eval(), (images, noise, *weights))
+
+
+def export_strip_ptes(layer: nn.Module, rows: int, width: int) -> tuple[bytes, bytes]:
+    """release_strip.pte and vjp_strip.pte: the im2col programs over one padded strip of `rows` image rows
+    (batch 1, no noise input), which the native runner (device_sdk/runtimes/native) runs strip by strip."""
+    strip = strip_example(layer, rows, width)
+    weights = weights_of(layer)
+    with torch.no_grad():
+        grad = torch.zeros_like(GemmReleaseProgram(layer, strip=True)(strip, *weights))
+    release = lower_to_xnnpack(GemmReleaseProgram(layer, strip=True).eval(), (strip, *weights))
+    return release, lower_to_xnnpack(GemmWeightGrad(layer, strip=True).eval(), (strip, grad, *weights))
 
 
 def export_train_pte(layer: nn.Module, images: torch.Tensor, noise: torch.Tensor) -> bytes:

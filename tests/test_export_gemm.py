@@ -1,6 +1,8 @@
 """The im2col programs (`export/gemm_programs.py`) are the device layer exactly: their release equals eager
 PyTorch and their closed-form weight gradient equals autograd, with and without the DP clamp, masked or not;
-they refuse a layer they cannot express. Exported, they run in XNNPACK alone and still match (slow tier)."""
+they refuse a layer they cannot express. Their strip forms (the native runner's), run over the strips of an
+image and put together, are the same release and gradient. Exported, they run in XNNPACK alone and still
+match (slow tier)."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +11,7 @@ from torch import nn
 
 from device_sdk.models import build_device_part, resolve_spec
 from device_sdk.models.lrn import PaperLRN
-from export.gemm_programs import GemmReleaseProgram, GemmWeightGrad, gemm_refusal
+from export.gemm_programs import GemmReleaseProgram, GemmWeightGrad, gemm_refusal, strip_example
 from export.verify import reference
 
 
@@ -19,6 +21,32 @@ def conv1(model: str, clamp: float | None) -> nn.Module:
     for lrn in (m for m in layer.modules() if isinstance(m, PaperLRN)):
         lrn.input_max = clamp
     return layer
+
+
+@pytest.mark.parametrize("clamp, alpha", [(None, 1.0), (1.0, 0.5)])
+def test_strip_programs_put_together_are_the_layer(clamp, alpha):
+    """Each strip padded with the conv's halo as the native runner cuts it; the strips' releases stacked are the
+    layer's output, their weight gradients summed are the image's (alpha 1 skips its multiply; 0.5 keeps it)."""
+    layer, rows = conv1("iresnet_small", clamp), 4
+    for lrn in (m for m in layer.modules() if isinstance(m, PaperLRN)):
+        lrn.alpha = alpha
+    images = torch.rand(2, 3, 12, 20) * 3
+    weights = [p.detach() for p in layer.parameters()]
+    with torch.no_grad():
+        shape = layer(images).shape
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    want, want_grads = reference(layer, images, torch.zeros(shape), grad, weights)
+    assert strip_example(layer, rows, 20).shape == (1, 3, rows + 2, 22)
+    padded = torch.nn.functional.pad(images, (1, 1, 1, 1))
+    strips = [padded[:, :, t:t + rows + 2] for t in range(0, 12, rows)]
+    got = torch.cat([GemmReleaseProgram(layer, strip=True)(s, *weights) for s in strips], dim=2)
+    assert (got - want).abs().max() < 1e-5
+    got_grads = [sum(parts) for parts in zip(*(GemmWeightGrad(layer, strip=True)(s, grad[:, :, t:t + rows], *weights)
+                                                for s, t in zip(strips, range(0, 12, rows))))]
+    for a, b in zip(got_grads, want_grads, strict=True):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    with pytest.raises(ValueError, match="no mask"):
+        GemmReleaseProgram(layer, masked=True, strip=True)
 
 
 @pytest.mark.parametrize("model", ["vgg_face_small", "iresnet_small"])

@@ -1,6 +1,9 @@
 """The native device runner (device_sdk/runtimes/native): built with CMake against the executorch wheel's
 C++ runtime, it links no libtorch, and its release and summed weight gradient over chunks of batch-1 and
-batch-2 programs equal eager PyTorch. Bad inputs stop it with a message naming the file."""
+batch-2 programs, and over the strips of each image with the strip programs, equal eager PyTorch. The noise
+it draws is ChaCha20's keystream (checked against the `cryptography` package's) through Box-Muller, Gaussian,
+and under a fresh key per release unless a key file is given. Bad inputs stop it with a message naming the
+file. Without cmake or a C++ compiler the build fails with a message (it is not skipped)."""
 from __future__ import annotations
 
 import subprocess
@@ -11,11 +14,13 @@ import torch
 
 from device_sdk.models import build_device_part, resolve_spec
 from device_sdk.models.lrn import PaperLRN
-from device_sdk.runtimes.native import build, run_native, write_inputs
-from export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE, export_gemm_ptes
+from device_sdk.runtimes import native as native_module
+from device_sdk.runtimes.native import build, reference_normals, run_native, write_inputs
+from export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE, export_gemm_ptes, export_strip_ptes
 from export.verify import GRAD_RTOL, RELEASE_ATOL, reference
 
-SAMPLES, SIZE = 4, 24
+SAMPLES, SIZE, ROWS = 4, 24, 8
+STRIP_RELEASE, STRIP_GRAD = ["images", "weight", "bias"], ["images", "grad", "weight", "bias"]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +42,26 @@ def native(tmp_path_factory):
         programs[batch].mkdir()
         (programs[batch] / RELEASE_GEMM_PTE).write_bytes(release)
         (programs[batch] / VJP_GEMM_PTE).write_bytes(vjp)
+    programs["strips"] = root / "strips"
+    programs["strips"].mkdir()
+    release, vjp = export_strip_ptes(layer, ROWS, SIZE)
+    (programs["strips"] / "release.pte").write_bytes(release)
+    (programs["strips"] / "vjp.pte").write_bytes(vjp)
     return binary, layer, programs, root
+
+
+def strip_run(native, work, noise_std=None, key=None, grad=True):
+    """The strip programs through the runner, once, on the inputs in `work`."""
+    binary, _, programs, _ = native
+    return run_native(binary, work, SAMPLES, (programs["strips"] / "release.pte", STRIP_RELEASE),
+                      (programs["strips"] / "vjp.pte", STRIP_GRAD) if grad else None, runs=1, warmup=0,
+                      strips=True, noise_std=noise_std, noise_key=key)
+
+
+def test_build_without_cmake_fails_with_a_message(monkeypatch, tmp_path):
+    monkeypatch.setattr(native_module.shutil, "which", lambda tool: None)
+    with pytest.raises(RuntimeError, match="needs cmake and c\\+\\+ on PATH"):
+        build(tmp_path)
 
 
 @pytest.mark.slow  # builds the runner (CMake, a few seconds) and lowers four programs
@@ -54,7 +78,7 @@ def test_native_runner_matches_eager_in_chunks_without_libtorch(native):
     work = root / "io"
     write_inputs(work, {"images": images.numpy(), "noise": noise.numpy(), "grad": grad.numpy(),
                         "weight": weights[0].numpy(), "bias": weights[1].numpy()})
-    for batch, program in programs.items():
+    for batch, program in ((b, programs[b]) for b in (1, 2)):
         report = run_native(binary, work, SAMPLES, (program / RELEASE_GEMM_PTE, ["images", "noise", "weight", "bias"]),
                             (program / VJP_GEMM_PTE, ["images", "grad", "weight", "bias"]), runs=1, warmup=0)
         assert report["program_batch"] == batch and report["grad_outputs"] == 2
@@ -78,3 +102,72 @@ def test_native_runner_refuses_bad_inputs_by_name(native):
         run_native(binary, work, 3, (release[0], ["images", "noise", "weight"]), runs=1, warmup=0)
     with pytest.raises(RuntimeError, match="cannot open .*missing.f32"):
         run_native(binary, work, 3, (release[0], ["images", "missing", "weight", "bias"]), runs=1, warmup=0)
+
+
+@pytest.mark.slow
+def test_strip_runner_with_drawn_noise_matches_eager(native):
+    """Strips of 8 rows of 24 px images (3 per image): the release with the noise the runner drew under a known
+    key, and the weight gradient summed over strips and samples, equal eager PyTorch with that noise."""
+    _, layer, _, root = native
+    g = torch.Generator().manual_seed(4)
+    images = 3 * torch.rand(SAMPLES, 3, SIZE, SIZE, generator=g)
+    shape = layer(images[:1]).shape[1:]
+    grad = torch.randn((SAMPLES, *shape), generator=g)
+    weights = [p.detach() + 0.05 * torch.randn(p.shape, generator=g) for p in layer.parameters()]
+    key = bytes(range(32))  # a test key; production draws a fresh one per release
+    (root / "test.key").write_bytes(key)
+    noise = 0.1 * torch.from_numpy(reference_normals(key, SAMPLES * shape.numel())).float().reshape(SAMPLES, *shape)
+    want_release, want_grads = reference(layer, images, noise, grad, weights)
+    work = root / "strip-io"
+    write_inputs(work, {"images": images.numpy(), "grad": grad.numpy(), "weight": weights[0].numpy(),
+                        "bias": weights[1].numpy()})
+    report = strip_run(native, work, 0.1, root / "test.key")
+    assert report["strip_rows"] == ROWS and report["noise_std"] == pytest.approx(0.1)
+    assert np.abs(report["release"] - want_release.numpy().ravel()).max() <= RELEASE_ATOL
+    for got, want in zip(report["grads"], want_grads, strict=True):
+        assert np.abs(got - want.numpy().ravel()).max() <= GRAD_RTOL * want.abs().max().item()
+    assert report["peak_kb"] > 0 and report["forward_noise_ms"][0] > 0
+    # without --noise-std nothing is drawn: the release is the layer's output
+    plain = strip_run(native, work, grad=False)
+    noiseless = reference(layer, images, torch.zeros_like(noise), grad, weights, grads=False)[0]
+    assert np.abs(plain["release"] - noiseless.numpy().ravel()).max() <= RELEASE_ATOL
+
+
+@pytest.mark.slow
+def test_native_noise_is_keyed_chacha20_box_muller_and_fresh_per_release(native):
+    """Zero weights make the release the noise itself: sigma z with z the key's normals, equal to the float64
+    reference from `cryptography`'s ChaCha20 keystream, distributed as N(0, 1); without a key file every
+    release draws a fresh key, so two releases of the same images share no noise."""
+    _, layer, _, root = native
+    work = root / "noise-io"
+    images = torch.rand(SAMPLES, 3, SIZE, SIZE)
+    weight, bias = (np.zeros(tuple(p.shape)) for p in layer.parameters())
+    write_inputs(work, {"images": images.numpy(), "weight": weight, "bias": bias})
+    key = bytes(range(100, 132))
+    (root / "noise.key").write_bytes(key)
+    z = strip_run(native, work, 1.0, root / "noise.key", grad=False)["release"]
+    assert z.size == SAMPLES * weight.shape[0] * SIZE * SIZE
+    assert np.abs(z - reference_normals(key, z.size)).max() < 2e-5
+    n = z.size  # 36,864 values
+    assert abs(z.mean()) < 5 / np.sqrt(n) and abs(z.std() - 1) < 0.01
+    assert abs((np.abs(z) < 1).mean() - 0.6827) < 0.006 and abs((np.abs(z) < 2).mean() - 0.9545) < 0.004
+    assert np.abs(z).max() <= np.sqrt(2 * np.log(2.0**24)) + 1e-4  # the 24-bit uniform's truncation
+    a, b = (strip_run(native, work, 1.0, grad=False)["release"] for _ in range(2))
+    assert (a == b).sum() < 10 and (a == z).sum() < 10  # fresh getrandom keys: independent draws
+    assert abs(np.corrcoef(a, b)[0, 1]) < 0.03
+
+
+@pytest.mark.slow
+def test_strip_runner_refuses_bad_inputs_by_name(native):
+    binary, layer, programs, root = native
+    work = root / "strip-bad"
+    weight, bias = (np.zeros(tuple(p.shape)) for p in layer.parameters())
+    write_inputs(work, {"images": np.zeros((SAMPLES, 3, SIZE + 1, SIZE)), "weight": weight, "bias": bias})
+    with pytest.raises(RuntimeError, match=r"images.f32 holds .* H a multiple of 8"):
+        strip_run(native, work, grad=False)
+    write_inputs(work, {"images": np.zeros((SAMPLES, 3, SIZE, SIZE)), "bias": np.zeros(5)})
+    with pytest.raises(RuntimeError, match=r"bias.f32 holds 20 bytes; the shared input takes 64"):
+        strip_run(native, work, grad=False)
+    with pytest.raises(RuntimeError, match="--noise-key needs --noise-std"):
+        run_native(binary, work, SAMPLES, (programs["strips"] / "release.pte", STRIP_RELEASE), strips=True,
+                   noise_key=root / "noise.key", runs=1, warmup=0)

@@ -48,6 +48,9 @@ class NoiseStream:
     def random_bytes(self, n: int) -> bytes:
         return self._cipher.update(bytes(n))  # encrypting zeros gives the keystream itself
 
+    def words32(self, n: int) -> np.ndarray:
+        return np.frombuffer(self.random_bytes(4 * n), dtype="<u4").astype(np.uint64)
+
     def words64(self, n: int) -> np.ndarray:
         return np.frombuffer(self.random_bytes(8 * n), dtype="<u8")
 

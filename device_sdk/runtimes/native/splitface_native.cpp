@@ -8,19 +8,39 @@
 //       --release release_gemm.pte:images,noise,weight,bias     (outputs: one batched tensor, written out)
 //       --grad vjp_gemm.pte:images,grad,weight,bias             (outputs: summed over the chunks)
 //
+//   splitface_native --dir D --samples N --strips [--noise-std S [--noise-key K]] ...
+//       --release release_strip.pte:images,weight,bias          (one padded strip of rows in, its rows out)
+//       --grad vjp_strip.pte:images,grad,weight,bias
+//
 // Each input name is the file D/<name>.f32 (float32, C order): a per-sample input holds N/B chunks of
 // the program's input shape, a shared one (the weights) exactly one. Outputs: D/release.f32 (N samples)
 // and D/grad_<i>.f32 (output i of the gradient program, summed). One JSON object on stdout: times per run
 // (the programs' execute calls alone, and with the chunks' file reads and writes) and the process's
 // resident set size after each step and its high-water mark, from /proc/self/status.
+//
+// --strips: the strip programs (GemmReleaseProgram/GemmWeightGrad with strip=True) take a few rows of one
+// image with the conv's zero halo; the runner cuts each image into such strips, so that every intermediate
+// of the programs fits in the core's cache, and copies each strip's rows of the server's gradient in. The
+// images' height comes from the file's size, the strip's rows and width from the program's output.
+// --noise-std S: the runner draws the release's noise itself, N(0, S^2) per value from ChaCha20 under a fresh
+// key from the OS CSPRNG per release (gaussian_noise.h); with --strips it is added to each strip's output
+// while that is in cache, otherwise it fills the program's input named "noise". --noise-key K: a 32-byte key
+// file instead (tests and replays only). Without --noise-std a "noise" input is read from its file.
+// --etdump PREFIX: record every run with ExecuTorch's ETDump (each operator's time, XNNPACK's inside its
+// delegate call included) into PREFIX.release.etdp and PREFIX.grad.etdp, for the devtools Inspector.
 #include <executorch/extension/module/module.h>
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/extension/threadpool/threadpool_guard.h>
+
+#include <executorch/devtools/etdump/etdump_flatcc.h>
+
+#include "gaussian_noise.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -78,6 +98,7 @@ struct Input {
   std::vector<SizesType> shape;
   size_t chunk_floats = 0;
   bool per_sample = false;
+  bool drawn = false;  // the noise, drawn by the runner instead of read
   std::vector<float> buffer;
   TensorPtr tensor;
 };
@@ -89,14 +110,41 @@ struct Program {
   int batch = 0;
 };
 
-Program open_program(const std::string& spec, const std::string& dir, int samples) {
+struct Noise {
+  bool on = false;
+  float std = 0;
+  std::string key_file;
+  splitface::NoiseKey key{};
+  void rekey() { key = key_file.empty() ? splitface::fresh_key() : splitface::key_from_file(key_file.c_str()); }
+};
+
+bool g_profile = false;  // --etdump: load every program with an ETDump event tracer
+
+std::unique_ptr<Module> load_module(const std::string& path) {
+  // Mmap: the program's constant data stays in the file's pages (the im2col programs have almost none).
+  auto m = std::make_unique<Module>(path, Module::LoadMode::Mmap,
+                                    g_profile ? std::make_unique<executorch::etdump::ETDumpGen>() : nullptr);
+  if (m->load_method("forward") != executorch::runtime::Error::Ok) fail("cannot load " + path);
+  return m;
+}
+
+// The ETDump a program's runs recorded, written to `path` (nothing without --etdump).
+void write_etdump(Module& m, const std::string& path) {
+  auto* gen = static_cast<executorch::etdump::ETDumpGen*>(m.event_tracer());
+  if (gen == nullptr) return;
+  auto data = gen->get_etdump_data();
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  if (!f || std::fwrite(data.buf, 1, data.size, f) != data.size) fail("cannot write " + path);
+  std::fclose(f);
+  std::free(data.buf);
+}
+
+Program open_program(const std::string& spec, const std::string& dir, int samples, bool draw_noise) {
   auto colon = spec.rfind(':');
   if (colon == std::string::npos) fail("a program is PATH:input,input,...; got " + spec);
   Program p;
   p.path = spec.substr(0, colon);
-  // Mmap: the program's constant data stays in the file's pages (the im2col programs have almost none).
-  p.module = std::make_unique<Module>(p.path, Module::LoadMode::Mmap);
-  if (p.module->load_method("forward") != executorch::runtime::Error::Ok) fail("cannot load " + p.path);
+  p.module = load_module(p.path);
   auto meta = p.module->method_meta("forward");
   if (!meta.ok()) fail("no forward method in " + p.path);
   auto names = split(spec.substr(colon + 1), ',');
@@ -113,13 +161,20 @@ Program open_program(const std::string& spec, const std::string& dir, int sample
     in.name = names[i];
     in.shape.assign(info->sizes().begin(), info->sizes().end());
     in.chunk_floats = info->nbytes() / sizeof(float);
+    if (i == 0) p.batch = in.shape.at(0);
+    in.buffer.resize(in.chunk_floats);
+    in.tensor = from_blob(in.buffer.data(), in.shape);
+    if (draw_noise && in.name == "noise") {
+      in.drawn = in.per_sample = true;
+      p.inputs.push_back(std::move(in));
+      continue;
+    }
     std::string file = dir + "/" + in.name + ".f32";
     in.fd = open(file.c_str(), O_RDONLY);
     if (in.fd < 0) fail("cannot open " + file);
     struct stat st{};
     fstat(in.fd, &st);
     size_t bytes = static_cast<size_t>(st.st_size);
-    if (i == 0) p.batch = in.shape.at(0);
     if (bytes == info->nbytes()) {
       in.per_sample = false;
     } else if (p.batch > 0 && samples % p.batch == 0 && bytes == info->nbytes() * (samples / p.batch)) {
@@ -128,8 +183,6 @@ Program open_program(const std::string& spec, const std::string& dir, int sample
       fail(file + " holds " + std::to_string(bytes) + " bytes: neither one input of " +
            std::to_string(info->nbytes()) + " bytes nor " + std::to_string(samples) + " samples of them");
     }
-    in.buffer.resize(in.chunk_floats);
-    in.tensor = from_blob(in.buffer.data(), in.shape);
     p.inputs.push_back(std::move(in));
   }
   if (samples % p.batch != 0) fail(std::to_string(samples) + " samples is not a multiple of the batch " +
@@ -137,8 +190,12 @@ Program open_program(const std::string& spec, const std::string& dir, int sample
   return p;
 }
 
-void read_chunk(Input& in, size_t chunk, bool first) {
+void read_chunk(Input& in, size_t chunk, bool first, const Noise& noise) {
   if (!in.per_sample && !first) return;  // shared inputs are read once
+  if (in.drawn) {
+    splitface::add_gaussian(in.buffer.data(), nullptr, in.chunk_floats, chunk * in.chunk_floats, noise.key, noise.std);
+    return;
+  }
   size_t bytes = in.chunk_floats * sizeof(float);
   off_t offset = in.per_sample ? static_cast<off_t>(chunk * bytes) : 0;
   if (pread(in.fd, in.buffer.data(), bytes, offset) != static_cast<ssize_t>(bytes)) {
@@ -155,15 +212,31 @@ std::vector<EValue> run(Program& p) {
 }
 
 struct Times {
-  std::vector<double> compute_ms, total_ms;
+  std::vector<double> compute_ms, total_ms, noise_ms;
 };
 
+// Adds a program's outputs into `sums` (the loss is a sum over samples and strips, so are the gradients).
+void accumulate(const std::vector<EValue>& outs, std::vector<std::vector<float>>& sums) {
+  sums.resize(outs.size());
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const auto& g = outs[i].toTensor();
+    const float* v = g.const_data_ptr<float>();
+    sums[i].resize(g.numel(), 0.0f);
+    for (ssize_t k = 0; k < g.numel(); ++k) sums[i][k] += v[k];
+  }
+}
+
 // The release over all samples: each chunk read, run, and its release written to D/release.f32 (last run).
-void release_pass(Program& p, int samples, int out_fd, bool write, Times& t) {
-  double compute = 0, start = now_ms();
+void release_pass(Program& p, int samples, int out_fd, bool write, Noise& noise, Times& t) {
+  double compute = 0, drawing = 0, start = now_ms();
   size_t chunks = samples / p.batch;
+  if (noise.on) noise.rekey();  // one key per release
   for (size_t c = 0; c < chunks; ++c) {
-    for (auto& in : p.inputs) read_chunk(in, c, c == 0);
+    for (auto& in : p.inputs) {
+      double t0 = now_ms();
+      read_chunk(in, c, c == 0, noise);
+      if (in.drawn) drawing += now_ms() - t0;
+    }
     double t0 = now_ms();
     auto outs = run(p);
     compute += now_ms() - t0;
@@ -173,7 +246,8 @@ void release_pass(Program& p, int samples, int out_fd, bool write, Times& t) {
       fail("cannot write the release");
     }
   }
-  t.compute_ms.push_back(compute);
+  t.compute_ms.push_back(compute + drawing);
+  t.noise_ms.push_back(drawing);
   t.total_ms.push_back(now_ms() - start);
 }
 
@@ -183,21 +257,238 @@ std::vector<std::vector<float>> grad_pass(Program& p, int samples, Times& t) {
   std::vector<std::vector<float>> sums;
   size_t chunks = samples / p.batch;
   for (size_t c = 0; c < chunks; ++c) {
-    for (auto& in : p.inputs) read_chunk(in, c, c == 0);
+    for (auto& in : p.inputs) read_chunk(in, c, c == 0, Noise{});
     double t0 = now_ms();
-    auto outs = run(p);
-    sums.resize(outs.size());
-    for (size_t i = 0; i < outs.size(); ++i) {
-      const auto& g = outs[i].toTensor();
-      const float* v = g.const_data_ptr<float>();
-      sums[i].resize(g.numel(), 0.0f);
-      for (ssize_t k = 0; k < g.numel(); ++k) sums[i][k] += v[k];
-    }
+    accumulate(run(p), sums);
     compute += now_ms() - t0;
   }
   t.compute_ms.push_back(compute);
   t.total_ms.push_back(now_ms() - start);
   return sums;
+}
+
+// ---- strips: one image at a time, cut into strips of R rows with the conv's halo ----
+
+int open_fd(const std::string& file) {
+  int fd = open(file.c_str(), O_RDONLY);
+  if (fd < 0) fail("cannot open " + file);
+  return fd;
+}
+
+size_t file_bytes(int fd) {
+  struct stat st{};
+  fstat(fd, &st);
+  return static_cast<size_t>(st.st_size);
+}
+
+void pread_all(int fd, float* dst, size_t floats, size_t offset_floats, const std::string& what) {
+  size_t bytes = floats * sizeof(float);
+  if (pread(fd, dst, bytes, static_cast<off_t>(offset_floats * sizeof(float))) != static_cast<ssize_t>(bytes)) {
+    fail("short read of " + what);
+  }
+}
+
+// A strip program: input 0 the padded strip (1, C, R + kh - 1, W + kw - 1); an input of the strip's output
+// shape (1, O, R, W) is that strip of a per-sample map (the server's gradient); any other is shared (read once).
+struct StripProgram {
+  std::string path;
+  std::unique_ptr<Module> module;
+  std::vector<std::string> names;
+  std::vector<std::vector<float>> buffers;
+  std::vector<TensorPtr> tensors;
+  int feature = -1;       // the input cut from a per-sample map, if any
+  int feature_fd = -1;
+};
+
+struct Geometry {
+  int C = 0, H = 0, W = 0, O = 0, R = 0, kh = 0, kw = 0;
+  size_t image() const { return static_cast<size_t>(C) * H * W; }
+  size_t map() const { return static_cast<size_t>(O) * H * W; }
+  size_t strip_in() const { return static_cast<size_t>(C) * (R + kh - 1) * (W + kw - 1); }
+};
+
+StripProgram open_strip(const std::string& spec, const std::string& dir, const std::vector<SizesType>& out_shape) {
+  auto colon = spec.rfind(':');
+  if (colon == std::string::npos) fail("a program is PATH:input,input,...; got " + spec);
+  StripProgram p;
+  p.path = spec.substr(0, colon);
+  p.module = load_module(p.path);
+  auto meta = p.module->method_meta("forward");
+  if (!meta.ok()) fail("no forward method in " + p.path);
+  p.names = split(spec.substr(colon + 1), ',');
+  if (p.names.size() != meta->num_inputs()) {
+    fail(p.path + " takes " + std::to_string(meta->num_inputs()) + " inputs; " + std::to_string(p.names.size()) +
+         " named");
+  }
+  for (size_t i = 0; i < p.names.size(); ++i) {
+    auto info = meta->input_tensor_meta(i);
+    if (!info.ok() || info->scalar_type() != executorch::aten::ScalarType::Float) {
+      fail(p.path + ": input " + std::to_string(i) + " is not a float tensor");
+    }
+    std::vector<SizesType> shape(info->sizes().begin(), info->sizes().end());
+    p.buffers.emplace_back(info->nbytes() / sizeof(float));
+    p.tensors.push_back(from_blob(p.buffers.back().data(), shape));
+    if (i == 0) continue;  // the strip, cut by the runner
+    std::string file = dir + "/" + p.names[i] + ".f32";
+    int fd = open_fd(file);
+    if (shape == out_shape) {
+      p.feature = static_cast<int>(i);
+      p.feature_fd = fd;
+    } else {
+      if (file_bytes(fd) != info->nbytes()) {
+        fail(file + " holds " + std::to_string(file_bytes(fd)) + " bytes; the shared input takes " +
+             std::to_string(info->nbytes()));
+      }
+      pread_all(fd, p.buffers.back().data(), p.buffers.back().size(), 0, file);
+      close(fd);
+    }
+  }
+  return p;
+}
+
+std::vector<EValue> run_strip(StripProgram& p) {
+  std::vector<EValue> args;
+  for (auto& t : p.tensors) args.emplace_back(t);
+  auto out = p.module->execute("forward", args);
+  if (!out.ok()) fail("executing " + p.path + " failed (error " + std::to_string(static_cast<int>(out.error())) + ")");
+  return std::move(*out);
+}
+
+// The image's rows with the conv's zero halo: `padded` is (C, H + kh - 1, W + kw - 1), its border stays zero.
+void pad_image(const Geometry& g, const float* image, std::vector<float>& padded) {
+  int hp = g.H + g.kh - 1, wp = g.W + g.kw - 1, top = (g.kh - 1) / 2, left = (g.kw - 1) / 2;
+  padded.resize(static_cast<size_t>(g.C) * hp * wp, 0.0f);
+  for (int c = 0; c < g.C; ++c)
+    for (int y = 0; y < g.H; ++y)
+      std::memcpy(&padded[(static_cast<size_t>(c) * hp + y + top) * wp + left], image + (static_cast<size_t>(c) * g.H + y) * g.W,
+                  g.W * sizeof(float));
+}
+
+// Strip t of the padded image into the program's first input: rows [t R, t R + R + kh - 1) of every channel.
+void cut_strip(const Geometry& g, const std::vector<float>& padded, int t, float* strip) {
+  int hp = g.H + g.kh - 1, wp = g.W + g.kw - 1, rows = g.R + g.kh - 1;
+  for (int c = 0; c < g.C; ++c)
+    std::memcpy(strip + static_cast<size_t>(c) * rows * wp, &padded[(static_cast<size_t>(c) * hp + t * g.R) * wp],
+                static_cast<size_t>(rows) * wp * sizeof(float));
+}
+
+struct StripRunner {
+  Geometry g;
+  StripProgram release, grad;
+  bool has_grad = false;
+  int image_fd = -1, samples = 0;
+  std::vector<float> image, padded, map;  // one sample's image, padded image, and release or gradient map
+
+  void load_image(int s) {
+    pread_all(image_fd, image.data(), g.image(), s * g.image(), "images");
+    pad_image(g, image.data(), padded);
+  }
+
+  // The release of every sample, strip by strip, the noise drawn into each strip's rows as they are copied out.
+  void release_pass(int out_fd, bool write, Noise& noise, Times& t) {
+    double compute = 0, drawing = 0, start = now_ms();
+    if (noise.on) noise.rekey();  // one key per release
+    for (int s = 0; s < samples; ++s) {
+      load_image(s);
+      double t0 = now_ms();
+      for (int strip = 0; strip < g.H / g.R; ++strip) {
+        cut_strip(g, padded, strip, release.buffers[0].data());
+        auto outs = run_strip(release);
+        const float* out = outs.at(0).toTensor().const_data_ptr<float>();
+        double t1 = now_ms();
+        size_t rows = static_cast<size_t>(g.R) * g.W;
+        for (int o = 0; o < g.O; ++o) {
+          size_t at = static_cast<size_t>(o) * g.H * g.W + strip * rows;
+          if (noise.on) {
+            splitface::add_gaussian(&map[at], out + o * rows, rows, s * g.map() + at, noise.key, noise.std);
+          } else {
+            std::memcpy(&map[at], out + o * rows, rows * sizeof(float));
+          }
+        }
+        drawing += now_ms() - t1;
+      }
+      compute += now_ms() - t0;
+      if (write && pwrite(out_fd, map.data(), g.map() * sizeof(float), static_cast<off_t>(s * g.map() * sizeof(float))) !=
+                       static_cast<ssize_t>(g.map() * sizeof(float))) {
+        fail("cannot write the release");
+      }
+    }
+    t.compute_ms.push_back(compute);
+    t.noise_ms.push_back(noise.on ? drawing : 0.0);
+    t.total_ms.push_back(now_ms() - start);
+  }
+
+  // The weight gradient: each strip's, with the strip's rows of the server's gradient, summed.
+  std::vector<std::vector<float>> grad_pass(Times& t) {
+    double compute = 0, start = now_ms();
+    std::vector<std::vector<float>> sums;
+    for (int s = 0; s < samples; ++s) {
+      load_image(s);
+      pread_all(grad.feature_fd, map.data(), g.map(), s * g.map(), grad.names[grad.feature]);
+      double t0 = now_ms();
+      size_t rows = static_cast<size_t>(g.R) * g.W;
+      float* feature = grad.buffers[grad.feature].data();
+      for (int strip = 0; strip < g.H / g.R; ++strip) {
+        cut_strip(g, padded, strip, grad.buffers[0].data());
+        for (int o = 0; o < g.O; ++o)
+          std::memcpy(feature + o * rows, &map[static_cast<size_t>(o) * g.H * g.W + strip * rows], rows * sizeof(float));
+        accumulate(run_strip(grad), sums);
+      }
+      compute += now_ms() - t0;
+    }
+    t.compute_ms.push_back(compute);
+    t.total_ms.push_back(now_ms() - start);
+    return sums;
+  }
+};
+
+StripRunner open_strips(const std::string& release_spec, const std::string& grad_spec, const std::string& dir,
+                        int samples) {
+  StripRunner r;
+  r.samples = samples;
+  {  // the geometry from the release program: its strip input and its output
+    auto colon = release_spec.rfind(':');
+    Module probe(release_spec.substr(0, colon), Module::LoadMode::Mmap);
+    auto meta = probe.method_meta("forward");
+    if (!meta.ok()) fail("cannot read " + release_spec.substr(0, colon));
+    auto in = meta->input_tensor_meta(0);
+    auto out = meta->output_tensor_meta(0);
+    if (!in.ok() || !out.ok() || in->sizes().size() != 4 || out->sizes().size() != 4 || in->sizes()[0] != 1 ||
+        out->sizes()[0] != 1) {
+      fail("a strip program takes and returns one (1, C, rows, width) strip");
+    }
+    r.g.C = in->sizes()[1];
+    r.g.O = out->sizes()[1];
+    r.g.R = out->sizes()[2];
+    r.g.W = out->sizes()[3];
+    r.g.kh = in->sizes()[2] - r.g.R + 1;
+    r.g.kw = in->sizes()[3] - r.g.W + 1;
+    if (r.g.kh < 1 || r.g.kw < 1 || r.g.kh % 2 == 0 || r.g.kw % 2 == 0) fail("the strip's halo is not a 'same' conv's");
+  }
+  std::vector<SizesType> out_shape = {1, r.g.O, r.g.R, r.g.W};
+  r.release = open_strip(release_spec, dir, out_shape);
+  if (r.release.feature >= 0) fail("a strip release program takes no per-sample map (the runner draws the noise)");
+  r.has_grad = !grad_spec.empty();
+  if (r.has_grad) {
+    r.grad = open_strip(grad_spec, dir, out_shape);
+    if (r.grad.feature < 0) fail(r.grad.path + " takes no (1, O, rows, width) gradient strip");
+  }
+  std::string file = dir + "/" + r.release.names[0] + ".f32";
+  r.image_fd = open_fd(file);
+  size_t per_row = static_cast<size_t>(samples) * r.g.C * r.g.W * sizeof(float);
+  size_t bytes = file_bytes(r.image_fd);
+  if (bytes % per_row != 0 || bytes / per_row % r.g.R != 0 || bytes == 0) {
+    fail(file + " holds " + std::to_string(bytes) + " bytes: not " + std::to_string(samples) + " images of " +
+         std::to_string(r.g.C) + " x H x " + std::to_string(r.g.W) + " with H a multiple of " + std::to_string(r.g.R));
+  }
+  r.g.H = static_cast<int>(bytes / per_row);
+  if (r.has_grad && file_bytes(r.grad.feature_fd) != samples * r.g.map() * sizeof(float)) {
+    fail(r.grad.names[r.grad.feature] + ".f32 holds " + std::to_string(file_bytes(r.grad.feature_fd)) +
+         " bytes; " + std::to_string(samples) + " maps of " + std::to_string(r.g.map() * sizeof(float)) + " expected");
+  }
+  r.image.resize(r.g.image());
+  r.map.resize(r.g.map());
+  return r;
 }
 
 std::string json_list(const std::vector<double>& v) {
@@ -212,6 +503,9 @@ std::string json_list(const std::vector<double>& v) {
 int main(int argc, char** argv) {
   std::string dir, release_spec, grad_spec, threads = "1";
   int samples = 0, runs = 3, warmup = 1;
+  bool strips = false;
+  Noise noise;
+  std::string etdump;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -225,22 +519,37 @@ int main(int argc, char** argv) {
     else if (a == "--threads") threads = value();
     else if (a == "--release") release_spec = value();
     else if (a == "--grad") grad_spec = value();
+    else if (a == "--strips") strips = true;
+    else if (a == "--noise-std") { noise.on = true; noise.std = std::strtof(value().c_str(), nullptr); }
+    else if (a == "--noise-key") noise.key_file = value();
+    else if (a == "--etdump") etdump = value();
     else fail("unknown argument " + a);
   }
   if (dir.empty() || samples <= 0 || release_spec.empty() || runs <= 0 || warmup < 0) {
-    fail("usage: splitface_native --dir D --samples N --release P:inputs [--grad P:inputs] [--runs R] "
-         "[--warmup W] [--threads 1|all]");
+    fail("usage: splitface_native --dir D --samples N --release P:inputs [--grad P:inputs] [--strips] "
+         "[--noise-std S [--noise-key K]] [--etdump PREFIX] [--runs R] [--warmup W] [--threads 1|all]");
   }
   if (threads != "1" && threads != "all") fail("--threads is 1 or all (the runtime's pool, one per core)");
+  g_profile = !etdump.empty();
+  if (!noise.key_file.empty() && !noise.on) fail("--noise-key needs --noise-std");
+  if (noise.on && !(noise.std >= 0.0f)) fail("--noise-std must be a number >= 0");
   // One thread: XNNPACK gets no thread pool and runs on the calling thread.
   std::unique_ptr<executorch::extension::threadpool::NoThreadPoolGuard> single;
   if (threads == "1") single = std::make_unique<executorch::extension::threadpool::NoThreadPoolGuard>();
 
   long rss_start = status_kb("VmRSS:");
-  Program release = open_program(release_spec, dir, samples);
-  Program grad;
   bool has_grad = !grad_spec.empty();
-  if (has_grad) grad = open_program(grad_spec, dir, samples);
+  Program release, grad;
+  StripRunner striped;
+  if (strips) {
+    striped = open_strips(release_spec, grad_spec, dir, samples);
+  } else {
+    release = open_program(release_spec, dir, samples, noise.on);
+    if (noise.on && std::none_of(release.inputs.begin(), release.inputs.end(), [](const Input& in) { return in.drawn; })) {
+      fail(release.path + " has no input named noise to draw");
+    }
+    if (has_grad) grad = open_program(grad_spec, dir, samples, false);
+  }
   long rss_loaded = status_kb("VmRSS:"), peak_loaded = peak_kb();
 
   std::string out_path = dir + "/release.f32";
@@ -250,12 +559,18 @@ int main(int argc, char** argv) {
   std::vector<std::vector<float>> sums;
   long peak_forward = 0;
   for (int r = 0; r < warmup + runs; ++r) {
-    release_pass(release, samples, out_fd, r == warmup + runs - 1, fwd);
+    bool last = r == warmup + runs - 1;
+    if (strips) striped.release_pass(out_fd, last, noise, fwd);
+    else release_pass(release, samples, out_fd, last, noise, fwd);
     if (r == 0) peak_forward = peak_kb();  // before any gradient program ran
-    if (has_grad) sums = grad_pass(grad, samples, bwd);
+    if (has_grad) sums = strips ? striped.grad_pass(bwd) : grad_pass(grad, samples, bwd);
   }
   close(out_fd);
   long peak_end = peak_kb();
+  if (g_profile) {
+    write_etdump(strips ? *striped.release.module : *release.module, etdump + ".release.etdp");
+    if (has_grad) write_etdump(strips ? *striped.grad.module : *grad.module, etdump + ".grad.etdp");
+  }
   for (size_t i = 0; i < sums.size(); ++i) {
     std::string path = dir + "/grad_" + std::to_string(i) + ".f32";
     std::FILE* f = std::fopen(path.c_str(), "wb");
@@ -266,13 +581,15 @@ int main(int argc, char** argv) {
   }
   auto drop = [&](std::vector<double> v) { return std::vector<double>(v.begin() + warmup, v.end()); };
   std::printf(
-      "{\"samples\": %d, \"program_batch\": %d, \"threads\": \"%s\", \"warmup\": %d, \"runs\": %d,\n"
-      " \"rss_start_kb\": %ld, \"rss_loaded_kb\": %ld, \"peak_loaded_kb\": %ld, \"peak_forward_kb\": %ld,\n"
-      " \"peak_kb\": %ld, \"grad_outputs\": %zu,\n"
-      " \"forward_compute_ms\": %s, \"forward_total_ms\": %s,\n"
+      "{\"samples\": %d, \"program_batch\": %d, \"strip_rows\": %d, \"threads\": \"%s\", \"warmup\": %d, \"runs\": %d,\n"
+      " \"noise_std\": %g, \"rss_start_kb\": %ld, \"rss_loaded_kb\": %ld, \"peak_loaded_kb\": %ld,\n"
+      " \"peak_forward_kb\": %ld, \"peak_kb\": %ld, \"grad_outputs\": %zu,\n"
+      " \"forward_compute_ms\": %s, \"forward_noise_ms\": %s, \"forward_total_ms\": %s,\n"
       " \"backward_compute_ms\": %s, \"backward_total_ms\": %s}\n",
-      samples, release.batch, threads.c_str(), warmup, runs, rss_start, rss_loaded, peak_loaded, peak_forward, peak_end, sums.size(),
-      json_list(drop(fwd.compute_ms)).c_str(), json_list(drop(fwd.total_ms)).c_str(),
+      samples, strips ? 1 : release.batch, strips ? striped.g.R : 0, threads.c_str(), warmup, runs,
+      noise.on ? noise.std : 0.0f, rss_start, rss_loaded, peak_loaded, peak_forward, peak_end, sums.size(),
+      json_list(drop(fwd.compute_ms)).c_str(), json_list(drop(fwd.noise_ms)).c_str(),
+      json_list(drop(fwd.total_ms)).c_str(),
       json_list(has_grad ? drop(bwd.compute_ms) : std::vector<double>{}).c_str(),
       json_list(has_grad ? drop(bwd.total_ms) : std::vector<double>{}).c_str());
   return 0;
