@@ -156,15 +156,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--view1-limit", type=int, default=None, help="only this many View 1 pairs (smoke tests)")
     p.add_argument("--force", action="store_true", help="re-train and re-evaluate every point")
     p.add_argument("--report-only", action="store_true",
-                   help="train nothing: evaluate and tabulate the points whose training has finished")
+                   help="train nothing: evaluate and tabulate the runs that have finished (each point with the seeds it has)")
     p.add_argument("--demo-args", default="--threads 1", help="more splitface-demo arguments")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     points = [pt for pt in POINTS if args.only is None or pt[0] in args.only or pt == POINTS[0]]
-    if args.report_only:   # the points whose training has finished; the others are reported as not measured
-        runs = args.out / "runs"
-        points = [pt for pt in points if all((runs / f"{pt[0]}-seed{s}" / "results.json").exists() for s in args.seeds)]
-    rows = [run_point(name, enc, demo, seed, args) for seed in args.seeds for name, enc, demo in points]
+    todo = [(seed, pt) for seed in args.seeds for pt in points]
+    if args.report_only:   # the runs that have finished, of any point; a point with none is reported as not measured
+        todo = [(seed, pt) for seed, pt in todo if (args.out / "runs" / f"{pt[0]}-seed{seed}" / "results.json").exists()]
+        points = [pt for pt in points if any(pt == done for _, done in todo)]
+    rows = [run_point(name, enc, demo, seed, args) for seed, (name, enc, demo) in todo]
     missing = [name for name, _, _ in POINTS if name not in {p[0] for p in points}]
     summary = summarise(rows)
     config = json.loads((args.out / "runs" / rows[0]["run"] / "results.json").read_text())["config"]
