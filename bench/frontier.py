@@ -233,7 +233,7 @@ def relative(point: dict[int, tuple[float, float]], reference: dict[int, tuple[f
 def row(transform: str, params: dict, outcome: dict, attack: dict, reference: str,
         seeds: dict[int, tuple[float, float]], reference_seeds: dict[int, tuple[float, float]]) -> dict:
     """One point of the frontier, with the keys the issue names. Accuracies are means over `seeds` (seed 0 is the
-    audited run); the privacy figures are seed 0's."""
+    audited run); the privacy figures, costs and View 1's 10-fold std (`view1_std`) are seed 0's."""
     results, view1 = outcome["results"], outcome["view1"]
     last = results["epochs"][-1]
     config = results["config"]

@@ -179,6 +179,10 @@ class DeviceClient:
         self.url = url
         self.max_message_bytes = max_message_bytes
         self.engine = engine
+        # The engine's state (weights, pending releases, the accountant) is changed by a release made in a worker
+        # thread and by a reconnect's rollback on the event loop; a pipelined device can do both at once. Every
+        # use of the engine holds this lock, so each sees the other's effects whole.
+        self._engine_lock = asyncio.Lock()
         self.session = ClientSession(device_id, token, engine.spec.to_dict(), engine.split, engine.head, batch_size,
                                      engine.num_classes if engine.head == "server" else None,
                                      dict(encodings or {"activations": "f32", "gradients": "f32"}),
@@ -223,13 +227,14 @@ class DeviceClient:
                     raise ConnectionError(f"{self.device_id}: cannot reach {self.url}: {exc}") from exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
-        try:
-            check_server_figure(self.device_id, self.engine.privacy.state_path,
-                                spent_epsilon(self.engine.privacy.guard), welcome.get("spent_epsilon"))
-        except Exception:  # LostPrivacyState: it stops here instead of spending its budget again (SPEC 5.11)
-            await self.close()
-            raise
-        self._reconcile(welcome["resume_from"] - 1, welcome["durable_through"])
+        async with self._engine_lock:
+            try:
+                check_server_figure(self.device_id, self.engine.privacy.state_path,
+                                    spent_epsilon(self.engine.privacy.guard), welcome.get("spent_epsilon"))
+            except Exception:  # LostPrivacyState: it stops here instead of spending its budget again (SPEC 5.11)
+                await self.close()
+                raise
+            self._reconcile(welcome["resume_from"] - 1, welcome["durable_through"])
 
     def _spent(self) -> float | None:
         """This device's spent epsilon with the release just made counted; None without a formal mechanism."""
@@ -324,11 +329,13 @@ class DeviceClient:
         engine = self.engine
         watch = Stopwatch()
         energy0 = self.energy.read_joules()
-        with watch("forward"):
-            activations = await asyncio.to_thread(engine.forward, images, ("train", batch_id), image_ids, labels)
-        with watch("encode"):
-            forward = self.session.forward_parts(batch_id, activations, labels if engine.head == "server" else None,
-                                                 spent_epsilon=self._spent(), integer_step=engine.integer_step)
+        async with self._engine_lock:
+            with watch("forward"):
+                activations = await asyncio.to_thread(engine.forward, images, ("train", batch_id), image_ids, labels)
+            with watch("encode"):
+                forward = self.session.forward_parts(batch_id, activations,
+                                                     labels if engine.head == "server" else None,
+                                                     spent_epsilon=self._spent(), integer_step=engine.integer_step)
         return PreparedBatch(batch_id, labels, forward, watch, energy0)
 
     async def send_batch(self, prepared: PreparedBatch) -> dict[str, Any]:
@@ -358,9 +365,10 @@ class DeviceClient:
     async def commit_batch(self, prepared: PreparedBatch, backward: dict[str, Any]) -> BatchResult:
         """Apply the batch's BACKWARD on the device and account for what the batch cost."""
         engine, watch, traffic0 = self.engine, prepared.watch, prepared.traffic0
-        with watch("backward"):
-            await asyncio.to_thread(engine.commit, prepared.batch_id, backward["grad"])
-        engine.forget_before(backward["durable_through"])
+        async with self._engine_lock:
+            with watch("backward"):
+                await asyncio.to_thread(engine.commit, prepared.batch_id, backward["grad"])
+            engine.forget_before(backward["durable_through"])
         loss = backward.get("loss", prepared.head.get("loss"))
         n_correct = backward.get("n_correct", prepared.head.get("n_correct"))
         t = watch.seconds
@@ -382,11 +390,13 @@ class DeviceClient:
                              release: tuple) -> tuple[float, int]:
         """(summed loss, correct) on a batch; changes no model state, but is a counted release."""
         engine = self.engine
-        activations = await asyncio.to_thread(engine.evaluate_release, images, release, image_ids, labels)
-        self._eval_id += 1
-        eval_id = self._eval_id
-        message = self.session.forward_parts(eval_id, activations, labels if engine.head == "server" else None,
-                                             eval=True, spent_epsilon=self._spent(), integer_step=engine.integer_step)
+        async with self._engine_lock:
+            activations = await asyncio.to_thread(engine.evaluate_release, images, release, image_ids, labels)
+            self._eval_id += 1
+            eval_id = self._eval_id
+            message = self.session.forward_parts(eval_id, activations, labels if engine.head == "server" else None,
+                                                 eval=True, spent_epsilon=self._spent(),
+                                                 integer_step=engine.integer_step)
         reply = await self._with_retries(lambda: self.request(message, {m.EVAL_RESULT, m.EMBEDDINGS}, eval_id))
         if reply["type"] == m.EVAL_RESULT:
             return reply["loss"] * reply["n"], reply["n_correct"]

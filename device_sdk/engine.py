@@ -9,7 +9,9 @@ arrives (`commit`), so a batch re-sent after a dropped connection is never appli
 Pipelined (`pipeline=True`): the release of batch n+1 is made while batch n is still at the server,
 so it uses the weights from before batch n's step (staleness one). Each forward then runs on its own
 copy of the weights, and its commit takes the gradient at that copy: the gradient of the release that
-was actually sent, applied to the current weights.
+was actually sent, applied to the current weights. A rollback drops the release made ahead; made again
+from the restored weights it differs from the one sent, so it draws fresh noise and is counted again
+(lock-step re-sends after a rollback repeat their bytes and cost nothing).
 """
 from __future__ import annotations
 

@@ -82,6 +82,14 @@ def batch_indices(n: int, batch_size: int, batch_id: int, seed: int, device: int
     return epoch, order[j * batch_size:(j + 1) * batch_size]
 
 
+def prepares_ahead(pipeline: bool, batch_id: int, total: int, per_epoch: int) -> bool:
+    """Whether batch n+1's release is made while batch n is at the server: pipelined, not after the last batch,
+    and not across an epoch's end. There the epoch's evaluation releases come first; they can raise the device's
+    spent epsilon, and a training FORWARD made before them would carry the lower figure, which the server
+    refuses as epsilon_regressed (SPEC 5.11)."""
+    return pipeline and batch_id < total and batch_id % per_epoch != 0
+
+
 class SimulatedDevice:
     def __init__(self, index: int, device_id: str, token: str, data: DeviceData, num_classes: int, config: SimConfig):
         self.index, self.data, self.config = index, data, config
@@ -136,11 +144,14 @@ class SimulatedDevice:
                         prepared = await prepare(batch_id)
                     at_server = asyncio.ensure_future(self.client.send_batch(prepared))
                     upcoming, spent = None, None
-                    if cfg.pipeline and batch_id < total:
+                    if prepares_ahead(cfg.pipeline, batch_id, total, per_epoch):
                         try:  # while this batch is away; its commit waits until this release is made
                             upcoming = await prepare(batch_id + 1)
                         except BudgetExceeded as exc:
                             spent = exc  # this batch still finishes; nothing more is sent
+                        except BaseException:
+                            at_server.cancel()  # nobody would collect its outcome
+                            raise
                     result = await self.client.commit_batch(prepared, await at_server)
                     prepared = upcoming
                     self.batches[batch_id] = result

@@ -19,6 +19,7 @@ import numpy as np
 from . import messages as m
 from .clusters import ClusterRelay, HeadBoard
 from .errors import ErrorCode, ProtocolError, RemoteError, brief
+from .transport import message_size
 from .patches import check_packed, pack, unpack
 from .tensor import ENCODINGS, encode_tensor
 
@@ -597,7 +598,7 @@ class ClientSession:
 
     def _checked(self, data: Any) -> Any:
         """`data` (bytes, or a message's parts) if the server accepts a message of its size."""
-        size = len(data) if isinstance(data, bytes) else sum(len(p) for p in data)
+        size = message_size(data)
         if size > self.max_message_bytes:
             raise ProtocolError(ErrorCode.TOO_LARGE,
                                 f"message of {size} bytes exceeds the server's limit of {self.max_message_bytes}")

@@ -88,3 +88,12 @@ def test_a_runtime_takes_the_pipelined_gradient_at_the_same_weights(tmp_path):
     for a, b in zip(eager.layer.parameters(), onnx.layer.parameters()):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
         assert torch.allclose(a.grad, b.grad, rtol=1e-3, atol=1e-4 * float(a.grad.abs().max()))
+
+
+def test_a_release_is_made_ahead_only_within_an_epoch():
+    """Not after the last batch, and not across an epoch's end: the epoch's evaluation releases come between, and
+    a FORWARD made before them would carry a lower spent epsilon than the server has already seen."""
+    from device_sdk.simulator import prepares_ahead
+
+    assert [b for b in range(1, 10) if prepares_ahead(True, b, total=9, per_epoch=3)] == [1, 2, 4, 5, 7, 8]
+    assert not any(prepares_ahead(False, b, total=9, per_epoch=3) for b in range(1, 10))

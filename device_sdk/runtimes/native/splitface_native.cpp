@@ -520,7 +520,13 @@ int main(int argc, char** argv) {
     else if (a == "--release") release_spec = value();
     else if (a == "--grad") grad_spec = value();
     else if (a == "--strips") strips = true;
-    else if (a == "--noise-std") { noise.on = true; noise.std = std::strtof(value().c_str(), nullptr); }
+    else if (a == "--noise-std") {
+      const std::string text = value();
+      char* end = nullptr;
+      noise.on = true;
+      noise.std = std::strtof(text.c_str(), &end);
+      if (text.empty() || *end != '\0') fail("--noise-std must be a number >= 0, got \"" + text + "\"");
+    }
     else if (a == "--noise-key") noise.key_file = value();
     else if (a == "--etdump") etdump = value();
     else fail("unknown argument " + a);
