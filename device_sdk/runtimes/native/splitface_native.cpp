@@ -139,28 +139,66 @@ void write_etdump(Module& m, const std::string& path) {
   std::free(data.buf);
 }
 
-Program open_program(const std::string& spec, const std::string& dir, int samples, bool draw_noise) {
+int open_fd(const std::string& file) {
+  int fd = open(file.c_str(), O_RDONLY);
+  if (fd < 0) fail("cannot open " + file);
+  return fd;
+}
+
+size_t file_bytes(int fd) {
+  struct stat st{};
+  fstat(fd, &st);
+  return static_cast<size_t>(st.st_size);
+}
+
+struct InputMeta {
+  std::vector<SizesType> shape;
+  size_t nbytes = 0;
+};
+
+// A program named on the command line as PATH:input,input,...: loaded, with one name for each input of its
+// forward method, every input a float tensor.
+struct NamedProgram {
+  std::string path;
+  std::unique_ptr<Module> module;
+  std::vector<std::string> names;
+  std::vector<InputMeta> inputs;
+};
+
+NamedProgram open_named(const std::string& spec) {
   auto colon = spec.rfind(':');
   if (colon == std::string::npos) fail("a program is PATH:input,input,...; got " + spec);
-  Program p;
+  NamedProgram p;
   p.path = spec.substr(0, colon);
   p.module = load_module(p.path);
   auto meta = p.module->method_meta("forward");
   if (!meta.ok()) fail("no forward method in " + p.path);
-  auto names = split(spec.substr(colon + 1), ',');
-  if (names.size() != meta->num_inputs()) {
-    fail(p.path + " takes " + std::to_string(meta->num_inputs()) + " inputs; " + std::to_string(names.size()) +
+  p.names = split(spec.substr(colon + 1), ',');
+  if (p.names.size() != meta->num_inputs()) {
+    fail(p.path + " takes " + std::to_string(meta->num_inputs()) + " inputs; " + std::to_string(p.names.size()) +
          " named");
   }
-  for (size_t i = 0; i < names.size(); ++i) {
+  for (size_t i = 0; i < p.names.size(); ++i) {
     auto info = meta->input_tensor_meta(i);
     if (!info.ok() || info->scalar_type() != executorch::aten::ScalarType::Float) {
       fail(p.path + ": input " + std::to_string(i) + " is not a float tensor");
     }
+    p.inputs.push_back({std::vector<SizesType>(info->sizes().begin(), info->sizes().end()), info->nbytes()});
+  }
+  return p;
+}
+
+Program open_program(const std::string& spec, const std::string& dir, int samples, bool draw_noise) {
+  NamedProgram named = open_named(spec);
+  Program p;
+  p.path = named.path;
+  p.module = std::move(named.module);
+  for (size_t i = 0; i < named.names.size(); ++i) {
+    const InputMeta& info = named.inputs[i];
     Input in;
-    in.name = names[i];
-    in.shape.assign(info->sizes().begin(), info->sizes().end());
-    in.chunk_floats = info->nbytes() / sizeof(float);
+    in.name = named.names[i];
+    in.shape = info.shape;
+    in.chunk_floats = info.nbytes / sizeof(float);
     if (i == 0) p.batch = in.shape.at(0);
     in.buffer.resize(in.chunk_floats);
     in.tensor = from_blob(in.buffer.data(), in.shape);
@@ -170,18 +208,15 @@ Program open_program(const std::string& spec, const std::string& dir, int sample
       continue;
     }
     std::string file = dir + "/" + in.name + ".f32";
-    in.fd = open(file.c_str(), O_RDONLY);
-    if (in.fd < 0) fail("cannot open " + file);
-    struct stat st{};
-    fstat(in.fd, &st);
-    size_t bytes = static_cast<size_t>(st.st_size);
-    if (bytes == info->nbytes()) {
+    in.fd = open_fd(file);
+    size_t bytes = file_bytes(in.fd);
+    if (bytes == info.nbytes) {
       in.per_sample = false;
-    } else if (p.batch > 0 && samples % p.batch == 0 && bytes == info->nbytes() * (samples / p.batch)) {
+    } else if (p.batch > 0 && samples % p.batch == 0 && bytes == info.nbytes * (samples / p.batch)) {
       in.per_sample = true;
     } else {
       fail(file + " holds " + std::to_string(bytes) + " bytes: neither one input of " +
-           std::to_string(info->nbytes()) + " bytes nor " + std::to_string(samples) + " samples of them");
+           std::to_string(info.nbytes) + " bytes nor " + std::to_string(samples) + " samples of them");
     }
     p.inputs.push_back(std::move(in));
   }
@@ -269,18 +304,6 @@ std::vector<std::vector<float>> grad_pass(Program& p, int samples, Times& t) {
 
 // ---- strips: one image at a time, cut into strips of R rows with the conv's halo ----
 
-int open_fd(const std::string& file) {
-  int fd = open(file.c_str(), O_RDONLY);
-  if (fd < 0) fail("cannot open " + file);
-  return fd;
-}
-
-size_t file_bytes(int fd) {
-  struct stat st{};
-  fstat(fd, &st);
-  return static_cast<size_t>(st.st_size);
-}
-
 void pread_all(int fd, float* dst, size_t floats, size_t offset_floats, const std::string& what) {
   size_t bytes = floats * sizeof(float);
   if (pread(fd, dst, bytes, static_cast<off_t>(offset_floats * sizeof(float))) != static_cast<ssize_t>(bytes)) {
@@ -308,25 +331,15 @@ struct Geometry {
 };
 
 StripProgram open_strip(const std::string& spec, const std::string& dir, const std::vector<SizesType>& out_shape) {
-  auto colon = spec.rfind(':');
-  if (colon == std::string::npos) fail("a program is PATH:input,input,...; got " + spec);
+  NamedProgram named = open_named(spec);
   StripProgram p;
-  p.path = spec.substr(0, colon);
-  p.module = load_module(p.path);
-  auto meta = p.module->method_meta("forward");
-  if (!meta.ok()) fail("no forward method in " + p.path);
-  p.names = split(spec.substr(colon + 1), ',');
-  if (p.names.size() != meta->num_inputs()) {
-    fail(p.path + " takes " + std::to_string(meta->num_inputs()) + " inputs; " + std::to_string(p.names.size()) +
-         " named");
-  }
+  p.path = named.path;
+  p.module = std::move(named.module);
+  p.names = named.names;
   for (size_t i = 0; i < p.names.size(); ++i) {
-    auto info = meta->input_tensor_meta(i);
-    if (!info.ok() || info->scalar_type() != executorch::aten::ScalarType::Float) {
-      fail(p.path + ": input " + std::to_string(i) + " is not a float tensor");
-    }
-    std::vector<SizesType> shape(info->sizes().begin(), info->sizes().end());
-    p.buffers.emplace_back(info->nbytes() / sizeof(float));
+    const std::vector<SizesType>& shape = named.inputs[i].shape;
+    const size_t nbytes = named.inputs[i].nbytes;
+    p.buffers.emplace_back(nbytes / sizeof(float));
     p.tensors.push_back(from_blob(p.buffers.back().data(), shape));
     if (i == 0) continue;  // the strip, cut by the runner
     std::string file = dir + "/" + p.names[i] + ".f32";
@@ -335,9 +348,9 @@ StripProgram open_strip(const std::string& spec, const std::string& dir, const s
       p.feature = static_cast<int>(i);
       p.feature_fd = fd;
     } else {
-      if (file_bytes(fd) != info->nbytes()) {
+      if (file_bytes(fd) != nbytes) {
         fail(file + " holds " + std::to_string(file_bytes(fd)) + " bytes; the shared input takes " +
-             std::to_string(info->nbytes()));
+             std::to_string(nbytes));
       }
       pread_all(fd, p.buffers.back().data(), p.buffers.back().size(), 0, file);
       close(fd);
