@@ -6,7 +6,8 @@ encoding or release, then scores it on LFW classification (the run's own test ac
 the wire) and on View 1 verification of unseen people. The points:
 
 - f32, f16, i8: the conv1 release (16 x 64 x 64 per image) with activations and gradients in that encoding;
-- bottleneck: a learned 1x1 conv + tanh to 4 channels at the split (`--release bottleneck`), f32 and i8.
+- bottleneck: a learned 1x1 conv + tanh to 4 channels at the split (`--release bottleneck`), f32 and i8;
+- i8 up and f16 down; i8 both ways with the gradients rounded stochastically (`--gradient-rounding stochastic`).
 
 View 1 is scored as `python -m edge_server.evaluation` scores a run (device 0's layer, its release, the
 server's tail), with the release passed through the run's activation encoding and back, as the wire
@@ -33,15 +34,22 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# (name, activation and gradient encoding, splitface-demo arguments); the first is the reference
+# (name, activation encoding, gradient encoding, splitface-demo arguments); the first is the reference
 BOTTLENECK = ["--release", "bottleneck", "--bottleneck-channels", "4", "--bottleneck-stride", "1"]
-POINTS: list[tuple[str, str, list[str]]] = [
-    ("f32", "f32", []),
-    ("i8", "i8", []),
-    ("bottleneck4-f32", "f32", BOTTLENECK),
-    ("f16", "f16", []),
-    ("bottleneck4-i8", "i8", BOTTLENECK),
+POINTS: list[tuple[str, str, str, list[str]]] = [
+    ("f32", "f32", "f32", []),
+    ("i8", "i8", "i8", []),
+    ("bottleneck4-f32", "f32", "f32", BOTTLENECK),
+    ("f16", "f16", "f16", []),
+    ("bottleneck4-i8", "i8", "i8", BOTTLENECK),
+    ("i8-up-f16-down", "i8", "f16", []),
+    ("i8-stochastic", "i8", "i8", ["--gradient-rounding", "stochastic"]),
 ]
+
+
+def encoding_label(activations: str, gradients: str) -> str:
+    """One name when both directions agree, else `up/down`."""
+    return activations if activations == gradients else f"{activations}/{gradients}"
 # the issue's target: at most a quarter of f32's bytes for at most half a point of accuracy
 TARGET = {"bytes_ratio": 0.25, "accuracy_loss": 0.005}
 
@@ -54,13 +62,16 @@ def view1_over_wire(run_dir: Path, data: Path, encoding: str, limit: int | None)
     return evaluate_run(run_dir, data, limit, None if encoding == "f32" else encoding)
 
 
-def run_point(name: str, encoding: str, demo_args: list[str], seed: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_point(name: str, encoding: str, gradients: str, demo_args: list[str], seed: int,
+              args: argparse.Namespace) -> dict[str, Any]:
+    """One trained point; `encoding` is the activations' (what View 1's release goes through), `gradients` the
+    BACKWARD's."""
     from edge_server.demo import run_recorded
 
     run_dir = args.out / "runs" / f"{name}-seed{seed}"
     results = run_recorded(run_dir, ["--data", str(args.data), "--model", args.model, "--epochs", str(args.epochs),
                                      "--people", "devtrain", "--seed", str(seed), *demo_args,
-                                     "--activation-encoding", encoding, "--gradient-encoding", encoding,
+                                     "--activation-encoding", encoding, "--gradient-encoding", gradients,
                                      *args.demo_args.split()], args.force)
     view1_file = run_dir / "view1.json"
     pairs = args.view1_limit or 1000
@@ -69,7 +80,7 @@ def run_point(name: str, encoding: str, demo_args: list[str], seed: int, args: a
     view1 = json.loads(view1_file.read_text())
     last, config = results["epochs"][-1], results["config"]
     images = config["train_images"]   # training releases per epoch: bytes_sent counts those
-    return {"point": name, "seed": seed, "encoding": encoding, "release": config["model"]["release"],
+    return {"point": name, "seed": seed, "encoding": encoding_label(encoding, gradients), "release": config["model"]["release"],
             "test_accuracy": last["test_acc"], "view1_accuracy": view1["view1_accuracy"],
             "view1_std": view1["view1_std"], "roc_auc": view1["roc_auc"], "view1_pairs": view1["pairs"],
             "bytes_up_per_image": last["bytes_sent"] / images, "bytes_down_per_image": last["bytes_received"] / images,
@@ -80,7 +91,8 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per point: mean over seeds, and the paired difference to f32 of the same seed."""
     reference = {r["seed"]: r for r in rows if r["point"] == POINTS[0][0]}
     out = []
-    for name, encoding, _ in POINTS:
+    for name, activations, gradients, _ in POINTS:
+        encoding = encoding_label(activations, gradients)
         mine = [r for r in rows if r["point"] == name]
         if not mine:
             continue
@@ -119,8 +131,8 @@ def table(summary: list[dict[str, Any]], rows: list[dict[str, Any]], config: dic
              f"{config['model']['depth']}) at {config['model']['input_size']}x{config['model']['input_size']}, split "
              f"`{config['split']}`, {config['num_classes']} identities (View 1 DevTrain people with >= 10 images; "
              f"{config['train_images']} train / {config['test_images']} test images), {config['num_devices']} devices, "
-             f"{config['epochs']} epochs, batch {config['batch_size']}. Activations and gradients both in the encoding "
-             f"named. View 1: {rows[0]['view1_pairs']:,} DevTest pairs of unseen people. Bytes: whole protocol "
+             f"{config['epochs']} epochs, batch {config['batch_size']}. Activations and gradients in the encoding "
+             f"named (up/down where they differ). View 1: {rows[0]['view1_pairs']:,} DevTest pairs of unseen people. Bytes: whole protocol "
              "messages per training image, measured by the device. Deltas are paired with f32 of the same seed.", "",
              "| point | encoding | seeds | test acc | delta vs f32 | View 1 acc | delta vs f32 | bytes up/image | "
              "bytes down/image | bytes vs f32 | meets target |",
@@ -165,8 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.report_only:   # the runs that have finished, of any point; a point with none is reported as not measured
         todo = [(seed, pt) for seed, pt in todo if (args.out / "runs" / f"{pt[0]}-seed{seed}" / "results.json").exists()]
         points = [pt for pt in points if any(pt == done for _, done in todo)]
-    rows = [run_point(name, enc, demo, seed, args) for seed, (name, enc, demo) in todo]
-    missing = [name for name, _, _ in POINTS if name not in {p[0] for p in points}]
+    rows = [run_point(name, up, down, demo, seed, args) for seed, (name, up, down, demo) in todo]
+    missing = [name for name, *_ in POINTS if name not in {p[0] for p in points}]
     summary = summarise(rows)
     config = json.loads((args.out / "runs" / rows[0]["run"] / "results.json").read_text())["config"]
     (args.out / "summary.json").write_text(json.dumps({"target": TARGET, "points": summary, "runs": rows,

@@ -126,6 +126,7 @@ class ServerConfig:
     pending_timeout_s: float = 60.0       # device head: the U-turn's hold on the model, from when it took it
     record_max: int = 0                   # > 0: keep up to this many received training samples per device (audit)
     reply_retention_s: float = 3600.0     # a device away longer than this loses its stored last reply (see _forget_replies)
+    gradient_rounding: str = "nearest"    # i8 gradients: "nearest" or "stochastic" (ServerSession)
     limits: Limits = field(default_factory=Limits)
     metrics_port: int | None = None       # Prometheus endpoint (0: a free port); None: none
     metrics_host: str = "127.0.0.1"
@@ -423,7 +424,8 @@ class EdgeServer:
         authenticate = throttled(self.authenticate, self.auth_throttle, address)
         # metrics.epsilon: each device's last reported spent epsilon, the gauge's figures and checkpointed with them
         conn = _Connection(ws, ServerSession(self.info, authenticate, self.records, self.durable_through, self.board,
-                                             self.relay, epsilon=self.metrics.epsilon, heads=self.heads))
+                                             self.relay, epsilon=self.metrics.epsilon, heads=self.heads,
+                                             gradient_rounding=self.config.gradient_rounding))
         session = conn.session
         rate = RateLimit(self.config.limits.message_rate, self.config.limits.message_burst)
         try:

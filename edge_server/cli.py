@@ -16,6 +16,7 @@ from device_sdk.client import Fault
 from device_sdk.options import (add_data_args, add_model_args, add_optimizer_args, add_seed_arg, add_threads_arg,
                                 add_training_args, apply_threads, model_spec, train_config)
 from protocol.messages import DEFAULT_MAX_MESSAGE_BYTES
+from protocol.session import GRADIENT_ROUNDING
 
 from .app import SERVER_FAULTS, EdgeServer, Limits, ServerConfig, server_info
 from .auth import TokenAuthenticator, issue_tokens, load_tokens
@@ -46,6 +47,9 @@ def add_tail_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-only", choices=("all", "classifier"), default="all",
                    help="classifier: freeze the tail, train only the output layer")
     add_record_max_arg(p)
+    p.add_argument("--gradient-rounding", choices=GRADIENT_ROUNDING, default="nearest",
+                   help="how i8 gradients round on their way down: nearest (the reference encoder's) or stochastic "
+                        "(unbiased; docs/wire.md)")
 
 
 def add_record_max_arg(p: argparse.ArgumentParser, default: int = 0) -> None:
@@ -119,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     server_config = ServerConfig(args.host, args.port, args.run_dir, args.checkpoint_every,
                                  args.checkpoint_every_batches, pending_timeout_s=args.pending_timeout,
                                  reply_retention_s=args.reply_retention,
-                                 record_max=args.record_max, limits=from_args(Limits, args),
+                                 record_max=args.record_max, gradient_rounding=args.gradient_rounding,
+                                 limits=from_args(Limits, args),
                                  metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                                  tls_cert=args.tls_cert, tls_key=args.tls_key, insecure=args.insecure)
     try:

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
                   "--tokens", str(run_dir / "server" / "tokens.json"), "--port", str(args.port),
                   "--run-dir", str(run_dir / "server"), "--lr", str(args.lr), "--decay-steps", str(decay_steps),
                   "--max-batch", str(args.batch_size), "--seed", str(args.seed), "--train-only", args.train_only,
-                  "--record-max", str(args.record_max)]
+                  "--record-max", str(args.record_max), "--gradient-rounding", args.gradient_rounding]
     if args.server_init:
         server_cmd += ["--init", str(args.server_init)]
     server_log = open(run_dir / "server.log", "w")

@@ -235,18 +235,25 @@ def update_norm(delta: dict[str, np.ndarray]) -> float:
                          for v in delta.values()))
 
 
+GRADIENT_ROUNDING = ("nearest", "stochastic")
+
+
 class ServerSession:
     """One device connection on the server."""
 
     def __init__(self, info: ServerInfo, authenticate: Authenticator,
                  records: dict[str, DeviceRecord], durable_through: Callable[[str], int],
                  board: RoundBoard | None = None, relay: ClusterRelay | None = None,
-                 epsilon: dict[str, float] | None = None, heads: HeadBoard | None = None):
+                 epsilon: dict[str, float] | None = None, heads: HeadBoard | None = None,
+                 gradient_rounding: str = "nearest"):
         """`board`: the federated rounds this server hosts (None: split sessions only); `relay`: the device-head
         devices' cluster releases (None: CLUSTERS is `unsupported`); `epsilon`: each device's last reported
         spent epsilon (SPEC.md section 5.11), shared by all sessions and kept in the server's checkpoint, so
         that WELCOME can tell a device that lost its privacy state what it had spent; `heads`: FedGC on device
-        heads, opt-in (None: CLASS_EMBEDDINGS is `unsupported`)."""
+        heads, opt-in (None: CLASS_EMBEDDINGS is `unsupported`); `gradient_rounding`: how BACKWARD's i8 gradients
+        round, "nearest" (the reference encoder's) or "stochastic" (unbiased: `encode_tensor`'s `dither`)."""
+        if gradient_rounding not in GRADIENT_ROUNDING:
+            raise ValueError(f"gradient_rounding must be one of {GRADIENT_ROUNDING}, not {gradient_rounding!r}")
         self.info = info
         self.epsilon = epsilon if epsilon is not None else {}
         self.board = board
@@ -260,6 +267,8 @@ class ServerSession:
         self.device_id: str | None = None
         self.head: str | None = None
         self.grad_encoding = "f32"
+        # an unpredictable stream per session: nothing about the rounding needs to be reproducible
+        self._dither = np.random.default_rng() if gradient_rounding == "stochastic" else None
         self.closed = False
         self._pending: tuple[int, int] | None = None  # device head: (batch_id, batch size) awaiting its gradient
 
@@ -474,7 +483,7 @@ class ServerSession:
     def applied(self, batch_id: int, grad: np.ndarray, loss: float | None = None, n_correct: int | None = None,
                 server_s: float | None = None) -> bytes:
         """BACKWARD for a batch that has just been applied; remembered for retries."""
-        reply: dict[str, Any] = {"type": m.BACKWARD, "batch_id": batch_id, "grad": encode_tensor(grad, self.grad_encoding)}
+        reply: dict[str, Any] = {"type": m.BACKWARD, "batch_id": batch_id, "grad": self._gradient(grad)}
         if loss is not None:
             reply["loss"] = float(loss)
         if n_correct is not None:
@@ -486,6 +495,11 @@ class ServerSession:
         reply["durable_through"] = self._durable_through(self.device_id)
         record.last_reply = m.encode(reply)
         return record.last_reply
+
+    def _gradient(self, grad: np.ndarray) -> dict[str, Any]:
+        """BACKWARD's tensor: dithered only where it is i8 (f16 and f32 round to nearest; their error is tiny)."""
+        dither = self._dither if self.grad_encoding == "i8" else None
+        return encode_tensor(grad, self.grad_encoding, dither=dither)
 
     def embedded(self, batch_id: int, embeddings: np.ndarray, eval: bool = False, server_s: float | None = None) -> bytes:
         reply = {"type": m.EMBEDDINGS, "batch_id": batch_id, "embeddings": encode_tensor(embeddings, self.grad_encoding),

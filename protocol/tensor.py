@@ -31,15 +31,23 @@ MAX_DIM = 2**31 - 1
 F16_TOP_BELOW_F32_MAX = 32752.0
 
 
-def encode_tensor(array: np.ndarray, encoding: str = "f32", scale: float | None = None) -> dict[str, Any]:
+def encode_tensor(array: np.ndarray, encoding: str = "f32", scale: float | None = None,
+                  dither: np.random.Generator | None = None) -> dict[str, Any]:
     """Wire form of a float array in the given encoding.
 
     `scale` (i8 only): a public step fixed in advance, for values that are already integers in that step (the
-    discrete Gaussian's release): they travel as those integers, exactly, or the call refuses."""
+    discrete Gaussian's release): they travel as those integers, exactly, or the call refuses.
+    `dither` (i8 only): round each value down or up at random, up with probability its distance from the step
+    below, so that the decoded value's expectation is the value itself (SPEC.md section 4: stochastic
+    rounding). Nearest rounding zeroes every value under half a step, always the same ones: a bias that
+    gradients, summed over many steps, accumulate; dithered rounding's error averages out instead."""
     if encoding not in WIRE_DTYPES:
         raise ValueError(f"unknown encoding {encoding!r}; choose one of {ENCODINGS}")
     if scale is not None and encoding != "i8":
         raise ValueError(f"a fixed scale is for i8 integers, not {encoding}")
+    if dither is not None and (encoding != "i8" or scale is not None):
+        raise ValueError("stochastic rounding is for i8 with the peak's scale, not for "
+                         + (encoding if encoding != "i8" else "integers at a fixed scale"))
     a = np.asarray(array)
     shape = [int(d) for d in a.shape]
     out: dict[str, Any] = {"dtype": encoding, "shape": shape}
@@ -49,7 +57,9 @@ def encode_tensor(array: np.ndarray, encoding: str = "f32", scale: float | None 
         a = a.astype(np.float32, copy=False)
         peak = _peak(a)
         scale = peak / 127.0 if peak > 0 else 1.0
-        q = np.clip(np.rint(a / scale), -127, 127).astype(np.int8)
+        steps = a / np.float32(scale)   # float32 / float32, as the nearest rule (SPEC.md section 4)
+        rounded = np.rint(steps) if dither is None else np.floor(steps + dither.random(a.shape, np.float32))
+        q = np.clip(rounded, -127, 127).astype(np.int8)
         out["data"] = _bytes_view(q)
         out["scale"] = scale
     elif encoding == "f16":

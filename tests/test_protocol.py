@@ -126,6 +126,28 @@ def test_i8_round_trip_within_half_a_step():
     assert np.abs(out - RNG_FREE).max() <= wire["scale"] / 2 + 1e-6
 
 
+def test_i8_stochastic_rounding_is_unbiased_and_within_one_step():
+    """Dithered i8: every value decodes to one of the two steps around it, and the mean over many encodings
+    is the value itself, where nearest rounding keeps its error (here: values under half a step become 0)."""
+    values = np.array([3.0, -3.0, 0.01, -0.01, 0.5 * 3 / 127, 1.0, 0.0], np.float32)
+    rng = np.random.default_rng(7)
+    draws = np.stack([decode_tensor(encode_tensor(values, "i8", dither=rng)) for _ in range(4000)])
+    step = 3.0 / 127
+    assert np.all(np.abs(draws - values) < step * (1 + 1e-5))
+    assert draws[:, 0].min() == draws[:, 0].max() == pytest.approx(3.0)       # the peak is exact
+    assert np.all(draws[:, -1] == 0)                                            # and so is zero
+    np.testing.assert_allclose(draws.mean(0), values, atol=4 * step / 2 / np.sqrt(4000))
+    assert decode_tensor(encode_tensor(values, "i8"))[2] == 0                # nearest: 0.01 is lost, always
+
+
+def test_stochastic_rounding_is_for_peak_scaled_i8_only():
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="not for f16"):
+        encode_tensor(RNG_FREE, "f16", dither=rng)
+    with pytest.raises(ValueError, match="fixed scale"):
+        encode_tensor(np.array([0.5, 1.0], np.float32), "i8", scale=0.5, dither=rng)
+
+
 def test_i8_all_zero_has_scale_one():
     wire = encode_tensor(np.zeros((2, 2), np.float32), "i8")
     assert wire["scale"] == 1.0 and bytes(wire["data"]) == bytes(4)
@@ -231,13 +253,14 @@ def make_client(head="server", **kw) -> ClientSession:
     return ClientSession(**args)
 
 
-def make_server(records=None, durable=0) -> ServerSession:
+def make_server(records=None, durable=0, **kw) -> ServerSession:
     return ServerSession(INFO, lambda d, t: (d, t) == ("dev", "tok"), {} if records is None else records,
-                         lambda d: durable)
+                         lambda d: durable, **kw)
 
 
-def connect(head="server", records=None, durable=0, **kw) -> tuple[ClientSession, ServerSession]:
-    c, s = make_client(head, **kw), make_server(records, durable)
+def connect(head="server", records=None, durable=0, gradient_rounding="nearest",
+            **kw) -> tuple[ClientSession, ServerSession]:
+    c, s = make_client(head, **kw), make_server(records, durable, gradient_rounding=gradient_rounding)
     action = s.receive(c.hello())
     assert isinstance(action, Admit) and action.device_id == "dev"
     c.accept_welcome(s.welcome())
@@ -470,6 +493,24 @@ def test_gradient_encoding_follows_hello():
     action = s.receive(c.forward(1, ACTS, [0, 1]))
     assert np.abs(action.activations - ACTS).max() <= ACTS.max() / 127 / 2 + 1e-6
     assert msgpack.unpackb(s.applied(1, GRAD))["grad"]["dtype"] == "f16"
+
+
+def test_stochastic_gradient_rounding_dithers_i8_backward_only():
+    """`gradient_rounding="stochastic"`: an i8 BACKWARD's values are the two steps around the gradient, at random
+    (two encodings of one gradient differ); f16 gradients and i8 activations are unaffected."""
+    grad = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3) * np.float32(0.3)
+    c, s = connect(gradient_rounding="stochastic", encodings={"activations": "i8", "gradients": "i8"})
+    sent = [m.decode(s.applied(1, grad))["grad"] for _ in range(40)]
+    step = 0.3 / 127
+    assert all(np.abs(g - grad).max() < step * (1 + 1e-5) for g in sent)
+    assert len({g.tobytes() for g in sent}) > 1
+    assert bytes(msgpack.unpackb(c.forward(2, ACTS, [0, 1]))["activations"]["data"]) == \
+        bytes(encode_tensor(ACTS, "i8")["data"])
+    _, s16 = connect(gradient_rounding="stochastic", encodings={"activations": "f32", "gradients": "f16"})
+    assert msgpack.unpackb(s16.applied(1, grad))["grad"] == msgpack.unpackb(m.encode(
+        {"type": "backward", "batch_id": 1, "grad": encode_tensor(grad, "f16")}))["grad"]
+    with pytest.raises(ValueError, match="gradient_rounding"):
+        make_server(gradient_rounding="up")
 
 
 def test_missing_encoding_roles_default_to_f32():
