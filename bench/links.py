@@ -242,10 +242,11 @@ def table(res: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from device_sdk.options import add_threads_arg, add_training_args, apply_threads
+    from protocol.tensor import ENCODINGS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--links", nargs="+", default=list(LINKS), choices=list(LINKS))
-    p.add_argument("--encodings", nargs="+", default=["f32", "f16", "i8"], choices=["f32", "f16", "i8"])
+    p.add_argument("--encodings", nargs="+", default=["f32", "f16", "i8"], choices=ENCODINGS)
     add_training_args(p, epochs=None, batch_size=16, lr=None)
     p.add_argument("--batches", type=int, default=3, help="timed batches per link and encoding")
     p.add_argument("--warmup", type=int, default=1)

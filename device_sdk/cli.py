@@ -13,6 +13,8 @@ from .options import (add_data_args, add_devices_args, add_model_args, add_optim
                       add_training_args, apply_threads, data_argv, model_argv, model_spec, privacy_engines,
                       train_config)
 from .privacy.state import StateFileError
+from protocol.tensor import ENCODINGS
+
 from .runtimes import BACKENDS
 from .simulator import SimConfig, simulate
 
@@ -54,8 +56,9 @@ def main(argv: list[str] | None = None) -> None:
     add_training_args(p, epochs=3, batch_size=64, lr=0.01)
     p.add_argument("--partition", choices=("iid", "identity"), default="iid")
     p.add_argument("--crop", type=int, default=160, help="centre crop in pixels before resizing (LFW faces are central)")
-    p.add_argument("--activation-encoding", choices=("f32", "f16", "i8"), default="f32")
-    p.add_argument("--gradient-encoding", choices=("f32", "f16", "i8"), default="f32")
+    p.add_argument("--activation-encoding", choices=ENCODINGS, default="f32")
+    p.add_argument("--gradient-encoding", choices=ENCODINGS, default="f32",
+                   help="i8c: int8 with a scale per image and channel (docs/wire.md: i8 loses accuracy, i8c does not)")
     add_optimizer_args(p)
     p.add_argument("--results", type=Path, default=Path("runs/sim/results.json"))
     p.add_argument("--state-dir", type=Path, default=None,

@@ -133,7 +133,7 @@ def odd_batch_id(msg: dict, rng: random.Random) -> None:
 
 # ---- tensors ----------------------------------------------------------------------------------
 def _itemsize(t: dict) -> int:
-    return {"f32": 4, "f16": 2, "i8": 1}.get(t.get("dtype"), 4)
+    return {"f32": 4, "f16": 2, "i8": 1, "i8c": 1}.get(t.get("dtype"), 4)
 
 
 def _nonfinite(t: dict, rng: random.Random) -> None:

@@ -497,8 +497,8 @@ class ServerSession:
         return record.last_reply
 
     def _gradient(self, grad: np.ndarray) -> dict[str, Any]:
-        """BACKWARD's tensor: dithered only where it is i8 (f16 and f32 round to nearest; their error is tiny)."""
-        dither = self._dither if self.grad_encoding == "i8" else None
+        """BACKWARD's tensor: dithered only where it is i8 or i8c (f16 and f32 round to nearest; their error is tiny)."""
+        dither = self._dither if self.grad_encoding in ("i8", "i8c") else None
         return encode_tensor(grad, self.grad_encoding, dither=dither)
 
     def embedded(self, batch_id: int, embeddings: np.ndarray, eval: bool = False, server_s: float | None = None) -> bytes:

@@ -4,11 +4,14 @@ Encoding hands msgpack a memoryview of the array (no copy before packing); decod
 wraps the received bytes with np.frombuffer (no copy for f32). f16 and i8 trade
 precision for bytes on the wire without changing the message layout; both carry a
 per-tensor scale (i8: max/127; f16: a power of two that keeps tiny gradients normal).
+i8c is i8 with a scale per image and channel (the first two axes), float32 in `scales`:
+gradients at the split differ by orders of magnitude between channels, and one scale
+for the whole tensor rounds all but the largest channels' to zero (docs/wire.md).
 """
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -18,7 +21,10 @@ WIRE_DTYPES: dict[str, np.dtype] = {
     "f32": np.dtype("<f4"),
     "f16": np.dtype("<f2"),
     "i8": np.dtype("i1"),
+    "i8c": np.dtype("i1"),
 }
+SCALES_DTYPE = np.dtype("<f4")   # i8c's `scales`: one float32 per (image, channel)
+I8C_MIN_RANK = 3                 # a tensor of fewer axes asked for as i8c goes as i8
 ENCODINGS = tuple(WIRE_DTYPES)
 MAX_RANK = 8
 # Largest dimension, and largest product of the non-zero dimensions: what a 32-bit index (a JVM array)
@@ -33,11 +39,11 @@ F16_TOP_BELOW_F32_MAX = 32752.0
 
 def encode_tensor(array: np.ndarray, encoding: str = "f32", scale: float | None = None,
                   dither: np.random.Generator | None = None) -> dict[str, Any]:
-    """Wire form of a float array in the given encoding.
+    """Wire form of a float array in the given encoding (`i8c` on fewer than 3 axes goes as `i8`: SPEC.md 5.10).
 
     `scale` (i8 only): a public step fixed in advance, for values that are already integers in that step (the
     discrete Gaussian's release): they travel as those integers, exactly, or the call refuses.
-    `dither` (i8 only): round each value down or up at random, up with probability its distance from the step
+    `dither` (i8 and i8c): round each value down or up at random, up with probability its distance from the step
     below, so that the decoded value's expectation is the value itself (SPEC.md section 4: stochastic
     rounding). Nearest rounding zeroes every value under half a step, always the same ones: a bias that
     gradients, summed over many steps, accumulate; dithered rounding's error averages out instead."""
@@ -45,10 +51,12 @@ def encode_tensor(array: np.ndarray, encoding: str = "f32", scale: float | None 
         raise ValueError(f"unknown encoding {encoding!r}; choose one of {ENCODINGS}")
     if scale is not None and encoding != "i8":
         raise ValueError(f"a fixed scale is for i8 integers, not {encoding}")
-    if dither is not None and (encoding != "i8" or scale is not None):
+    if dither is not None and (encoding not in ("i8", "i8c") or scale is not None):
         raise ValueError("stochastic rounding is for i8 with the peak's scale, not for "
                          + (encoding if encoding != "i8" else "integers at a fixed scale"))
     a = np.asarray(array)
+    if encoding == "i8c" and a.ndim < I8C_MIN_RANK:
+        encoding = "i8"   # SPEC.md section 5.10: a scale per value would outweigh the value
     shape = [int(d) for d in a.shape]
     out: dict[str, Any] = {"dtype": encoding, "shape": shape}
     if scale is not None:
@@ -57,11 +65,15 @@ def encode_tensor(array: np.ndarray, encoding: str = "f32", scale: float | None 
         a = a.astype(np.float32, copy=False)
         peak = _peak(a)
         scale = peak / 127.0 if peak > 0 else 1.0
+        if _below_overflow(np.float32(scale)) != np.float32(scale):   # SPEC.md section 4: 127 steps stay finite
+            scale = float(_below_overflow(np.float32(scale)))
         steps = a / np.float32(scale)   # float32 / float32, as the nearest rule (SPEC.md section 4)
         rounded = np.rint(steps) if dither is None else np.floor(steps + dither.random(a.shape, np.float32))
         q = np.clip(rounded, -127, 127).astype(np.int8)
         out["data"] = _bytes_view(q)
         out["scale"] = scale
+    elif encoding == "i8c":
+        out["data"], out["scales"] = _per_channel_i8(a.astype(np.float32, copy=False), dither)
     elif encoding == "f16":
         # A power-of-two scale puts the largest value in [2^14, 2^15): gradients (~1e-8 here)
         # stay in f16's normal range instead of flushing to subnormals or zero; exact to undo.
@@ -79,6 +91,27 @@ def encode_tensor(array: np.ndarray, encoding: str = "f32", scale: float | None 
         wire = np.ascontiguousarray(a, dtype=WIRE_DTYPES[encoding])
         out["data"] = _bytes_view(wire)
     return out
+
+
+def _per_channel_i8(a: np.ndarray, dither: np.random.Generator | None) -> tuple[memoryview, memoryview]:
+    """i8c's int8 values and float32 scales: each (image, channel) group as i8 encodes a tensor, max/127."""
+    groups = a.reshape(a.shape[0], a.shape[1], math.prod(a.shape[2:]))
+    with np.errstate(invalid="ignore"):
+        peaks = np.abs(groups).max(axis=2, initial=0.0).astype(np.float64)
+    usable = np.isfinite(peaks) & (peaks > 0)
+    scales = _below_overflow(np.where(usable, peaks / 127.0, 1.0).astype(SCALES_DTYPE))
+    steps = groups / scales[:, :, None]
+    rounded = np.rint(steps) if dither is None else np.floor(steps + dither.random(steps.shape, np.float32))
+    q = np.clip(rounded, -127, 127).astype(np.int8)
+    return _bytes_view(q), _bytes_view(scales)
+
+
+def _below_overflow(scale: np.ndarray | np.float32) -> np.ndarray | np.float32:
+    """The float32 scale, one float32 lower where 127 steps of it would overflow float32 (a peak within a rounding of
+    float32's largest value: decoded, 127 * scale would be infinite, which the receiver refuses)."""
+    with np.errstate(over="ignore"):
+        over = ~np.isfinite(np.float32(127) * scale)
+    return np.where(over, np.nextafter(scale, np.float32(0)), scale).astype(np.float32)[()]
 
 
 def _integers_at(a: np.ndarray, scale: float) -> np.ndarray:
@@ -125,7 +158,7 @@ def decode_tensor(obj: Any, *, field: str = "tensor", finite: bool = True) -> np
         raise bad(f"shape {shape} is too large: its non-zero dimensions multiply to more than {MAX_DIM}")
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise bad("data must be bin")
-    extra = set(obj) - {"dtype", "shape", "data", "scale"}
+    extra = set(obj) - {"dtype", "shape", "data", "scale", "scales"}
     if extra:
         raise bad(f"unexpected keys {brief(sorted(map(str, extra)))}")
     dtype = WIRE_DTYPES[dtype_name]
@@ -133,6 +166,8 @@ def decode_tensor(obj: Any, *, field: str = "tensor", finite: bool = True) -> np
     if len(data) != expected:
         raise bad(f"{len(data)} bytes do not match dtype {dtype_name} x shape {shape} ({expected} bytes)")
     array = np.frombuffer(data, dtype=dtype).reshape(shape)
+    if "scales" in obj and dtype_name != "i8c":
+        raise bad(f"{dtype_name} takes no `scales` (only i8c does)")
     if dtype_name in ("i8", "f16"):
         scale = obj.get("scale")
         if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not (math.isfinite(scale) and scale > 0):
@@ -140,6 +175,11 @@ def decode_tensor(obj: Any, *, field: str = "tensor", finite: bool = True) -> np
         # Applied as a float32: a scale near or beyond float32's range gives inf, refused below.
         with np.errstate(over="ignore", invalid="ignore"):
             array = array.astype(np.float32) * np.float32(scale)
+    elif dtype_name == "i8c":
+        if "scale" in obj:
+            raise bad("i8c takes `scales`, not a `scale`")
+        with np.errstate(over="ignore", invalid="ignore"):
+            array = array.astype(np.float32) * _channel_scales(obj.get("scales"), shape, bad)
     elif "scale" in obj:
         raise bad("f32 takes no scale")
     elif not array.flags.aligned:
@@ -150,6 +190,20 @@ def decode_tensor(obj: Any, *, field: str = "tensor", finite: bool = True) -> np
     if finite and array.size and not all_finite(array):
         raise bad("contains NaN or infinity")
     return array
+
+
+def _channel_scales(scales: Any, shape: list[int], bad: Callable[[str], ProtocolError]) -> np.ndarray:
+    """i8c's scales, checked (SPEC.md section 4), shaped to multiply the [N, C, ...] values they scale."""
+    if len(shape) < I8C_MIN_RANK:
+        raise bad(f"i8c needs at least {I8C_MIN_RANK} axes (image, channel, values), got shape {shape}")
+    groups = shape[0] * shape[1]
+    if not isinstance(scales, (bytes, bytearray, memoryview)) or len(scales) != groups * SCALES_DTYPE.itemsize:
+        raise bad(f"i8c needs `scales`: bin of {groups} float32 (one per image and channel of shape {shape}), "
+                  f"got {brief(scales) if not isinstance(scales, (bytes, bytearray, memoryview)) else f'{len(scales)} bytes'}")
+    values = np.frombuffer(scales, SCALES_DTYPE)
+    if not (np.isfinite(values).all() and (values > 0).all()):
+        raise bad("i8c scales must be finite and > 0")
+    return values.reshape(shape[0], shape[1], *([1] * (len(shape) - 2)))
 
 
 def all_finite(array: np.ndarray) -> bool:

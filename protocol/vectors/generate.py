@@ -71,6 +71,8 @@ def _tensor_meaning(value: dict[str, Any], key: str) -> dict[str, Any]:
          "values": [float(x) for x in decode_tensor(value, field=key).reshape(-1)]}
     if "scale" in value:
         t["scale"] = value["scale"]
+    if "scales" in value:
+        t["scales_hex"] = bytes(value["scales"]).hex()
     return t
 
 
@@ -78,6 +80,8 @@ def _tensor_wire(value: dict[str, Any]) -> dict[str, Any]:
     t: dict[str, Any] = {"dtype": value["dtype"], "shape": value["shape"], "data": bytes.fromhex(value["data_hex"])}
     if "scale" in value:
         t["scale"] = value["scale"]
+    if "scales_hex" in value:
+        t["scales"] = bytes.fromhex(value["scales_hex"])
     return t
 
 
@@ -432,6 +436,48 @@ def packed_invalid_cases() -> list[tuple[str, bytes, ErrorCode, str]]:
     ]
 
 
+# ---- i8c: int8 with a scale per image and channel (written to channel_scaled/, SPEC.md sections 4, 5.10) -----------
+def channel_scaled_valid_cases() -> list[tuple[str, bytes]]:
+    both = {"activations": "i8c", "gradients": "i8c"}
+    quiet = ACT_GRAD.copy()
+    quiet[1, 0] = 0.0                     # an all-zero (image, channel): its scale is 1.0
+    return [
+        ("forward_i8c_labels", client("server", both).forward(1, ACTIVATIONS, LABELS)),
+        ("backward_i8c", server(client("server", both)).applied(1, ACT_GRAD, loss=2.3025850929940455, n_correct=1)),
+        ("backward_i8c_zero_channel", server(client("device", both)).applied(1, quiet)),
+        # 2-D tensors in a role negotiated as i8c go as i8 (section 5.10)
+        ("embeddings_i8c_role_as_i8", server(client("device", both)).embedded(1, EMBEDDINGS)),
+    ]
+
+
+def channel_scaled_invalid_cases() -> list[tuple[str, bytes, ErrorCode, str]]:
+    q = bytes(range(1, 13))                                       # 12 int8 values: [2, 2, 3]
+    scales = _f32([0.5, 0.25, 1.0, 2.0])
+
+    def forward(**tensor: Any) -> bytes:
+        t = {"dtype": "i8c", "shape": [2, 2, 3], "data": q, "scales": scales}
+        t.update(tensor)
+        return _pack({"type": "forward", "batch_id": 1, "activations": {k: v for k, v in t.items() if v is not None},
+                      "labels": LABELS})
+    return [
+        ("invalid_i8c_without_scales", forward(scales=None), ErrorCode.BAD_TENSOR, "i8c tensor without scales"),
+        ("invalid_i8c_with_scale", forward(scale=0.5), ErrorCode.BAD_TENSOR, "i8c tensor with a per-tensor scale too"),
+        ("invalid_i8c_scales_length", forward(scales=scales[:-4]), ErrorCode.BAD_TENSOR,
+         "3 scales for 2 images x 2 channels"),
+        ("invalid_i8c_scales_not_bin", forward(scales=[0.5, 0.25, 1.0, 2.0]), ErrorCode.BAD_TENSOR,
+         "scales as an array of floats, not bin"),
+        ("invalid_i8c_scale_zero", forward(scales=_f32([0.5, 0.0, 1.0, 2.0])), ErrorCode.BAD_TENSOR, "a zero scale"),
+        ("invalid_i8c_scale_negative", forward(scales=_f32([0.5, -0.25, 1.0, 2.0])), ErrorCode.BAD_TENSOR,
+         "a negative scale"),
+        ("invalid_i8c_scale_nan", forward(scales=_f32([0.5, math.nan, 1.0, 2.0])), ErrorCode.BAD_TENSOR, "a NaN scale"),
+        ("invalid_i8c_overflow", forward(scales=_f32([0.5, 3e38, 1.0, 2.0])), ErrorCode.BAD_TENSOR,
+         "finite scale, infinite product"),
+        ("invalid_i8c_rank_2", forward(shape=[2, 6], scales=_f32([0.5, 0.25])), ErrorCode.BAD_TENSOR,
+         "i8c of 2 dimensions"),
+        ("invalid_scales_on_i8", forward(dtype="i8", scale=0.5), ErrorCode.BAD_TENSOR, "i8 with scales"),
+    ]
+
+
 def build(valid: list[tuple[str, bytes]] | None = None,
           invalid: list[tuple[str, bytes, ErrorCode, str]] | None = None) -> list[tuple[str, bytes, dict[str, Any]]]:
     """(NN_name, message bytes, JSON meaning) for every case, numbered in order (default: the split set)."""
@@ -460,7 +506,9 @@ def generate(out_dir: Path = HERE) -> list[Path]:
                           (out_dir / "federated", build(federated_valid_cases(), federated_invalid_cases())),
                           (out_dir / "clusters", build(clusters_valid_cases(), clusters_invalid_cases())),
                           (out_dir / "epsilon", build(epsilon_valid_cases(), epsilon_invalid_cases())),
-                          (out_dir / "packed", build(packed_valid_cases(), packed_invalid_cases()))):
+                          (out_dir / "packed", build(packed_valid_cases(), packed_invalid_cases())),
+                          (out_dir / "channel_scaled", build(channel_scaled_valid_cases(),
+                                                             channel_scaled_invalid_cases()))):
         folder.mkdir(parents=True, exist_ok=True)
         for stem, data, meaning in cases:
             (folder / f"{stem}.msgpack").write_bytes(data)

@@ -36,6 +36,7 @@ public class VectorConformanceTest {
                     if (e.getKey().equals("values")) continue;
                     if (e.getKey().equals("data_hex")) { out.put("data", HexFormat.of().parseHex((String) e.getValue())); continue; }
                 }
+                if (e.getKey().equals("scales_hex")) { out.put("scales", HexFormat.of().parseHex((String) e.getValue())); continue; }
                 if (e.getKey().equals("bits_hex")) { out.put("bits", HexFormat.of().parseHex((String) e.getValue())); continue; }
                 out.put(e.getKey(), meaning(e.getValue()));
             }
@@ -85,6 +86,27 @@ public class VectorConformanceTest {
         Map<String, Object> forward = Messages.decode(Files.readAllBytes(VECTORS.resolve("packed/01_forward_packed_f32_labels.msgpack")),
                 Messages.DEFAULT_MAX_MESSAGE_BYTES);
         assertArrayEquals(new long[] {2, 1, 6, 6}, Patches.check((Tensor) forward.get("activations"), (Map<?, ?>) forward.get("visible")));
+    }
+
+    /** i8c, int8 with a scale per image and channel (protocol/vectors/channel_scaled, SPEC.md sections 4, 5.10): decoded,
+     *  malformed ones refused, and this core's encoder writes the reference's bytes for the FORWARD. */
+    @Test
+    public void channelScaledVectors() throws Exception {
+        int[] counts = conform(VECTORS.resolve("channel_scaled"));
+        assertTrue(counts[0] >= 4 && counts[1] >= 10);
+        Map<String, Object> forward = Messages.decode(Files.readAllBytes(VECTORS.resolve("channel_scaled/01_forward_i8c_labels.msgpack")),
+                Messages.DEFAULT_MAX_MESSAGE_BYTES);
+        Tensor sent = (Tensor) forward.get("activations");
+        float[] original = {0.5f, -1.25f, 3.0f, 0.1f, 0.0f, -2.0f, 1.0f, 2.5f, -0.75f, 100.0f, -0.001f, 7.0f};
+        Tensor mine = Tensor.encode(original, sent.shape, "i8c");
+        assertArrayEquals(sent.data, mine.data);
+        assertArrayEquals(sent.scales, mine.scales);
+        // a peak at float32's largest value: its 127 steps must decode finite (SPEC.md section 4)
+        for (String encoding : new String[] {"i8", "i8c"}) {
+            Tensor top = Tensor.encode(new float[] {Float.MAX_VALUE, -1e38f}, new int[] {1, 1, 2}, encoding);
+            Tensor back = Tensor.fromWire(top.toWire(), "top");
+            assertEquals(encoding, Float.MAX_VALUE, back.values()[0], Float.MAX_VALUE / 127 / 2);
+        }
     }
 
     /** Checks every vector in `dir`; returns {valid, invalid} counts. */
