@@ -151,6 +151,18 @@ def export_strip_ptes(layer: nn.Module, rows: int, width: int) -> tuple[bytes, b
     return release, lower_to_xnnpack(GemmWeightGrad(layer, strip=True).eval(), (strip, grad, *weights))
 
 
+def write_strip_ptes(layer: nn.Module, rows: int, width: int, out: Path) -> tuple[Path, Path]:
+    """release_strip.pte and vjp_strip.pte for strips of `rows` rows in `out`, exported unless both are there
+    already (the programs take the weights as inputs, so only the layer's shape and clamp are in them)."""
+    release, vjp = out / RELEASE_STRIP_PTE, out / VJP_STRIP_PTE
+    if not (release.exists() and vjp.exists()):
+        out.mkdir(parents=True, exist_ok=True)
+        release_bytes, vjp_bytes = export_strip_ptes(layer, rows, width)
+        release.write_bytes(release_bytes)
+        vjp.write_bytes(vjp_bytes)
+    return release, vjp
+
+
 def export_train_pte(layer: nn.Module, images: torch.Tensor, noise: torch.Tensor) -> bytes:
     from executorch.exir import to_edge
     from torch.export.experimental import _export_forward_backward

@@ -3,7 +3,12 @@ C++ runtime, it links no libtorch, and its release and summed weight gradient ov
 batch-2 programs, and over the strips of each image with the strip programs, equal eager PyTorch. The noise
 it draws is ChaCha20's keystream (checked against the `cryptography` package's) through Box-Muller, Gaussian,
 and under a fresh key per release unless a key file is given. Bad inputs stop it with a message naming the
-file. Without cmake or a C++ compiler the build fails with a message (it is not skipped)."""
+file. Without cmake or a C++ compiler the build fails with a message (it is not skipped).
+
+The `native` backend (device_sdk/runtimes/native_runtime.py): one runner process serves a device's releases
+and weight gradients, each step's weights read at run time, equal to eager PyTorch over steps whose weights
+change and batches that shrink; layers and exports the strip programs do not cover are refused before
+anything is built. (Training through it against a real server: tests/test_runtimes.py.)"""
 from __future__ import annotations
 
 import subprocess
@@ -16,7 +21,9 @@ from device_sdk.models import build_device_part, resolve_spec
 from device_sdk.models.lrn import PaperLRN
 from device_sdk.runtimes import native as native_module
 from device_sdk.runtimes.native import build, reference_normals, run_native, write_inputs
-from export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE, export_gemm_ptes, export_strip_ptes
+from device_sdk.runtimes.native_runtime import NativeRuntime
+from export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE, Manifest, export_gemm_ptes, export_strip_ptes
+from export.gemm_programs import gemm_refusal
 from export.verify import GRAD_RTOL, RELEASE_ATOL, reference
 
 SAMPLES, SIZE, ROWS = 4, 24, 8
@@ -171,3 +178,66 @@ def test_strip_runner_refuses_bad_inputs_by_name(native):
     with pytest.raises(RuntimeError, match="--noise-key needs --noise-std"):
         run_native(binary, work, SAMPLES, (programs["strips"] / "release.pte", STRIP_RELEASE), strips=True,
                    noise_key=root / "noise.key", runs=1, warmup=0)
+
+
+def backend_manifest(layer, batch: int, size: int, **kw) -> Manifest:
+    """What `export_all` records for `layer` with --gemm (the strip programs need no more of it)."""
+    return Manifest(batch, [batch, 3, size, size], [batch, 16, size, size], [n for n, _ in layer.named_parameters()],
+                    False, 1.0, training_refusal=None, gemm_refusal=gemm_refusal(layer), **kw)
+
+
+def vgg_layer():
+    """VGG-Face's conv1 + ReLU + LRN (the small spec's 16 channels) with the DP clamp, as the engine sets it."""
+    torch.manual_seed(0)
+    layer = build_device_part(resolve_spec("vgg_face_small"), "conv1").eval()
+    for lrn in (m for m in layer.modules() if isinstance(m, PaperLRN)):
+        lrn.input_max = 1.0
+    return layer
+
+
+def assert_matches_eager(runtime, layer, images, weights, g):
+    shape = layer(images[:1]).shape[1:]
+    noise, grad = 0.1 * torch.randn((len(images), *shape), generator=g), torch.randn((len(images), *shape), generator=g)
+    want_release, want_grads = reference(layer, images, noise, grad, weights)
+    assert (runtime.release(images, noise, weights) - want_release).abs().max() <= RELEASE_ATOL
+    got = runtime.weight_grads(images, noise, grad, weights)
+    for a, b in zip(got, want_grads, strict=True):
+        assert a.shape == b.shape and (a - b).abs().max() <= GRAD_RTOL * b.abs().max()
+    return got
+
+
+@pytest.mark.slow  # builds the runner (into the per-user cache) and lowers two strip programs
+def test_native_backend_follows_changing_weights_in_one_process(tmp_path):
+    layer = vgg_layer()
+    runtime = NativeRuntime(layer, tmp_path, backend_manifest(layer, 2, 32))
+    try:
+        assert all(c["ok"] for c in runtime.verification.values()) and len(runtime.verification) == 2
+        pid = runtime._server._proc.pid
+        g = torch.Generator().manual_seed(5)
+        weights = [p.detach().clone() for p in layer.parameters()]
+        images = 3 * torch.rand(2, 3, 32, 32, generator=g)  # above the clamp: its mask matters
+        grads = assert_matches_eager(runtime, layer, images, weights, g)
+        weights = [w - 0.5 * gw for w, gw in zip(weights, grads)]  # a step: the next call must use these
+        assert_matches_eager(runtime, layer, images[:1], weights, g)  # and a short last batch
+        assert runtime._server._proc.pid == pid and runtime._server._proc.poll() is None
+        assert runtime.last_report["op"] == "grad" and runtime.last_report["samples"] == 1
+        with pytest.raises(RuntimeError, match=r"noise.f32 holds 4 bytes; 1 maps of 65536 expected"):
+            runtime.release(images[:1], torch.zeros(1), weights)
+    finally:
+        runtime.close()
+    assert not runtime._server.scratch.exists()
+
+
+@pytest.mark.parametrize("change, why", [({"mask_shape": [2, 16, 1, 1]}, "take no mask"),
+                                         ({"input_shape": [2, 3, 30, 30]}, "height 30 is not a multiple of")])
+def test_native_backend_refuses_what_strips_do_not_cover_before_building(change, why, tmp_path, monkeypatch):
+    monkeypatch.setattr(native_module.shutil, "which", lambda tool: None)  # a build would fail differently
+    layer = vgg_layer()
+    manifest = backend_manifest(layer, 2, 32)
+    for key, value in change.items():
+        setattr(manifest, key, value)
+    with pytest.raises(ValueError, match=f"the native backend cannot run .*{why}"):
+        NativeRuntime(layer, tmp_path, manifest)
+    manifest.gemm_refusal = "the im2col programs cover conv + ReLU + LRN; found Conv2d"
+    with pytest.raises(ValueError, match="the native backend runs the im2col programs, and .* has none .*found Conv2d"):
+        NativeRuntime(layer, tmp_path, manifest)

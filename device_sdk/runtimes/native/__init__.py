@@ -17,6 +17,7 @@ strips of a few rows so that XNNPACK's passes stay in cache, and the release's n
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -60,10 +61,12 @@ def build(build_dir: Path) -> Path:
 
 
 def cache_dir() -> Path:
-    """Where `build_cached` builds: $SPLITFACE_NATIVE_BUILD, else <XDG cache or ~/.cache>/splitface/native."""
+    """Where `build_cached` builds: $SPLITFACE_NATIVE_BUILD, else <XDG cache or ~/.cache>/splitface/native-<h>
+    with h from this checkout's source path (CMake refuses a build directory configured for other sources)."""
     if os.environ.get("SPLITFACE_NATIVE_BUILD"):
         return Path(os.environ["SPLITFACE_NATIVE_BUILD"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "splitface" / "native"
+    checkout = hashlib.sha256(str(SOURCE).encode()).hexdigest()[:12]
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "splitface" / f"native-{checkout}"
 
 
 def build_cached() -> Path:
