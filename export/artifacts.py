@@ -178,6 +178,20 @@ def export_onnx(module: nn.Module, args: tuple, path: Path, input_names: list[st
     program.save(str(path))
 
 
+def manifest_of(layer: nn.Module, images: torch.Tensor, noise: torch.Tensor, static_weights: bool = False,
+                mask_shape: list[int] | None = None, gemm: bool = False) -> Manifest:
+    """What `export_all` records for `layer` on these example inputs, before anything is exported: which
+    programs it can have (`training_refusal`, `gemm_refusal`) and what they take."""
+    weights = weights_of(layer)
+    refusal = training_refusal(layer)
+    lrn_max = [m.input_max for m in layer.modules() if hasattr(m, "input_max")]
+    return Manifest(len(images), list(images.shape), list(noise.shape), param_names(layer), static_weights,
+                    lrn_max[0] if lrn_max else None,
+                    weights_digest=weights_digest(weights) if static_weights else None,
+                    mask_shape=mask_shape, training_refusal=refusal,
+                    gemm_refusal=(gemm_refusal(layer) or refusal) if gemm else NO_GEMM)
+
+
 def export_all(layer: nn.Module, input_size: int, batch_size: int, out: Path, static_weights: bool = False,
                mask: tuple[int, ...] | None = None, gemm: bool = False) -> Manifest:
     """Every artifact for `layer` (its current weights and clamp), into `out`; not yet verified.
@@ -198,7 +212,8 @@ def export_all(layer: nn.Module, input_size: int, batch_size: int, out: Path, st
         if len(mask) != len(release) or any(m not in (1, r) for m, r in zip(mask, release)):
             raise ValueError(f"a mask of shape {tuple(mask)} per image does not broadcast over the release {release}")
         mask_shape = [batch_size, *mask]
-    refusal = training_refusal(layer)
+    manifest = manifest_of(layer, images, noise, static_weights, mask_shape, gemm)
+    refusal = manifest.training_refusal
     (out / RELEASE_PTE).write_bytes(export_release_pte(layer, images, noise, static_weights, mask_shape))
     export_onnx(ReleaseProgram(layer, weights_as_inputs=True, masked=mask_shape is not None),
                 (images, noise, *example_mask(mask_shape), *weights), out / RELEASE_ONNX,
@@ -207,15 +222,9 @@ def export_all(layer: nn.Module, input_size: int, batch_size: int, out: Path, st
         (out / TRAIN_PTE).write_bytes(export_train_pte(layer, images, noise))
         export_onnx(LayerVJP(layer), (images, noise, *weights), out / VJP_ONNX,
                     ["images", "grad", *names], [f"grad:{n}" for n in names])
-    gemm_why = (gemm_refusal(layer) or refusal) if gemm else NO_GEMM
-    if gemm_why is None:
+    if manifest.gemm_refusal is None:
         release, vjp = export_gemm_ptes(layer, images, noise, mask_shape)
         (out / RELEASE_GEMM_PTE).write_bytes(release)
         (out / VJP_GEMM_PTE).write_bytes(vjp)
-    lrn_max = [m.input_max for m in layer.modules() if hasattr(m, "input_max")]
-    manifest = Manifest(batch_size, list(images.shape), list(noise.shape), names, static_weights,
-                        lrn_max[0] if lrn_max else None,
-                        weights_digest=weights_digest(weights) if static_weights else None,
-                        mask_shape=mask_shape, training_refusal=refusal, gemm_refusal=gemm_why)
     manifest.save(out)
     return manifest

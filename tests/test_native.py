@@ -22,8 +22,8 @@ from device_sdk.models.lrn import PaperLRN
 from device_sdk.runtimes import native as native_module
 from device_sdk.runtimes.native import build, reference_normals, run_native, write_inputs
 from device_sdk.runtimes.native_runtime import NativeRuntime
-from export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE, Manifest, export_gemm_ptes, export_strip_ptes
-from export.gemm_programs import gemm_refusal
+from export.artifacts import (RELEASE_GEMM_PTE, VJP_GEMM_PTE, Manifest, example_inputs, export_gemm_ptes,
+                              export_strip_ptes, manifest_of)
 from export.verify import GRAD_RTOL, RELEASE_ATOL, reference
 
 SAMPLES, SIZE, ROWS = 4, 24, 8
@@ -180,10 +180,9 @@ def test_strip_runner_refuses_bad_inputs_by_name(native):
                    noise_key=root / "noise.key", runs=1, warmup=0)
 
 
-def backend_manifest(layer, batch: int, size: int, **kw) -> Manifest:
+def backend_manifest(layer, batch: int, size: int) -> Manifest:
     """What `export_all` records for `layer` with --gemm (the strip programs need no more of it)."""
-    return Manifest(batch, [batch, 3, size, size], [batch, 16, size, size], [n for n, _ in layer.named_parameters()],
-                    False, 1.0, training_refusal=None, gemm_refusal=gemm_refusal(layer), **kw)
+    return manifest_of(layer, *example_inputs(layer, batch, size), gemm=True)
 
 
 def vgg_layer():
