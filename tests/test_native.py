@@ -8,7 +8,11 @@ file. Without cmake or a C++ compiler the build fails with a message (it is not 
 The `native` backend (device_sdk/runtimes/native_runtime.py): one runner process serves a device's releases
 and weight gradients, each step's weights read at run time, equal to eager PyTorch over steps whose weights
 change and batches that shrink; layers and exports the strip programs do not cover are refused before
-anything is built. (Training through it against a real server: tests/test_runtimes.py.)"""
+anything is built. (Training through it against a real server: tests/test_runtimes.py.)
+
+The exact option in the runner (`--noise-discrete`, discrete_gaussian.h): its uniform integers equal
+`NoiseStream.uniform_below`'s word for word, its samples follow `DiscreteGaussian`'s pmf, and a strip
+release is the Python clip-and-quantise of eager PyTorch's release plus those samples, as int8."""
 from __future__ import annotations
 
 import subprocess
@@ -20,7 +24,9 @@ import torch
 from device_sdk.models import build_device_part, resolve_spec
 from device_sdk.models.lrn import PaperLRN
 from device_sdk.runtimes import native as native_module
-from device_sdk.runtimes.native import build, reference_normals, run_native, write_inputs
+from device_sdk.privacy.discrete import DiscreteGaussian, DiscreteGaussianMechanism, clip_quantise, squared_norms
+from device_sdk.privacy.fastnoise import NoiseStream
+from device_sdk.runtimes.native import build, draw_integers, reference_normals, run_native, write_inputs
 from device_sdk.runtimes.native_runtime import NativeRuntime
 from export.artifacts import (RELEASE_GEMM_PTE, VJP_GEMM_PTE, Manifest, example_inputs, export_gemm_ptes,
                               export_strip_ptes, manifest_of)
@@ -175,9 +181,14 @@ def test_strip_runner_refuses_bad_inputs_by_name(native):
     write_inputs(work, {"images": np.zeros((SAMPLES, 3, SIZE, SIZE)), "bias": np.zeros(5)})
     with pytest.raises(RuntimeError, match=r"bias.f32 holds 20 bytes; the shared input takes 64"):
         strip_run(native, work, grad=False)
-    with pytest.raises(RuntimeError, match="--noise-key needs --noise-std"):
+    with pytest.raises(RuntimeError, match="--noise-key needs --noise-std or --noise-discrete"):
         run_native(binary, work, SAMPLES, (programs["strips"] / "release.pte", STRIP_RELEASE), strips=True,
                    noise_key=root / "noise.key", runs=1, warmup=0)
+    for exact, why in ((("1/0", 0.1, 10), "takes sigma\\^2 in steps\\^2 as P or P/Q"),
+                       ((str(2**60), 0.1, 10), "wider than 2\\^56"), (("4", 0.1, 0), "--clip-steps B >= 1")):
+        with pytest.raises(RuntimeError, match=why):
+            run_native(binary, work, SAMPLES, (programs["strips"] / "release.pte", STRIP_RELEASE), strips=True,
+                       exact=exact, runs=1, warmup=0)
 
 
 def backend_manifest(layer, batch: int, size: int) -> Manifest:
@@ -240,3 +251,66 @@ def test_native_backend_refuses_what_strips_do_not_cover_before_building(change,
     manifest.gemm_refusal = "the im2col programs cover conv + ReLU + LRN; found Conv2d"
     with pytest.raises(ValueError, match="the native backend runs the im2col programs, and .* has none .*found Conv2d"):
         NativeRuntime(layer, tmp_path, manifest)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bound", [7, 2**31 + 1, 2**40 + 3])  # Lemire with few and half rejections, 64-bit words
+def test_native_uniform_integers_are_noise_streams(native, bound):
+    _, _, _, root = native
+    key = bytes(range(40, 72))
+    (root / "uniform.key").write_bytes(key)
+    got = draw_integers(native[0], root / "uniform", root / "uniform.key", 3000, bound=bound)
+    stream = NoiseStream(key)  # one draw at a time reads the stream in the runner's order
+    assert got.tolist() == [int(stream.uniform_below(bound, 1)[0]) for _ in range(3000)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sigma2", ["400", "16129/400", "9/4"])  # sigma 20 and 6.35 steps; t = 2 with q = 4
+def test_native_discrete_gaussian_follows_its_pmf(native, sigma2):
+    binary, _, _, root = native
+    key = bytes(range(80, 112))
+    (root / "discrete.key").write_bytes(key)
+    n = 200_000
+    z = draw_integers(binary, root / "discrete", root / "discrete.key", n, sigma2=sigma2)
+    law = DiscreteGaussian(sigma2)
+    assert abs(z.mean()) < 5 * np.sqrt(law.variance() / n)
+    assert abs(z.var() / law.variance() - 1) < 5 * np.sqrt(2 / n)
+    edge = int(3 * np.sqrt(float(law.sigma2)))  # every value within 3 sigma, the two tails pooled
+    support = np.arange(-edge, edge + 1)
+    expected = n * np.append(law.pmf(support), 1 - law.pmf(support).sum())
+    counts = np.append([(z == v).sum() for v in support], (np.abs(z) > edge).sum())
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    dof = len(expected) - 1
+    assert chi2 < dof + 5 * np.sqrt(2 * dof)  # about 5 standard deviations of the chi-square statistic
+    assert np.array_equal(z, draw_integers(binary, root / "discrete", root / "discrete.key", n, sigma2=sigma2))
+
+
+@pytest.mark.slow
+def test_strip_release_with_exact_noise_is_python_quantised_eager_plus_samples(native):
+    """The runner's int8 release minus its discrete samples under the same key is the integer vector that
+    discrete.py's clip_quantise makes of eager PyTorch's release, each image's norm within B steps; without a
+    key file every release draws afresh."""
+    binary, layer, programs, root = native
+    g = torch.Generator().manual_seed(6)
+    images = torch.rand(SAMPLES, 3, SIZE, SIZE, generator=g)
+    weights = [p.detach() + 0.05 * torch.randn(p.shape, generator=g) for p in layer.parameters()]
+    mechanism = DiscreteGaussianMechanism(clip_norm=4.0, noise_multiplier=0.05)
+    info = mechanism.describe()
+    exact = (info["sigma2_steps"], info["step"], info["bound_steps"])
+    work = root / "exact-io"
+    write_inputs(work, {"images": images.numpy(), "weight": weights[0].numpy(), "bias": weights[1].numpy()})
+    key = bytes(range(150, 182))
+    (root / "exact.key").write_bytes(key)
+    released = run_native(binary, work, SAMPLES, (programs["strips"] / "release.pte", STRIP_RELEASE), runs=1,
+                          warmup=0, strips=True, exact=exact, noise_key=root / "exact.key")["release"].astype(np.int64)
+    z = draw_integers(binary, root / "exact-draw", root / "exact.key", released.size, sigma2=exact[0])
+    assert np.abs(released).max() < 127  # nothing clamped here, so the integers are q + z exactly
+    q = (released - z).reshape(SAMPLES, -1)
+    eager = reference(layer, images, torch.zeros(1), torch.zeros(1), weights, grads=False)[0]
+    assert (eager.flatten(1).norm(dim=1) > 2 * mechanism.clip_norm).all()  # every image is clipped
+    want = clip_quantise(eager, mechanism.step, mechanism.bound)
+    assert (squared_norms(q) <= mechanism.bound**2).all() and (squared_norms(q) > 0).all()
+    assert np.abs(q - want).max() <= 1 and (q != want).mean() < 1e-3  # a rounding tie may fall the other way
+    fresh = [run_native(binary, work, SAMPLES, (programs["strips"] / "release.pte", STRIP_RELEASE), runs=1, warmup=0,
+                        strips=True, exact=exact)["release"] for _ in range(2)]
+    assert (fresh[0] != fresh[1]).mean() > 0.5

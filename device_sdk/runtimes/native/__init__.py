@@ -104,14 +104,17 @@ def write_inputs(workdir: Path, inputs: dict[str, np.ndarray]) -> None:
 def run_native(binary: Path, workdir: Path, samples: int, release: tuple[Path, list[str]],
                grad: tuple[Path, list[str]] | None = None, runs: int = 3, warmup: int = 1,
                threads: str = "1", strips: bool = False, noise_std: float | None = None,
-               noise_key: Path | None = None, etdump: Path | None = None) -> dict:
+               noise_key: Path | None = None, etdump: Path | None = None,
+               exact: tuple[str, float, int] | None = None) -> dict:
     """Run the release (and gradient) program over `samples` samples whose inputs `write_inputs` put in
     `workdir`; returns the runner's report (times in ms, RSS in kB) with "release" (the last run's, as
     float32 in the release program's per-sample shape) and "grads" (the summed gradient outputs).
 
     `strips`: the programs are strip programs (`export_strip_ptes`), run strip by strip over each image.
     `noise_std`: the runner draws the release's noise, N(0, noise_std^2) from ChaCha20 under a fresh key
-    from the OS CSPRNG per release, or under the 32 bytes in `noise_key` (tests only). `etdump`: a path
+    from the OS CSPRNG per release, or under the 32 bytes in `noise_key` (tests only). `exact`: the discrete
+    Gaussian option instead, (sigma^2 in steps^2 as "P/Q", step, clip norm in steps) as
+    `DiscreteGaussianMechanism.describe` gives them; "release" is then the int8 integers. `etdump`: a path
     prefix; every run is recorded with ExecuTorch's ETDump into <prefix>.release.etdp and .grad.etdp."""
     cmd = [str(binary), "--dir", str(workdir), "--samples", str(samples), "--runs", str(runs),
            "--warmup", str(warmup), "--threads", threads, "--release", f"{release[0]}:{','.join(release[1])}"]
@@ -121,6 +124,8 @@ def run_native(binary: Path, workdir: Path, samples: int, release: tuple[Path, l
         cmd.append("--strips")
     if noise_std is not None:
         cmd += ["--noise-std", repr(float(noise_std))]
+    if exact is not None:
+        cmd += ["--noise-discrete", str(exact[0]), "--quant-step", repr(float(exact[1])), "--clip-steps", str(exact[2])]
     if noise_key is not None:
         cmd += ["--noise-key", str(noise_key)]
     if etdump is not None:
@@ -129,7 +134,8 @@ def run_native(binary: Path, workdir: Path, samples: int, release: tuple[Path, l
     if proc.returncode != 0:
         raise RuntimeError(f"{BINARY} failed ({proc.returncode}): {proc.stderr.strip()[-3000:]}")
     report = json.loads(proc.stdout)
-    report["release"] = np.fromfile(workdir / "release.f32", dtype=np.float32)
+    report["release"] = (np.fromfile(workdir / "release.i8", dtype=np.int8) if exact is not None
+                         else np.fromfile(workdir / "release.f32", dtype=np.float32))
     report["grads"] = [np.fromfile(workdir / f"grad_{i}.f32", dtype=np.float32)
                        for i in range(report["grad_outputs"])]
     return report
@@ -201,6 +207,20 @@ class StripServer:
 
     def close(self) -> None:
         self._finalizer()
+
+
+def draw_integers(binary: Path, workdir: Path, key: Path, n: int, sigma2: str | None = None,
+                  bound: int | None = None) -> np.ndarray:
+    """The runner's first `n` integers under `key`: discrete Gaussian samples of `sigma2` ("P/Q"), or uniform
+    integers below `bound`, as its exact option draws them (the test hooks --draw-discrete, --draw-uniform)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    cmd = [str(binary), "--dir", str(workdir), "--noise-key", str(key)]
+    cmd += (["--noise-discrete", sigma2, "--draw-discrete", str(n)] if sigma2 is not None
+            else ["--draw-uniform", f"{bound},{n}"])
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{BINARY} failed ({proc.returncode}): {proc.stderr.strip()[-3000:]}")
+    return np.fromfile(workdir / ("discrete.i64" if sigma2 is not None else "uniform.i64"), dtype=np.int64)
 
 
 def etdump_ops(path: Path, runs: int) -> list[tuple[str, float]]:

@@ -43,6 +43,7 @@
 
 #include <executorch/devtools/etdump/etdump_flatcc.h>
 
+#include "discrete_gaussian.h"
 #include "gaussian_noise.h"
 
 #include <fcntl.h>
@@ -57,6 +58,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -121,8 +123,11 @@ struct Program {
 };
 
 struct Noise {
-  bool on = false;
+  bool on = false;  // the float option, drawn (--noise-std)
   float std = 0;
+  std::optional<splitface::DiscreteGaussian> discrete;  // the exact option (--noise-discrete), with strips
+  double step = 0;     // its public quantisation step (--quant-step)
+  int64_t bound = 0;   // its clip norm in steps (--clip-steps)
   std::string key_file;
   splitface::NoiseKey key{};
   void rekey() { key = key_file.empty() ? splitface::fresh_key() : splitface::key_from_file(key_file.c_str()); }
@@ -412,6 +417,26 @@ struct StripRunner {
   int noise_fd = -1;
   std::vector<float> image, padded, map, noise_map;  // one sample's image, padded image, release or gradient
                                                        // map, and read noise
+  std::vector<int64_t> quantised;  // --noise-discrete: one sample's release in steps, and its int8 release
+  std::vector<int8_t> integers;
+
+  // --noise-discrete: the finished map clipped, quantised and noised from `stream` (one per release, read in
+  // order over the samples) into `integers`.
+  void exact_noise(const Noise& noise, splitface::KeyStream& stream) {
+    quantised.resize(g.map());
+    integers.resize(g.map());
+    splitface::clip_quantise(map.data(), g.map(), noise.step, noise.bound, quantised.data());
+    splitface::add_discrete(quantised.data(), g.map(), *noise.discrete, stream, integers.data());
+  }
+
+  // Sample `s`'s release into the output file: float32, or int8 with --noise-discrete.
+  void write_sample(int out_fd, int s, bool exact) {
+    const void* data = exact ? static_cast<const void*>(integers.data()) : map.data();
+    size_t bytes = exact ? g.map() : g.map() * sizeof(float);
+    if (pwrite(out_fd, data, bytes, static_cast<off_t>(s * bytes)) != static_cast<ssize_t>(bytes)) {
+      fail("cannot write the release");
+    }
+  }
 
   void load_image(int s) {
     pread_all(image_fd, image.data(), g.image(), s * g.image(), "images");
@@ -421,7 +446,9 @@ struct StripRunner {
   // The release of every sample, strip by strip, the noise drawn into each strip's rows as they are copied out.
   void release_pass(int out_fd, bool write, Noise& noise, Times& t) {
     double compute = 0, drawing = 0, start = now_ms();
-    if (noise.on) noise.rekey();  // one key per release
+    if (noise.on || noise.discrete) noise.rekey();  // one key per release
+    std::optional<splitface::KeyStream> stream;
+    if (noise.discrete) stream.emplace(noise.key);
     for (int s = 0; s < samples; ++s) {
       load_image(s);
       if (noise_fd >= 0) pread_all(noise_fd, noise_map.data(), g.map(), s * g.map(), noise_in);
@@ -442,16 +469,18 @@ struct StripRunner {
             std::memcpy(&map[at], out + o * rows, rows * sizeof(float));
           }
         }
+        if (noise.on) drawing += now_ms() - t1;
+      }
+      if (noise.discrete) {  // the exact noise needs the whole image's norm: drawn once its map is complete
+        double t1 = now_ms();
+        exact_noise(noise, *stream);
         drawing += now_ms() - t1;
       }
       compute += now_ms() - t0;
-      if (write && pwrite(out_fd, map.data(), g.map() * sizeof(float), static_cast<off_t>(s * g.map() * sizeof(float))) !=
-                       static_cast<ssize_t>(g.map() * sizeof(float))) {
-        fail("cannot write the release");
-      }
+      if (write) write_sample(out_fd, s, noise.discrete.has_value());
     }
     t.compute_ms.push_back(compute);
-    t.noise_ms.push_back(noise.on ? drawing : 0.0);
+    t.noise_ms.push_back(drawing);
     t.total_ms.push_back(now_ms() - start);
   }
 
@@ -561,6 +590,11 @@ void write_grads(const std::string& dir, const std::vector<std::vector<float>>& 
 // --serve: the strip programs stay loaded and answer one request per line on stdin, "release N" or "grad N",
 // reading that request's N images (and noise, or server gradient) and the weights from D as they are now, and
 // writing D/release.f32 or D/grad_<i>.f32 before one JSON line on stdout. End of input ends the process.
+// D/release.f32, or D/release.i8 for the exact option's integers.
+std::string release_path(const std::string& dir, const Noise& noise) {
+  return dir + (noise.discrete ? "/release.i8" : "/release.f32");
+}
+
 int serve(StripRunner& r, const std::string& dir, Noise& noise) {
   std::string line;
   while (std::getline(std::cin, line)) {
@@ -575,7 +609,7 @@ int serve(StripRunner& r, const std::string& dir, Noise& noise) {
     bind_strips(r, dir, samples, release, !release);
     Times t;
     if (release) {
-      std::string out_path = dir + "/release.f32";
+      std::string out_path = release_path(dir, noise);
       int out_fd = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       if (out_fd < 0) fail("cannot create " + out_path);
       r.release_pass(out_fd, true, noise, t);
@@ -587,6 +621,45 @@ int serve(StripRunner& r, const std::string& dir, Noise& noise) {
                 "\"peak_kb\": %ld}\n", op.c_str(), samples, r.g.H, t.compute_ms[0], t.total_ms[0], peak_kb());
     std::fflush(stdout);
   }
+  return 0;
+}
+
+// --noise-discrete P/Q: the exact option's sigma^2 in steps^2, an exact fraction (discrete.py's `sigma2_steps`).
+splitface::DiscreteGaussian parse_sigma2(const std::string& text) {
+  auto parts = split(text, '/');
+  char* end = nullptr;
+  uint64_t num = parts.empty() ? 0 : std::strtoull(parts[0].c_str(), &end, 10);
+  uint64_t den = 1;
+  if (parts.size() == 2 && end != nullptr && *end == '\0') den = std::strtoull(parts[1].c_str(), &end, 10);
+  if (parts.empty() || parts.size() > 2 || end == nullptr || *end != '\0' || num == 0 || den == 0) {
+    fail("--noise-discrete takes sigma^2 in steps^2 as P or P/Q (positive integers), got \"" + text + "\"");
+  }
+  return splitface::DiscreteGaussian(num, den);
+}
+
+// Test hooks: --draw-discrete N writes N samples of --noise-discrete's N_Z(0, sigma2) to D/discrete.i64, and
+// --draw-uniform BOUND,N N integers below BOUND to D/uniform.i64, under --noise-key's key (else a fresh one),
+// from the stream's start; a release with the same key draws the same discrete samples in the same order.
+int draw_integers(const std::string& dir, Noise& noise, long long discrete, const std::string& uniform) {
+  noise.rekey();
+  splitface::KeyStream stream(noise.key);
+  std::vector<int64_t> out;
+  std::string name;
+  if (discrete > 0) {
+    if (!noise.discrete) fail("--draw-discrete needs --noise-discrete");
+    for (long long i = 0; i < discrete; ++i) out.push_back(noise.discrete->sample(stream));
+    name = "/discrete.i64";
+  } else {
+    auto parts = split(uniform, ',');
+    if (parts.size() != 2) fail("--draw-uniform takes BOUND,N");
+    uint64_t bound = std::strtoull(parts[0].c_str(), nullptr, 10);
+    long long n = std::atoll(parts[1].c_str());
+    for (long long i = 0; i < n; ++i) out.push_back(static_cast<int64_t>(stream.uniform_below(bound)));
+    name = "/uniform.i64";
+  }
+  std::FILE* f = std::fopen((dir + name).c_str(), "wb");
+  if (!f || std::fwrite(out.data(), sizeof(int64_t), out.size(), f) != out.size()) fail("cannot write " + dir + name);
+  std::fclose(f);
   return 0;
 }
 
@@ -603,7 +676,8 @@ int main(int argc, char** argv) {
   std::string dir, release_spec, grad_spec, threads = "1";
   int samples = 0, runs = 3, warmup = 1;
   bool strips = false, serving = false;
-  std::string noise_in;
+  std::string noise_in, discrete_sigma2, draw_uniform;
+  long long draw_discrete = 0;
   Noise noise;
   std::string etdump;
   for (int i = 1; i < argc; ++i) {
@@ -629,9 +703,18 @@ int main(int argc, char** argv) {
     }
     else if (a == "--noise-key") noise.key_file = value();
     else if (a == "--noise-in") noise_in = value();
+    else if (a == "--noise-discrete") discrete_sigma2 = value();
+    else if (a == "--quant-step") noise.step = std::strtod(value().c_str(), nullptr);
+    else if (a == "--clip-steps") noise.bound = std::atoll(value().c_str());
+    else if (a == "--draw-discrete") draw_discrete = std::atoll(value().c_str());
+    else if (a == "--draw-uniform") draw_uniform = value();
     else if (a == "--serve") serving = true;
     else if (a == "--etdump") etdump = value();
     else fail("unknown argument " + a);
+  }
+  if (!discrete_sigma2.empty()) noise.discrete.emplace(parse_sigma2(discrete_sigma2));
+  if (!dir.empty() && (draw_discrete > 0 || !draw_uniform.empty())) {
+    return draw_integers(dir, noise, draw_discrete, draw_uniform);
   }
   if (dir.empty() || (samples <= 0 && !serving) || release_spec.empty() || runs <= 0 || warmup < 0) {
     fail("usage: splitface_native --dir D (--samples N | --serve) --release P:inputs [--grad P:inputs] [--strips] "
@@ -639,10 +722,15 @@ int main(int argc, char** argv) {
          "[--threads 1|all]");
   }
   if (!strips && (serving || !noise_in.empty())) fail("--serve and --noise-in need --strips");
-  if (noise.on && !noise_in.empty()) fail("the noise is drawn (--noise-std) or read (--noise-in), not both");
+  if (noise.on + noise.discrete.has_value() + !noise_in.empty() > 1) {
+    fail("the noise is drawn (--noise-std), drawn exactly (--noise-discrete) or read (--noise-in): one of them");
+  }
+  if (noise.discrete && (!strips || !(noise.step > 0) || noise.bound < 1)) {
+    fail("--noise-discrete needs --strips, --quant-step S > 0 and --clip-steps B >= 1");
+  }
   if (threads != "1" && threads != "all") fail("--threads is 1 or all (the runtime's pool, one per core)");
   g_profile = !etdump.empty();
-  if (!noise.key_file.empty() && !noise.on) fail("--noise-key needs --noise-std");
+  if (!noise.key_file.empty() && !noise.on && !noise.discrete) fail("--noise-key needs --noise-std or --noise-discrete");
   if (noise.on && !(noise.std >= 0.0f)) fail("--noise-std must be a number >= 0");
   // One thread: XNNPACK gets no thread pool and runs on the calling thread.
   std::unique_ptr<executorch::extension::threadpool::NoThreadPoolGuard> single;
@@ -666,7 +754,7 @@ int main(int argc, char** argv) {
   }
   long rss_loaded = status_kb("VmRSS:"), peak_loaded = peak_kb();
 
-  std::string out_path = dir + "/release.f32";
+  std::string out_path = release_path(dir, noise);
   int out_fd = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (out_fd < 0) fail("cannot create " + out_path);
   Times fwd, bwd;
