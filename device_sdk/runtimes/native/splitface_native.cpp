@@ -26,6 +26,10 @@
 // key from the OS CSPRNG per release (gaussian_noise.h); with --strips it is added to each strip's output
 // while that is in cache, otherwise it fills the program's input named "noise". --noise-key K: a 32-byte key
 // file instead (tests and replays only). Without --noise-std a "noise" input is read from its file.
+// --noise-discrete P/Q --quant-step S --clip-steps B (with --strips): the exact option instead
+// (discrete_gaussian.h): each sample's map, once complete, clipped to B steps of S and quantised, plus N_Z(0, P/Q)
+// in integer arithmetic from ChaCha20 under a fresh key per release (or --noise-key's), written as int8 to
+// D/release.i8. Test hooks: --draw-discrete N and --draw-uniform BOUND,N write the stream's first integers.
 // --noise-in NAME (with --strips): the release's noise read from D/NAME.f32 (N maps, the caller's) and added to
 // each strip's rows as they are copied out, instead of drawn.
 //
