@@ -43,7 +43,7 @@ from device_sdk.models import build_device_part, resolve_spec  # noqa: E402
 from device_sdk.models.lrn import PaperLRN  # noqa: E402
 from device_sdk.runtimes.native import build, etdump_ops, reference_normals, run_native, write_inputs  # noqa: E402
 from export.artifacts import (RELEASE_GEMM_PTE, RELEASE_STRIP_PTE, VJP_GEMM_PTE, VJP_STRIP_PTE,  # noqa: E402
-                              export_gemm_ptes, export_strip_ptes)
+                              export_gemm_ptes, write_strip_ptes)
 from export.verify import GRAD_RTOL, RELEASE_ATOL, reference  # noqa: E402
 
 RELEASE_INPUTS = ["images", "noise", "weight", "bias"]
@@ -76,11 +76,7 @@ def export_for_batch(layer: torch.nn.Module, batch: int, input_size: int, out: P
 
 def export_for_strips(layer: torch.nn.Module, rows: int, input_size: int, out: Path) -> Path:
     """release_strip.pte and vjp_strip.pte for strips of `rows` rows in `out` (kept ones are reused)."""
-    if not ((out / RELEASE_STRIP_PTE).exists() and (out / VJP_STRIP_PTE).exists()):
-        out.mkdir(parents=True, exist_ok=True)
-        release, vjp = export_strip_ptes(layer, rows, input_size)
-        (out / RELEASE_STRIP_PTE).write_bytes(release)
-        (out / VJP_STRIP_PTE).write_bytes(vjp)
+    write_strip_ptes(layer, rows, input_size, out)
     return out
 
 

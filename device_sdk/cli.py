@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backend", choices=BACKENDS, default="torch",
                    help="what runs the device layer: eager PyTorch, ExecuTorch (XNNPACK release + portable training "
                         "program), executorch-xnnpack (conv1 + ReLU + LRN as im2col programs XNNPACK runs whole, "
-                        "weights as inputs, closed-form weight gradient) or ONNX Runtime (see export/README.md)")
+                        "weights as inputs, closed-form weight gradient), native (the same programs in strips through the C++ "
+                        "runner, built with CMake on first use; docs/device.md) or ONNX Runtime (see export/README.md)")
     p.add_argument("--artifacts", type=Path, default=None,
                    help="exported device programs for --backend (default: <results dir>/artifacts, exported there "
                         "and verified on first use)")

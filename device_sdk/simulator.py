@@ -54,7 +54,7 @@ class SimConfig:
     privacy: Callable[[], PrivacyEngine] = PrivacyEngine   # one per device: each has its own secret
     state_dir: Path | None = None          # each device's durable privacy state (None: kept in memory only)
     device_weights: Path | None = None
-    backend: str = "torch"                 # torch | executorch | onnxruntime (device_sdk.runtimes)
+    backend: str = "torch"                 # device_sdk.runtimes.BACKENDS (torch, executorch, native, ...)
     artifacts: Path | None = None          # exported programs for the backend (exported here if empty)
     pipeline: bool = False                 # make batch n+1's release while batch n is at the server
     data: dict[str, Any] = field(default_factory=dict)  # how the data was selected: lets an audit find each batch's images

@@ -151,6 +151,18 @@ def export_strip_ptes(layer: nn.Module, rows: int, width: int) -> tuple[bytes, b
     return release, lower_to_xnnpack(GemmWeightGrad(layer, strip=True).eval(), (strip, grad, *weights))
 
 
+def write_strip_ptes(layer: nn.Module, rows: int, width: int, out: Path) -> tuple[Path, Path]:
+    """release_strip.pte and vjp_strip.pte for strips of `rows` rows in `out`, exported unless both are there
+    already (the programs take the weights as inputs, so only the layer's shape and clamp are in them)."""
+    release, vjp = out / RELEASE_STRIP_PTE, out / VJP_STRIP_PTE
+    if not (release.exists() and vjp.exists()):
+        out.mkdir(parents=True, exist_ok=True)
+        release_bytes, vjp_bytes = export_strip_ptes(layer, rows, width)
+        release.write_bytes(release_bytes)
+        vjp.write_bytes(vjp_bytes)
+    return release, vjp
+
+
 def export_train_pte(layer: nn.Module, images: torch.Tensor, noise: torch.Tensor) -> bytes:
     from executorch.exir import to_edge
     from torch.export.experimental import _export_forward_backward
@@ -164,6 +176,20 @@ def export_onnx(module: nn.Module, args: tuple, path: Path, input_names: list[st
     program = torch.onnx.export(module, args, dynamo=True, input_names=input_names, output_names=output_names,
                                 verbose=False)
     program.save(str(path))
+
+
+def manifest_of(layer: nn.Module, images: torch.Tensor, noise: torch.Tensor, static_weights: bool = False,
+                mask_shape: list[int] | None = None, gemm: bool = False) -> Manifest:
+    """What `export_all` records for `layer` on these example inputs, before anything is exported: which
+    programs it can have (`training_refusal`, `gemm_refusal`) and what they take."""
+    weights = weights_of(layer)
+    refusal = training_refusal(layer)
+    lrn_max = [m.input_max for m in layer.modules() if hasattr(m, "input_max")]
+    return Manifest(len(images), list(images.shape), list(noise.shape), param_names(layer), static_weights,
+                    lrn_max[0] if lrn_max else None,
+                    weights_digest=weights_digest(weights) if static_weights else None,
+                    mask_shape=mask_shape, training_refusal=refusal,
+                    gemm_refusal=(gemm_refusal(layer) or refusal) if gemm else NO_GEMM)
 
 
 def export_all(layer: nn.Module, input_size: int, batch_size: int, out: Path, static_weights: bool = False,
@@ -186,7 +212,8 @@ def export_all(layer: nn.Module, input_size: int, batch_size: int, out: Path, st
         if len(mask) != len(release) or any(m not in (1, r) for m, r in zip(mask, release)):
             raise ValueError(f"a mask of shape {tuple(mask)} per image does not broadcast over the release {release}")
         mask_shape = [batch_size, *mask]
-    refusal = training_refusal(layer)
+    manifest = manifest_of(layer, images, noise, static_weights, mask_shape, gemm)
+    refusal = manifest.training_refusal
     (out / RELEASE_PTE).write_bytes(export_release_pte(layer, images, noise, static_weights, mask_shape))
     export_onnx(ReleaseProgram(layer, weights_as_inputs=True, masked=mask_shape is not None),
                 (images, noise, *example_mask(mask_shape), *weights), out / RELEASE_ONNX,
@@ -195,15 +222,9 @@ def export_all(layer: nn.Module, input_size: int, batch_size: int, out: Path, st
         (out / TRAIN_PTE).write_bytes(export_train_pte(layer, images, noise))
         export_onnx(LayerVJP(layer), (images, noise, *weights), out / VJP_ONNX,
                     ["images", "grad", *names], [f"grad:{n}" for n in names])
-    gemm_why = (gemm_refusal(layer) or refusal) if gemm else NO_GEMM
-    if gemm_why is None:
+    if manifest.gemm_refusal is None:
         release, vjp = export_gemm_ptes(layer, images, noise, mask_shape)
         (out / RELEASE_GEMM_PTE).write_bytes(release)
         (out / VJP_GEMM_PTE).write_bytes(vjp)
-    lrn_max = [m.input_max for m in layer.modules() if hasattr(m, "input_max")]
-    manifest = Manifest(batch_size, list(images.shape), list(noise.shape), names, static_weights,
-                        lrn_max[0] if lrn_max else None,
-                        weights_digest=weights_digest(weights) if static_weights else None,
-                        mask_shape=mask_shape, training_refusal=refusal, gemm_refusal=gemm_why)
     manifest.save(out)
     return manifest

@@ -65,6 +65,17 @@ def check(layer: nn.Module, runtime, images: torch.Tensor, weights: list[torch.T
     return result
 
 
+def weight_variants(layer: nn.Module, static_weights: bool = False) -> dict[str, list[torch.Tensor]]:
+    """The layer's weights and, unless the program bakes them in, perturbed ones: a program that reads its
+    weights at run time must follow them."""
+    weights = [p.detach().clone() for p in layer.parameters()]
+    variants = {"weights": weights}
+    if weights and not static_weights:
+        g = torch.Generator().manual_seed(2)
+        variants["perturbed weights"] = [w + 0.05 * w.abs().mean() * torch.randn(w.shape, generator=g) for w in weights]
+    return variants
+
+
 def verify(layer: nn.Module, artifacts: Path, real_images: np.ndarray | None = None) -> dict:
     from device_sdk.models import to_input
     from device_sdk.runtimes.executorch_gemm import ExecuTorchGemmRuntime
@@ -76,11 +87,7 @@ def verify(layer: nn.Module, artifacts: Path, real_images: np.ndarray | None = N
     inputs = {"random": torch.rand(shape, generator=torch.Generator().manual_seed(1))}
     if real_images is not None:
         inputs["real"] = to_input(real_images[:n])
-    weights = [p.detach().clone() for p in layer.parameters()]
-    variants = {"weights": weights}
-    if weights and not manifest.static_weights:
-        g = torch.Generator().manual_seed(2)
-        variants["perturbed weights"] = [w + 0.05 * w.abs().mean() * torch.randn(w.shape, generator=g) for w in weights]
+    variants = weight_variants(layer, manifest.static_weights)
     results = {}
     runtimes = [ExecuTorchRuntime(artifacts, manifest), OnnxRuntime(artifacts, manifest)]
     if manifest.gemm_refusal is None:

@@ -3,7 +3,16 @@ C++ runtime, it links no libtorch, and its release and summed weight gradient ov
 batch-2 programs, and over the strips of each image with the strip programs, equal eager PyTorch. The noise
 it draws is ChaCha20's keystream (checked against the `cryptography` package's) through Box-Muller, Gaussian,
 and under a fresh key per release unless a key file is given. Bad inputs stop it with a message naming the
-file. Without cmake or a C++ compiler the build fails with a message (it is not skipped)."""
+file. Without cmake or a C++ compiler the build fails with a message (it is not skipped).
+
+The `native` backend (device_sdk/runtimes/native_runtime.py): one runner process serves a device's releases
+and weight gradients, each step's weights read at run time, equal to eager PyTorch over steps whose weights
+change and batches that shrink; layers and exports the strip programs do not cover are refused before
+anything is built. (Training through it against a real server: tests/test_runtimes.py.)
+
+The exact option in the runner (`--noise-discrete`, discrete_gaussian.h): its uniform integers equal
+`NoiseStream.uniform_below`'s word for word, its samples follow `DiscreteGaussian`'s pmf, and a strip
+release is the Python clip-and-quantise of eager PyTorch's release plus those samples, as int8."""
 from __future__ import annotations
 
 import subprocess
@@ -15,8 +24,12 @@ import torch
 from device_sdk.models import build_device_part, resolve_spec
 from device_sdk.models.lrn import PaperLRN
 from device_sdk.runtimes import native as native_module
-from device_sdk.runtimes.native import build, reference_normals, run_native, write_inputs
-from export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE, export_gemm_ptes, export_strip_ptes
+from device_sdk.privacy.discrete import DiscreteGaussian, DiscreteGaussianMechanism, clip_quantise, squared_norms
+from device_sdk.privacy.fastnoise import NoiseStream
+from device_sdk.runtimes.native import build, draw_integers, reference_normals, run_native, write_inputs
+from device_sdk.runtimes.native_runtime import NativeRuntime
+from export.artifacts import (RELEASE_GEMM_PTE, VJP_GEMM_PTE, Manifest, example_inputs, export_gemm_ptes,
+                              export_strip_ptes, manifest_of)
 from export.verify import GRAD_RTOL, RELEASE_ATOL, reference
 
 SAMPLES, SIZE, ROWS = 4, 24, 8
@@ -168,6 +181,136 @@ def test_strip_runner_refuses_bad_inputs_by_name(native):
     write_inputs(work, {"images": np.zeros((SAMPLES, 3, SIZE, SIZE)), "bias": np.zeros(5)})
     with pytest.raises(RuntimeError, match=r"bias.f32 holds 20 bytes; the shared input takes 64"):
         strip_run(native, work, grad=False)
-    with pytest.raises(RuntimeError, match="--noise-key needs --noise-std"):
+    with pytest.raises(RuntimeError, match="--noise-key needs --noise-std or --noise-discrete"):
         run_native(binary, work, SAMPLES, (programs["strips"] / "release.pte", STRIP_RELEASE), strips=True,
                    noise_key=root / "noise.key", runs=1, warmup=0)
+    for exact, why in ((("1/0", 0.1, 10), "takes sigma\\^2 in steps\\^2 as P or P/Q"),
+                       ((str(2**60), 0.1, 10), "wider than 2\\^56"), (("4", 0.1, 0), "--clip-steps B >= 1")):
+        with pytest.raises(RuntimeError, match=why):
+            run_native(binary, work, SAMPLES, (programs["strips"] / "release.pte", STRIP_RELEASE), strips=True,
+                       exact=exact, runs=1, warmup=0)
+
+
+def backend_manifest(layer, batch: int, size: int) -> Manifest:
+    """What `export_all` records for `layer` with --gemm (the strip programs need no more of it)."""
+    return manifest_of(layer, *example_inputs(layer, batch, size), gemm=True)
+
+
+def vgg_layer():
+    """VGG-Face's conv1 + ReLU + LRN (the small spec's 16 channels) with the DP clamp, as the engine sets it."""
+    torch.manual_seed(0)
+    layer = build_device_part(resolve_spec("vgg_face_small"), "conv1").eval()
+    for lrn in (m for m in layer.modules() if isinstance(m, PaperLRN)):
+        lrn.input_max = 1.0
+    return layer
+
+
+def assert_matches_eager(runtime, layer, images, weights, g):
+    shape = layer(images[:1]).shape[1:]
+    noise, grad = 0.1 * torch.randn((len(images), *shape), generator=g), torch.randn((len(images), *shape), generator=g)
+    want_release, want_grads = reference(layer, images, noise, grad, weights)
+    assert (runtime.release(images, noise, weights) - want_release).abs().max() <= RELEASE_ATOL
+    got = runtime.weight_grads(images, noise, grad, weights)
+    for a, b in zip(got, want_grads, strict=True):
+        assert a.shape == b.shape and (a - b).abs().max() <= GRAD_RTOL * b.abs().max()
+    return got
+
+
+@pytest.mark.slow  # builds the runner (into the per-user cache) and lowers two strip programs
+def test_native_backend_follows_changing_weights_in_one_process(tmp_path):
+    layer = vgg_layer()
+    runtime = NativeRuntime(layer, tmp_path, backend_manifest(layer, 2, 32))
+    try:
+        assert all(c["ok"] for c in runtime.verification.values()) and len(runtime.verification) == 2
+        pid = runtime._server._proc.pid
+        g = torch.Generator().manual_seed(5)
+        weights = [p.detach().clone() for p in layer.parameters()]
+        images = 3 * torch.rand(2, 3, 32, 32, generator=g)  # above the clamp: its mask matters
+        grads = assert_matches_eager(runtime, layer, images, weights, g)
+        weights = [w - 0.5 * gw for w, gw in zip(weights, grads)]  # a step: the next call must use these
+        assert_matches_eager(runtime, layer, images[:1], weights, g)  # and a short last batch
+        assert runtime._server._proc.pid == pid and runtime._server._proc.poll() is None
+        assert runtime.last_report["op"] == "grad" and runtime.last_report["samples"] == 1
+        with pytest.raises(RuntimeError, match=r"noise.f32 holds 4 bytes; 1 maps of 65536 expected"):
+            runtime.release(images[:1], torch.zeros(1), weights)
+    finally:
+        runtime.close()
+    assert not runtime._server.scratch.exists()
+
+
+@pytest.mark.parametrize("change, why", [({"mask_shape": [2, 16, 1, 1]}, "take no mask"),
+                                         ({"input_shape": [2, 3, 30, 30]}, "height 30 is not a multiple of")])
+def test_native_backend_refuses_what_strips_do_not_cover_before_building(change, why, tmp_path, monkeypatch):
+    monkeypatch.setattr(native_module.shutil, "which", lambda tool: None)  # a build would fail differently
+    layer = vgg_layer()
+    manifest = backend_manifest(layer, 2, 32)
+    for key, value in change.items():
+        setattr(manifest, key, value)
+    with pytest.raises(ValueError, match=f"the native backend cannot run .*{why}"):
+        NativeRuntime(layer, tmp_path, manifest)
+    manifest.gemm_refusal = "the im2col programs cover conv + ReLU + LRN; found Conv2d"
+    with pytest.raises(ValueError, match="the native backend runs the im2col programs, and .* has none .*found Conv2d"):
+        NativeRuntime(layer, tmp_path, manifest)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bound", [7, 2**31 + 1, 2**40 + 3])  # Lemire with few and half rejections, 64-bit words
+def test_native_uniform_integers_are_noise_streams(native, bound):
+    _, _, _, root = native
+    key = bytes(range(40, 72))
+    (root / "uniform.key").write_bytes(key)
+    got = draw_integers(native[0], root / "uniform", root / "uniform.key", 3000, bound=bound)
+    stream = NoiseStream(key)  # one draw at a time reads the stream in the runner's order
+    assert got.tolist() == [int(stream.uniform_below(bound, 1)[0]) for _ in range(3000)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sigma2", ["400", "16129/400", "9/4"])  # sigma 20 and 6.35 steps; t = 2 with q = 4
+def test_native_discrete_gaussian_follows_its_pmf(native, sigma2):
+    binary, _, _, root = native
+    key = bytes(range(80, 112))
+    (root / "discrete.key").write_bytes(key)
+    n = 200_000
+    z = draw_integers(binary, root / "discrete", root / "discrete.key", n, sigma2=sigma2)
+    law = DiscreteGaussian(sigma2)
+    assert abs(z.mean()) < 5 * np.sqrt(law.variance() / n)
+    assert abs(z.var() / law.variance() - 1) < 5 * np.sqrt(2 / n)
+    edge = int(3 * np.sqrt(float(law.sigma2)))  # every value within 3 sigma, the two tails pooled
+    support = np.arange(-edge, edge + 1)
+    expected = n * np.append(law.pmf(support), 1 - law.pmf(support).sum())
+    counts = np.append([(z == v).sum() for v in support], (np.abs(z) > edge).sum())
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    dof = len(expected) - 1
+    assert chi2 < dof + 5 * np.sqrt(2 * dof)  # about 5 standard deviations of the chi-square statistic
+    assert np.array_equal(z, draw_integers(binary, root / "discrete", root / "discrete.key", n, sigma2=sigma2))
+
+
+@pytest.mark.slow
+def test_strip_release_with_exact_noise_is_python_quantised_eager_plus_samples(native):
+    """The runner's int8 release minus its discrete samples under the same key is the integer vector that
+    discrete.py's clip_quantise makes of eager PyTorch's release, each image's norm within B steps; without a
+    key file every release draws afresh."""
+    binary, layer, programs, root = native
+    g = torch.Generator().manual_seed(6)
+    images = torch.rand(SAMPLES, 3, SIZE, SIZE, generator=g)
+    weights = [p.detach() + 0.05 * torch.randn(p.shape, generator=g) for p in layer.parameters()]
+    mechanism = DiscreteGaussianMechanism(clip_norm=4.0, noise_multiplier=0.05)
+    info = mechanism.describe()
+    exact = (info["sigma2_steps"], info["step"], info["bound_steps"])
+    work = root / "exact-io"
+    write_inputs(work, {"images": images.numpy(), "weight": weights[0].numpy(), "bias": weights[1].numpy()})
+    key = bytes(range(150, 182))
+    (root / "exact.key").write_bytes(key)
+    released = run_native(binary, work, SAMPLES, (programs["strips"] / "release.pte", STRIP_RELEASE), runs=1,
+                          warmup=0, strips=True, exact=exact, noise_key=root / "exact.key")["release"].astype(np.int64)
+    z = draw_integers(binary, root / "exact-draw", root / "exact.key", released.size, sigma2=exact[0])
+    assert np.abs(released).max() < 127  # nothing clamped here, so the integers are q + z exactly
+    q = (released - z).reshape(SAMPLES, -1)
+    eager = reference(layer, images, torch.zeros(1), torch.zeros(1), weights, grads=False)[0]
+    assert (eager.flatten(1).norm(dim=1) > 2 * mechanism.clip_norm).all()  # every image is clipped
+    want = clip_quantise(eager, mechanism.step, mechanism.bound)
+    assert (squared_norms(q) <= mechanism.bound**2).all() and (squared_norms(q) > 0).all()
+    assert np.abs(q - want).max() <= 1 and (q != want).mean() < 1e-3  # a rounding tie may fall the other way
+    fresh = [run_native(binary, work, SAMPLES, (programs["strips"] / "release.pte", STRIP_RELEASE), runs=1, warmup=0,
+                        strips=True, exact=exact)["release"] for _ in range(2)]
+    assert (fresh[0] != fresh[1]).mean() > 0.5

@@ -1,5 +1,6 @@
 """Where the device layer runs: eager PyTorch, ExecuTorch (`executorch`: the conv on portable kernels, a
-training program; `executorch-xnnpack`: the im2col programs, all of it in XNNPACK) or ONNX Runtime.
+training program; `executorch-xnnpack`: the im2col programs, all of it in XNNPACK; `native`: strips of them
+through the C++ runner, no Python binding) or ONNX Runtime.
 
 A non-torch runtime executes programs exported by `export/` for a fixed batch size; the engine
 keeps everything else (weights and optimiser in torch, noise, accountant, budget guard), so the
@@ -16,7 +17,8 @@ from .base import LayerRuntime, NotTrainable, padded
 
 __all__ = ["BACKENDS", "LayerRuntime", "NotTrainable", "padded", "load_runtime"]
 
-BACKENDS = ("torch", "executorch", "onnxruntime", "executorch-xnnpack")
+BACKENDS = ("torch", "executorch", "onnxruntime", "executorch-xnnpack", "native")
+GEMM_BACKENDS = ("executorch-xnnpack", "native")  # run the im2col programs: their export needs --gemm
 
 
 def load_runtime(backend: str, layer: nn.Module, input_size: int, batch_size: int, artifacts: Path,
@@ -25,8 +27,9 @@ def load_runtime(backend: str, layer: nn.Module, input_size: int, batch_size: in
     """The runtime for `backend`, exporting (and verifying) `layer` into `artifacts` first if it is empty.
 
     `mask`: one image's mask shape when the release transform has one (`export.artifacts.transform_mask`),
-    so that an export made here takes the mask as a program input. `executorch-xnnpack` exports the im2col
-    programs too, and refuses artifacts exported without them."""
+    so that an export made here takes the mask as a program input. `executorch-xnnpack` and `native` export
+    the im2col programs too, and refuse artifacts exported without them; `native` builds its runner (CMake and
+    a C++ compiler) and checks it against eager PyTorch on every load."""
     if backend not in BACKENDS or backend == "torch":
         raise ValueError(f"backend must be one of {BACKENDS[1:]} here, not {backend!r}")
     from export.artifacts import MANIFEST, Manifest
@@ -34,7 +37,7 @@ def load_runtime(backend: str, layer: nn.Module, input_size: int, batch_size: in
 
     if not (artifacts / MANIFEST).exists():
         export_verified(layer, input_size, batch_size, artifacts, real_images, mask=mask,
-                        gemm=backend == "executorch-xnnpack")
+                        gemm=backend in GEMM_BACKENDS)
     manifest = Manifest.load(artifacts)
     lrn_max = [m.input_max for m in layer.modules() if hasattr(m, "input_max")]
     layer_max = lrn_max[0] if lrn_max else None
@@ -47,5 +50,8 @@ def load_runtime(backend: str, layer: nn.Module, input_size: int, batch_size: in
     if backend == "executorch-xnnpack":
         from .executorch_gemm import ExecuTorchGemmRuntime
         return ExecuTorchGemmRuntime(artifacts, manifest, threads)
+    if backend == "native":
+        from .native_runtime import NativeRuntime
+        return NativeRuntime(layer, artifacts, manifest, threads)
     from .onnx_runtime import OnnxRuntime
     return OnnxRuntime(artifacts, manifest, threads)

@@ -54,6 +54,15 @@ def training_args(manifest, name: str, grad: torch.Tensor, mask: torch.Tensor | 
     return grad if mask is None else grad * mask
 
 
+def require_gemm(manifest, artifacts, backend: str) -> None:
+    """Refuses artifacts without the im2col programs, naming why (`Manifest.gemm_refusal`: the layer is not
+    conv + ReLU + LRN as they cover, or the export was made without --gemm)."""
+    if manifest.gemm_refusal is not None:
+        raise ValueError(f"the {backend} backend runs the im2col programs, and {artifacts} has none "
+                         f"({manifest.gemm_refusal}); export with `splitface-export --gemm`, or use --backend "
+                         "executorch or torch")
+
+
 def padded(x: torch.Tensor, batch_size: int) -> torch.Tensor:
     """Zero rows up to the exported batch size: zero gradient rows add nothing to the weight gradient."""
     if len(x) > batch_size:

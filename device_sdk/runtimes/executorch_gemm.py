@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .base import mask_args, padded, training_args
+from .base import mask_args, padded, require_gemm, training_args
 
 
 class ExecuTorchGemmRuntime:
@@ -24,9 +24,7 @@ class ExecuTorchGemmRuntime:
 
         from export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE
 
-        if manifest.gemm_refusal is not None:
-            raise ValueError(f"no im2col programs in {artifacts} ({manifest.gemm_refusal}); export with "
-                             "`splitface-export --gemm`, or use --backend executorch")
+        require_gemm(manifest, artifacts, self.name)
         if threads is not None:
             portable_lib._unsafe_reset_threadpool(threads)
         self.manifest, self.batch_size, self.trainable = manifest, manifest.batch_size, manifest.trainable

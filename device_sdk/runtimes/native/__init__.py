@@ -7,17 +7,23 @@ programs memory-mapped, each chunk of the programs' batch streamed in from files
 out, the weight gradient summed over chunks. With batch-1 programs a batch of N images never holds more
 than one image's activations, which is what brings the device's peak memory down.
 
-Built here with CMake against the executorch wheel's prebuilt runtime (`build`), driven by
-`run_native`, and measured by `bench/bench_native.py`; the simulator's devices still run the Python
-runtimes. Its fast path is the strip programs (`export.artifacts.export_strip_ptes`): each image cut into
+Built here with CMake against the executorch wheel's prebuilt runtime (`build`, or `build_cached` into a
+per-user cache), driven by `run_native` (one batch per process: the bench and tests) and `StripServer` (one
+process that keeps the strip programs loaded and answers a request per batch: the `native` backend,
+`device_sdk/runtimes/native_runtime.py`), and measured by `bench/bench_native.py`. Its fast path is the strip programs (`export.artifacts.export_strip_ptes`): each image cut into
 strips of a few rows so that XNNPACK's passes stay in cache, and the release's noise drawn by the runner
 (ChaCha20 + Box-Muller, `gaussian_noise.h`; `reference_normals` is its float64 reference).
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
+import os
 import shutil
 import subprocess
+import tempfile
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +60,25 @@ def build(build_dir: Path) -> Path:
     return build_dir / BINARY
 
 
+def cache_dir() -> Path:
+    """Where `build_cached` builds: $SPLITFACE_NATIVE_BUILD, else <XDG cache or ~/.cache>/splitface/native-<h>
+    with h from this checkout's source path (CMake refuses a build directory configured for other sources)."""
+    if os.environ.get("SPLITFACE_NATIVE_BUILD"):
+        return Path(os.environ["SPLITFACE_NATIVE_BUILD"])
+    checkout = hashlib.sha256(str(SOURCE).encode()).hexdigest()[:12]
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "splitface" / f"native-{checkout}"
+
+
+def build_cached() -> Path:
+    """The runner built (or brought up to date) in `cache_dir()`, under a file lock so that processes starting
+    devices at once (the simulator, pytest's workers) build it once, not over each other."""
+    where = cache_dir()
+    where.mkdir(parents=True, exist_ok=True)
+    with open(where / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return build(where)
+
+
 def reference_normals(key: bytes, n: int) -> np.ndarray:
     """The first `n` normals the runner draws under `key` (gaussian_noise.h's mapping), in float64 from
     `fastnoise.NoiseStream`'s ChaCha20 keystream: what the tests hold the native generator to."""
@@ -79,14 +104,17 @@ def write_inputs(workdir: Path, inputs: dict[str, np.ndarray]) -> None:
 def run_native(binary: Path, workdir: Path, samples: int, release: tuple[Path, list[str]],
                grad: tuple[Path, list[str]] | None = None, runs: int = 3, warmup: int = 1,
                threads: str = "1", strips: bool = False, noise_std: float | None = None,
-               noise_key: Path | None = None, etdump: Path | None = None) -> dict:
+               noise_key: Path | None = None, etdump: Path | None = None,
+               exact: tuple[str, float, int] | None = None) -> dict:
     """Run the release (and gradient) program over `samples` samples whose inputs `write_inputs` put in
     `workdir`; returns the runner's report (times in ms, RSS in kB) with "release" (the last run's, as
     float32 in the release program's per-sample shape) and "grads" (the summed gradient outputs).
 
     `strips`: the programs are strip programs (`export_strip_ptes`), run strip by strip over each image.
     `noise_std`: the runner draws the release's noise, N(0, noise_std^2) from ChaCha20 under a fresh key
-    from the OS CSPRNG per release, or under the 32 bytes in `noise_key` (tests only). `etdump`: a path
+    from the OS CSPRNG per release, or under the 32 bytes in `noise_key` (tests only). `exact`: the discrete
+    Gaussian option instead, (sigma^2 in steps^2 as "P/Q", step, clip norm in steps) as
+    `DiscreteGaussianMechanism.describe` gives them; "release" is then the int8 integers. `etdump`: a path
     prefix; every run is recorded with ExecuTorch's ETDump into <prefix>.release.etdp and .grad.etdp."""
     cmd = [str(binary), "--dir", str(workdir), "--samples", str(samples), "--runs", str(runs),
            "--warmup", str(warmup), "--threads", threads, "--release", f"{release[0]}:{','.join(release[1])}"]
@@ -96,6 +124,8 @@ def run_native(binary: Path, workdir: Path, samples: int, release: tuple[Path, l
         cmd.append("--strips")
     if noise_std is not None:
         cmd += ["--noise-std", repr(float(noise_std))]
+    if exact is not None:
+        cmd += ["--noise-discrete", str(exact[0]), "--quant-step", repr(float(exact[1])), "--clip-steps", str(exact[2])]
     if noise_key is not None:
         cmd += ["--noise-key", str(noise_key)]
     if etdump is not None:
@@ -104,10 +134,93 @@ def run_native(binary: Path, workdir: Path, samples: int, release: tuple[Path, l
     if proc.returncode != 0:
         raise RuntimeError(f"{BINARY} failed ({proc.returncode}): {proc.stderr.strip()[-3000:]}")
     report = json.loads(proc.stdout)
-    report["release"] = np.fromfile(workdir / "release.f32", dtype=np.float32)
+    report["release"] = (np.fromfile(workdir / "release.i8", dtype=np.int8) if exact is not None
+                         else np.fromfile(workdir / "release.f32", dtype=np.float32))
     report["grads"] = [np.fromfile(workdir / f"grad_{i}.f32", dtype=np.float32)
                        for i in range(report["grad_outputs"])]
     return report
+
+
+def _scratch() -> Path:
+    """A private directory for a runner's input and output files, in memory (/dev/shm) where there is one."""
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix="splitface-native-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
+
+
+def _stop(proc: subprocess.Popen, scratch: Path) -> None:
+    """End a runner (closing its input ends its request loop) and remove its files."""
+    if proc.stdin and not proc.stdin.closed:
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.stdout:
+        proc.stdout.close()
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+class StripServer:
+    """One runner process (`splitface_native --serve --strips`) that keeps the strip programs loaded: each
+    call writes the request's inputs into its scratch directory (in /dev/shm where there is one), sends one
+    line, and reads the runner's one-line JSON answer and its output files. No process per batch, no program
+    loaded twice. The release's noise is read from the file the caller wrote (`--noise-in`), never drawn.
+    `weights`: the input names of the programs' weights, after the images (and the gradient)."""
+
+    def __init__(self, binary: Path, release_pte: Path, vjp_pte: Path, weights: list[str], threads: str = "1"):
+        self.scratch = _scratch()
+        self._stderr = self.scratch / "stderr.txt"
+        names = ",".join(weights)
+        cmd = [str(binary), "--serve", "--strips", "--dir", str(self.scratch), "--threads", threads,
+               "--noise-in", "noise", "--release", f"{release_pte}:images,{names}",
+               "--grad", f"{vjp_pte}:images,grad,{names}"]
+        with open(self._stderr, "wb") as err:
+            self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+        self._finalizer = weakref.finalize(self, _stop, self._proc, self.scratch)
+
+    def request(self, op: str, samples: int, inputs: dict[str, np.ndarray]) -> dict:
+        """Write `inputs`, ask for `op` ("release" or "grad") over `samples` samples; the runner's report.
+        A runner that stopped (bad input, a crash) raises with what it wrote to stderr."""
+        write_inputs(self.scratch, inputs)
+        try:
+            self._proc.stdin.write(f"{op} {samples}\n")
+            self._proc.stdin.flush()
+            line = self._proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:
+            code = self._proc.wait()
+            why = self._stderr.read_text().strip()[-3000:] if self._stderr.exists() else ""
+            raise RuntimeError(f"{BINARY} --serve stopped ({code}): {why}")
+        return json.loads(line)
+
+    def release(self, inputs: dict[str, np.ndarray], samples: int) -> tuple[np.ndarray, dict]:
+        """The release of `samples` images plus the noise in `inputs` (float32, flat) and the report."""
+        report = self.request("release", samples, inputs)
+        return np.fromfile(self.scratch / "release.f32", dtype=np.float32), report
+
+    def grads(self, inputs: dict[str, np.ndarray], samples: int, outputs: int) -> tuple[list[np.ndarray], dict]:
+        """The gradient program's `outputs` outputs summed over strips and samples (flat), and the report."""
+        report = self.request("grad", samples, inputs)
+        return [np.fromfile(self.scratch / f"grad_{i}.f32", dtype=np.float32) for i in range(outputs)], report
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def draw_integers(binary: Path, workdir: Path, key: Path, n: int, sigma2: str | None = None,
+                  bound: int | None = None) -> np.ndarray:
+    """The runner's first `n` integers under `key`: discrete Gaussian samples of `sigma2` ("P/Q"), or uniform
+    integers below `bound`, as its exact option draws them (the test hooks --draw-discrete, --draw-uniform)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    cmd = [str(binary), "--dir", str(workdir), "--noise-key", str(key)]
+    cmd += (["--noise-discrete", sigma2, "--draw-discrete", str(n)] if sigma2 is not None
+            else ["--draw-uniform", f"{bound},{n}"])
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{BINARY} failed ({proc.returncode}): {proc.stderr.strip()[-3000:]}")
+    return np.fromfile(workdir / ("discrete.i64" if sigma2 is not None else "uniform.i64"), dtype=np.int64)
 
 
 def etdump_ops(path: Path, runs: int) -> list[tuple[str, float]]:

@@ -26,6 +26,19 @@
 // key from the OS CSPRNG per release (gaussian_noise.h); with --strips it is added to each strip's output
 // while that is in cache, otherwise it fills the program's input named "noise". --noise-key K: a 32-byte key
 // file instead (tests and replays only). Without --noise-std a "noise" input is read from its file.
+// --noise-discrete P/Q --quant-step S --clip-steps B (with --strips): the exact option instead
+// (discrete_gaussian.h): each sample's map, once complete, clipped to B steps of S and quantised, plus N_Z(0, P/Q)
+// in integer arithmetic from ChaCha20 under a fresh key per release (or --noise-key's), written as int8 to
+// D/release.i8. Test hooks: --draw-discrete N and --draw-uniform BOUND,N write the stream's first integers.
+// --noise-in NAME (with --strips): the release's noise read from D/NAME.f32 (N maps, the caller's) and added to
+// each strip's rows as they are copied out, instead of drawn.
+//
+//   splitface_native --serve --strips --dir D --noise-in noise --release ... --grad ...
+//
+// --serve: the programs stay loaded and the runner answers requests, one line each on stdin, "release N" or
+// "grad N": it reads that request's N images (and noise or server gradient) and the weights from D as they are
+// then, writes D/release.f32 or D/grad_<i>.f32 and one JSON line on stdout; end of input ends it. A bad request
+// or input stops it as above (message on stderr, exit 2). device_sdk/runtimes/native_runtime.py drives it.
 // --etdump PREFIX: record every run with ExecuTorch's ETDump (each operator's time, XNNPACK's inside its
 // delegate call included) into PREFIX.release.etdp and PREFIX.grad.etdp, for the devtools Inspector.
 #include <executorch/extension/module/module.h>
@@ -34,6 +47,7 @@
 
 #include <executorch/devtools/etdump/etdump_flatcc.h>
 
+#include "discrete_gaussian.h"
 #include "gaussian_noise.h"
 
 #include <fcntl.h>
@@ -46,7 +60,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iostream>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -111,8 +127,11 @@ struct Program {
 };
 
 struct Noise {
-  bool on = false;
+  bool on = false;  // the float option, drawn (--noise-std)
   float std = 0;
+  std::optional<splitface::DiscreteGaussian> discrete;  // the exact option (--noise-discrete), with strips
+  double step = 0;     // its public quantisation step (--quant-step)
+  int64_t bound = 0;   // its clip norm in steps (--clip-steps)
   std::string key_file;
   splitface::NoiseKey key{};
   void rekey() { key = key_file.empty() ? splitface::fresh_key() : splitface::key_from_file(key_file.c_str()); }
@@ -330,33 +349,41 @@ struct Geometry {
   size_t strip_in() const { return static_cast<size_t>(C) * (R + kh - 1) * (W + kw - 1); }
 };
 
-StripProgram open_strip(const std::string& spec, const std::string& dir, const std::vector<SizesType>& out_shape) {
+// A strip program loaded, its buffers allocated; `bind_strip` reads its files. The per-sample input, if any, is
+// the one of the strip's output shape.
+StripProgram load_strip(const std::string& spec, const std::vector<SizesType>& out_shape) {
   NamedProgram named = open_named(spec);
   StripProgram p;
   p.path = named.path;
   p.module = std::move(named.module);
   p.names = named.names;
   for (size_t i = 0; i < p.names.size(); ++i) {
-    const std::vector<SizesType>& shape = named.inputs[i].shape;
-    const size_t nbytes = named.inputs[i].nbytes;
-    p.buffers.emplace_back(nbytes / sizeof(float));
-    p.tensors.push_back(from_blob(p.buffers.back().data(), shape));
-    if (i == 0) continue;  // the strip, cut by the runner
-    std::string file = dir + "/" + p.names[i] + ".f32";
-    int fd = open_fd(file);
-    if (shape == out_shape) {
-      p.feature = static_cast<int>(i);
-      p.feature_fd = fd;
-    } else {
-      if (file_bytes(fd) != nbytes) {
-        fail(file + " holds " + std::to_string(file_bytes(fd)) + " bytes; the shared input takes " +
-             std::to_string(nbytes));
-      }
-      pread_all(fd, p.buffers.back().data(), p.buffers.back().size(), 0, file);
-      close(fd);
-    }
+    p.buffers.emplace_back(named.inputs[i].nbytes / sizeof(float));
+    p.tensors.push_back(from_blob(p.buffers.back().data(), named.inputs[i].shape));
+    if (i > 0 && named.inputs[i].shape == out_shape) p.feature = static_cast<int>(i);
   }
   return p;
+}
+
+// The program's files in `dir`: every shared input (the weights) read now, the per-sample map's file opened. Called
+// again for each request of --serve, so that weights written between requests are the ones used.
+void bind_strip(StripProgram& p, const std::string& dir) {
+  for (size_t i = 1; i < p.names.size(); ++i) {  // input 0 is the strip, cut by the runner
+    std::string file = dir + "/" + p.names[i] + ".f32";
+    int fd = open_fd(file);
+    if (static_cast<int>(i) == p.feature) {
+      if (p.feature_fd >= 0) close(p.feature_fd);
+      p.feature_fd = fd;
+      continue;
+    }
+    size_t nbytes = p.buffers[i].size() * sizeof(float);
+    if (file_bytes(fd) != nbytes) {
+      fail(file + " holds " + std::to_string(file_bytes(fd)) + " bytes; the shared input takes " +
+           std::to_string(nbytes));
+    }
+    pread_all(fd, p.buffers[i].data(), p.buffers[i].size(), 0, file);
+    close(fd);
+  }
 }
 
 std::vector<EValue> run_strip(StripProgram& p) {
@@ -390,7 +417,30 @@ struct StripRunner {
   StripProgram release, grad;
   bool has_grad = false;
   int image_fd = -1, samples = 0;
-  std::vector<float> image, padded, map;  // one sample's image, padded image, and release or gradient map
+  std::string noise_in;  // --noise-in NAME: the release's noise read from D/NAME.f32 (N maps), added per strip
+  int noise_fd = -1;
+  std::vector<float> image, padded, map, noise_map;  // one sample's image, padded image, release or gradient
+                                                       // map, and read noise
+  std::vector<int64_t> quantised;  // --noise-discrete: one sample's release in steps, and its int8 release
+  std::vector<int8_t> integers;
+
+  // --noise-discrete: the finished map clipped, quantised and noised from `stream` (one per release, read in
+  // order over the samples) into `integers`.
+  void exact_noise(const Noise& noise, splitface::KeyStream& stream) {
+    quantised.resize(g.map());
+    integers.resize(g.map());
+    splitface::clip_quantise(map.data(), g.map(), noise.step, noise.bound, quantised.data());
+    splitface::add_discrete(quantised.data(), g.map(), *noise.discrete, stream, integers.data());
+  }
+
+  // Sample `s`'s release into the output file: float32, or int8 with --noise-discrete.
+  void write_sample(int out_fd, int s, bool exact) {
+    const void* data = exact ? static_cast<const void*>(integers.data()) : map.data();
+    size_t bytes = exact ? g.map() : g.map() * sizeof(float);
+    if (pwrite(out_fd, data, bytes, static_cast<off_t>(s * bytes)) != static_cast<ssize_t>(bytes)) {
+      fail("cannot write the release");
+    }
+  }
 
   void load_image(int s) {
     pread_all(image_fd, image.data(), g.image(), s * g.image(), "images");
@@ -400,9 +450,12 @@ struct StripRunner {
   // The release of every sample, strip by strip, the noise drawn into each strip's rows as they are copied out.
   void release_pass(int out_fd, bool write, Noise& noise, Times& t) {
     double compute = 0, drawing = 0, start = now_ms();
-    if (noise.on) noise.rekey();  // one key per release
+    if (noise.on || noise.discrete) noise.rekey();  // one key per release
+    std::optional<splitface::KeyStream> stream;
+    if (noise.discrete) stream.emplace(noise.key);
     for (int s = 0; s < samples; ++s) {
       load_image(s);
+      if (noise_fd >= 0) pread_all(noise_fd, noise_map.data(), g.map(), s * g.map(), noise_in);
       double t0 = now_ms();
       for (int strip = 0; strip < g.H / g.R; ++strip) {
         cut_strip(g, padded, strip, release.buffers[0].data());
@@ -414,20 +467,24 @@ struct StripRunner {
           size_t at = static_cast<size_t>(o) * g.H * g.W + strip * rows;
           if (noise.on) {
             splitface::add_gaussian(&map[at], out + o * rows, rows, s * g.map() + at, noise.key, noise.std);
+          } else if (noise_fd >= 0) {
+            for (size_t k = 0; k < rows; ++k) map[at + k] = out[o * rows + k] + noise_map[at + k];
           } else {
             std::memcpy(&map[at], out + o * rows, rows * sizeof(float));
           }
         }
+        if (noise.on) drawing += now_ms() - t1;
+      }
+      if (noise.discrete) {  // the exact noise needs the whole image's norm: drawn once its map is complete
+        double t1 = now_ms();
+        exact_noise(noise, *stream);
         drawing += now_ms() - t1;
       }
       compute += now_ms() - t0;
-      if (write && pwrite(out_fd, map.data(), g.map() * sizeof(float), static_cast<off_t>(s * g.map() * sizeof(float))) !=
-                       static_cast<ssize_t>(g.map() * sizeof(float))) {
-        fail("cannot write the release");
-      }
+      if (write) write_sample(out_fd, s, noise.discrete.has_value());
     }
     t.compute_ms.push_back(compute);
-    t.noise_ms.push_back(noise.on ? drawing : 0.0);
+    t.noise_ms.push_back(drawing);
     t.total_ms.push_back(now_ms() - start);
   }
 
@@ -455,11 +512,11 @@ struct StripRunner {
   }
 };
 
-StripRunner open_strips(const std::string& release_spec, const std::string& grad_spec, const std::string& dir,
-                        int samples) {
+// The strip programs loaded and their geometry read from the release program's strip input and output; the
+// files are read by `bind_strips`.
+StripRunner load_strips(const std::string& release_spec, const std::string& grad_spec) {
   StripRunner r;
-  r.samples = samples;
-  {  // the geometry from the release program: its strip input and its output
+  {
     auto colon = release_spec.rfind(':');
     Module probe(release_spec.substr(0, colon), Module::LoadMode::Mmap);
     auto meta = probe.method_meta("forward");
@@ -479,14 +536,24 @@ StripRunner open_strips(const std::string& release_spec, const std::string& grad
     if (r.g.kh < 1 || r.g.kw < 1 || r.g.kh % 2 == 0 || r.g.kw % 2 == 0) fail("the strip's halo is not a 'same' conv's");
   }
   std::vector<SizesType> out_shape = {1, r.g.O, r.g.R, r.g.W};
-  r.release = open_strip(release_spec, dir, out_shape);
+  r.release = load_strip(release_spec, out_shape);
   if (r.release.feature >= 0) fail("a strip release program takes no per-sample map (the runner draws the noise)");
   r.has_grad = !grad_spec.empty();
   if (r.has_grad) {
-    r.grad = open_strip(grad_spec, dir, out_shape);
+    r.grad = load_strip(grad_spec, out_shape);
     if (r.grad.feature < 0) fail(r.grad.path + " takes no (1, O, rows, width) gradient strip");
   }
+  return r;
+}
+
+// `samples` images from D/<images>.f32 (their height from its size) and the inputs of the release or of the
+// gradient program, as they are in `dir` now.
+void bind_strips(StripRunner& r, const std::string& dir, int samples, bool release, bool grad) {
+  r.samples = samples;
+  if (release) bind_strip(r.release, dir);
+  if (grad) bind_strip(r.grad, dir);
   std::string file = dir + "/" + r.release.names[0] + ".f32";
+  if (r.image_fd >= 0) close(r.image_fd);
   r.image_fd = open_fd(file);
   size_t per_row = static_cast<size_t>(samples) * r.g.C * r.g.W * sizeof(float);
   size_t bytes = file_bytes(r.image_fd);
@@ -495,13 +562,109 @@ StripRunner open_strips(const std::string& release_spec, const std::string& grad
          std::to_string(r.g.C) + " x H x " + std::to_string(r.g.W) + " with H a multiple of " + std::to_string(r.g.R));
   }
   r.g.H = static_cast<int>(bytes / per_row);
-  if (r.has_grad && file_bytes(r.grad.feature_fd) != samples * r.g.map() * sizeof(float)) {
+  const size_t maps = samples * r.g.map() * sizeof(float);
+  if (grad && file_bytes(r.grad.feature_fd) != maps) {
     fail(r.grad.names[r.grad.feature] + ".f32 holds " + std::to_string(file_bytes(r.grad.feature_fd)) +
          " bytes; " + std::to_string(samples) + " maps of " + std::to_string(r.g.map() * sizeof(float)) + " expected");
   }
+  if (release && !r.noise_in.empty()) {
+    if (r.noise_fd >= 0) close(r.noise_fd);
+    r.noise_fd = open_fd(dir + "/" + r.noise_in + ".f32");
+    if (file_bytes(r.noise_fd) != maps) {
+      fail(r.noise_in + ".f32 holds " + std::to_string(file_bytes(r.noise_fd)) + " bytes; " +
+           std::to_string(samples) + " maps of " + std::to_string(r.g.map() * sizeof(float)) + " expected");
+    }
+    r.noise_map.resize(r.g.map());
+  }
   r.image.resize(r.g.image());
   r.map.resize(r.g.map());
-  return r;
+}
+
+void write_grads(const std::string& dir, const std::vector<std::vector<float>>& sums) {
+  for (size_t i = 0; i < sums.size(); ++i) {
+    std::string path = dir + "/grad_" + std::to_string(i) + ".f32";
+    std::FILE* f = std::fopen(path.c_str(), "wb");
+    if (!f || std::fwrite(sums[i].data(), sizeof(float), sums[i].size(), f) != sums[i].size()) {
+      fail("cannot write " + path);
+    }
+    std::fclose(f);
+  }
+}
+
+// --serve: the strip programs stay loaded and answer one request per line on stdin, "release N" or "grad N",
+// reading that request's N images (and noise, or server gradient) and the weights from D as they are now, and
+// writing D/release.f32 or D/grad_<i>.f32 before one JSON line on stdout. End of input ends the process.
+// D/release.f32, or D/release.i8 for the exact option's integers.
+std::string release_path(const std::string& dir, const Noise& noise) {
+  return dir + (noise.discrete ? "/release.i8" : "/release.f32");
+}
+
+int serve(StripRunner& r, const std::string& dir, Noise& noise) {
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    std::istringstream request(line);
+    std::string op;
+    int samples = 0;
+    if (!(request >> op >> samples) || samples <= 0 || (op != "release" && op != "grad") ||
+        (op == "grad" && !r.has_grad)) {
+      fail("a request is \"release N\" or \"grad N\" (with --grad), got \"" + line + "\"");
+    }
+    bool release = op == "release";
+    bind_strips(r, dir, samples, release, !release);
+    Times t;
+    if (release) {
+      std::string out_path = release_path(dir, noise);
+      int out_fd = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (out_fd < 0) fail("cannot create " + out_path);
+      r.release_pass(out_fd, true, noise, t);
+      close(out_fd);
+    } else {
+      write_grads(dir, r.grad_pass(t));
+    }
+    std::printf("{\"op\": \"%s\", \"samples\": %d, \"height\": %d, \"compute_ms\": %g, \"total_ms\": %g, "
+                "\"peak_kb\": %ld}\n", op.c_str(), samples, r.g.H, t.compute_ms[0], t.total_ms[0], peak_kb());
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+// --noise-discrete P/Q: the exact option's sigma^2 in steps^2, an exact fraction (discrete.py's `sigma2_steps`).
+splitface::DiscreteGaussian parse_sigma2(const std::string& text) {
+  auto parts = split(text, '/');
+  char* end = nullptr;
+  uint64_t num = parts.empty() ? 0 : std::strtoull(parts[0].c_str(), &end, 10);
+  uint64_t den = 1;
+  if (parts.size() == 2 && end != nullptr && *end == '\0') den = std::strtoull(parts[1].c_str(), &end, 10);
+  if (parts.empty() || parts.size() > 2 || end == nullptr || *end != '\0' || num == 0 || den == 0) {
+    fail("--noise-discrete takes sigma^2 in steps^2 as P or P/Q (positive integers), got \"" + text + "\"");
+  }
+  return splitface::DiscreteGaussian(num, den);
+}
+
+// Test hooks: --draw-discrete N writes N samples of --noise-discrete's N_Z(0, sigma2) to D/discrete.i64, and
+// --draw-uniform BOUND,N N integers below BOUND to D/uniform.i64, under --noise-key's key (else a fresh one),
+// from the stream's start; a release with the same key draws the same discrete samples in the same order.
+int draw_integers(const std::string& dir, Noise& noise, long long discrete, const std::string& uniform) {
+  noise.rekey();
+  splitface::KeyStream stream(noise.key);
+  std::vector<int64_t> out;
+  std::string name;
+  if (discrete > 0) {
+    if (!noise.discrete) fail("--draw-discrete needs --noise-discrete");
+    for (long long i = 0; i < discrete; ++i) out.push_back(noise.discrete->sample(stream));
+    name = "/discrete.i64";
+  } else {
+    auto parts = split(uniform, ',');
+    if (parts.size() != 2) fail("--draw-uniform takes BOUND,N");
+    uint64_t bound = std::strtoull(parts[0].c_str(), nullptr, 10);
+    long long n = std::atoll(parts[1].c_str());
+    for (long long i = 0; i < n; ++i) out.push_back(static_cast<int64_t>(stream.uniform_below(bound)));
+    name = "/uniform.i64";
+  }
+  std::FILE* f = std::fopen((dir + name).c_str(), "wb");
+  if (!f || std::fwrite(out.data(), sizeof(int64_t), out.size(), f) != out.size()) fail("cannot write " + dir + name);
+  std::fclose(f);
+  return 0;
 }
 
 std::string json_list(const std::vector<double>& v) {
@@ -516,7 +679,9 @@ std::string json_list(const std::vector<double>& v) {
 int main(int argc, char** argv) {
   std::string dir, release_spec, grad_spec, threads = "1";
   int samples = 0, runs = 3, warmup = 1;
-  bool strips = false;
+  bool strips = false, serving = false;
+  std::string noise_in, discrete_sigma2, draw_uniform;
+  long long draw_discrete = 0;
   Noise noise;
   std::string etdump;
   for (int i = 1; i < argc; ++i) {
@@ -541,16 +706,35 @@ int main(int argc, char** argv) {
       if (text.empty() || *end != '\0') fail("--noise-std must be a number >= 0, got \"" + text + "\"");
     }
     else if (a == "--noise-key") noise.key_file = value();
+    else if (a == "--noise-in") noise_in = value();
+    else if (a == "--noise-discrete") discrete_sigma2 = value();
+    else if (a == "--quant-step") noise.step = std::strtod(value().c_str(), nullptr);
+    else if (a == "--clip-steps") noise.bound = std::atoll(value().c_str());
+    else if (a == "--draw-discrete") draw_discrete = std::atoll(value().c_str());
+    else if (a == "--draw-uniform") draw_uniform = value();
+    else if (a == "--serve") serving = true;
     else if (a == "--etdump") etdump = value();
     else fail("unknown argument " + a);
   }
-  if (dir.empty() || samples <= 0 || release_spec.empty() || runs <= 0 || warmup < 0) {
-    fail("usage: splitface_native --dir D --samples N --release P:inputs [--grad P:inputs] [--strips] "
-         "[--noise-std S [--noise-key K]] [--etdump PREFIX] [--runs R] [--warmup W] [--threads 1|all]");
+  if (!discrete_sigma2.empty()) noise.discrete.emplace(parse_sigma2(discrete_sigma2));
+  if (!dir.empty() && (draw_discrete > 0 || !draw_uniform.empty())) {
+    return draw_integers(dir, noise, draw_discrete, draw_uniform);
+  }
+  if (dir.empty() || (samples <= 0 && !serving) || release_spec.empty() || runs <= 0 || warmup < 0) {
+    fail("usage: splitface_native --dir D (--samples N | --serve) --release P:inputs [--grad P:inputs] [--strips] "
+         "[--noise-std S [--noise-key K] | --noise-in NAME] [--etdump PREFIX] [--runs R] [--warmup W] "
+         "[--threads 1|all]");
+  }
+  if (!strips && (serving || !noise_in.empty())) fail("--serve and --noise-in need --strips");
+  if (noise.on + noise.discrete.has_value() + !noise_in.empty() > 1) {
+    fail("the noise is drawn (--noise-std), drawn exactly (--noise-discrete) or read (--noise-in): one of them");
+  }
+  if (noise.discrete && (!strips || !(noise.step > 0) || noise.bound < 1)) {
+    fail("--noise-discrete needs --strips, --quant-step S > 0 and --clip-steps B >= 1");
   }
   if (threads != "1" && threads != "all") fail("--threads is 1 or all (the runtime's pool, one per core)");
   g_profile = !etdump.empty();
-  if (!noise.key_file.empty() && !noise.on) fail("--noise-key needs --noise-std");
+  if (!noise.key_file.empty() && !noise.on && !noise.discrete) fail("--noise-key needs --noise-std or --noise-discrete");
   if (noise.on && !(noise.std >= 0.0f)) fail("--noise-std must be a number >= 0");
   // One thread: XNNPACK gets no thread pool and runs on the calling thread.
   std::unique_ptr<executorch::extension::threadpool::NoThreadPoolGuard> single;
@@ -561,7 +745,10 @@ int main(int argc, char** argv) {
   Program release, grad;
   StripRunner striped;
   if (strips) {
-    striped = open_strips(release_spec, grad_spec, dir, samples);
+    striped = load_strips(release_spec, grad_spec);
+    striped.noise_in = noise_in;
+    if (serving) return serve(striped, dir, noise);
+    bind_strips(striped, dir, samples, true, has_grad);
   } else {
     release = open_program(release_spec, dir, samples, noise.on);
     if (noise.on && std::none_of(release.inputs.begin(), release.inputs.end(), [](const Input& in) { return in.drawn; })) {
@@ -571,7 +758,7 @@ int main(int argc, char** argv) {
   }
   long rss_loaded = status_kb("VmRSS:"), peak_loaded = peak_kb();
 
-  std::string out_path = dir + "/release.f32";
+  std::string out_path = release_path(dir, noise);
   int out_fd = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (out_fd < 0) fail("cannot create " + out_path);
   Times fwd, bwd;
@@ -590,14 +777,7 @@ int main(int argc, char** argv) {
     write_etdump(strips ? *striped.release.module : *release.module, etdump + ".release.etdp");
     if (has_grad) write_etdump(strips ? *striped.grad.module : *grad.module, etdump + ".grad.etdp");
   }
-  for (size_t i = 0; i < sums.size(); ++i) {
-    std::string path = dir + "/grad_" + std::to_string(i) + ".f32";
-    std::FILE* f = std::fopen(path.c_str(), "wb");
-    if (!f || std::fwrite(sums[i].data(), sizeof(float), sums[i].size(), f) != sums[i].size()) {
-      fail("cannot write " + path);
-    }
-    std::fclose(f);
-  }
+  write_grads(dir, sums);
   auto drop = [&](std::vector<double> v) { return std::vector<double>(v.begin() + warmup, v.end()); };
   std::printf(
       "{\"samples\": %d, \"program_batch\": %d, \"strip_rows\": %d, \"threads\": \"%s\", \"warmup\": %d, \"runs\": %d,\n"

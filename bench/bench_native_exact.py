@@ -1,0 +1,56 @@
+"""What the exact noise option costs in the native runner, beside the float option, on one release.
+
+VGG-Face conv1 at 224 px, a batch of 8 (25.7M values), 4-row strip programs, one thread: the runner's release
+with the float noise drawn (`--noise-std`, ChaCha20 + Box-Muller) and with the exact discrete Gaussian
+(`--noise-discrete`: clip and quantise each image, CKS20 samples in integer arithmetic, int8 out), in one run.
+The mechanism is `DiscreteGaussianMechanism(clip_norm=10, noise_multiplier=0.16)`: B = 127 steps, sigma about
+20 steps, docs/device.md's figure for numpy's sampler. Prints the runner's release compute and its noise part.
+
+    python bench/bench_native_exact.py
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench_native import NOISE_STD, STRIP_RELEASE_INPUTS, device_layer, inputs  # noqa: E402
+from device_sdk.privacy.discrete import DiscreteGaussianMechanism  # noqa: E402
+from device_sdk.runtimes.native import build_cached, run_native, write_inputs  # noqa: E402
+from export.artifacts import write_strip_ptes  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input-size", type=int, default=224)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--runs", type=int, default=3)
+    args = p.parse_args(argv)
+    layer = device_layer("vgg_face", args.input_size)
+    work = Path(tempfile.mkdtemp(prefix="bench-native-exact-"))
+    release, _ = write_strip_ptes(layer, 4, args.input_size, work / "programs")
+    t = inputs(layer, args.samples, args.input_size)
+    write_inputs(work, {"images": t["images"].numpy(), "weight": t["weight"].numpy(), "bias": t["bias"].numpy()})
+    info = DiscreteGaussianMechanism(clip_norm=10.0, noise_multiplier=0.16).describe()
+    binary = build_cached()
+    load = os.getloadavg()[0]
+    print(f"vgg_face conv1, {args.input_size} px, batch {args.samples}, one thread, 4-row strips, {args.runs} runs "
+          f"after 1 warm-up; exact option: sigma^2 = {info['sigma2_steps']} steps^2, B = {info['bound_steps']}")
+    for label, options in (("float, drawn", {"noise_std": NOISE_STD}),
+                           ("exact discrete", {"exact": (info["sigma2_steps"], info["step"], info["bound_steps"])})):
+        report = run_native(binary, work, args.samples, (release, STRIP_RELEASE_INPUTS), runs=args.runs, warmup=1,
+                            strips=True, **options)
+        compute, noise = report["forward_compute_ms"], report["forward_noise_ms"]
+        print(f"  {label:16s} release compute {statistics.mean(compute):8.1f} / {min(compute):8.1f} ms, of it noise "
+              f"{statistics.mean(noise):8.1f} / {min(noise):8.1f} ms (mean / min)")
+    print(f"load {load:.1f} before, {os.getloadavg()[0]:.1f} after")
+
+
+if __name__ == "__main__":
+    main()

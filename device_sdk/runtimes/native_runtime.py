@@ -1,0 +1,93 @@
+"""The `native` backend: the device layer's release and weight gradient through the C++ runner
+(`device_sdk/runtimes/native`), ExecuTorch's runtime with no Python binding and no libtorch in its process,
+as a phone app would link it.
+
+One runner process per runtime (`StripServer`) keeps the strip programs (`export.artifacts.write_strip_ptes`,
+4 image rows per call) loaded and answers a request per batch; the weights are program inputs written with
+every request, so each step's weights are the ones used. The noise is the engine's: the runner reads the
+tensor the engine drew (keyed by the release, counted by its accountant) and adds it strip by strip, so that
+a replayed release is bit-identical and the accounting has one source. The runner's own generator
+(`--noise-std`, a fresh OS key per release) is not used here: its noise would differ on a replay the
+accountant counts as free.
+
+Covered: what the im2col programs cover (`Manifest.gemm_refusal`, the same refusal as `executorch-xnnpack`),
+unmasked, with the image height a multiple of the strip's rows. Checked against eager PyTorch
+(`export.verify.check`, the layer's and perturbed weights) every time a runtime starts.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .base import require_gemm, training_args
+from .native import StripServer, build_cached
+
+STRIP_ROWS = 4  # the release's fastest strip in bench/bench_native.py (docs/device.md, "The native runner")
+
+
+def strip_refusal(manifest, rows: int) -> str | None:
+    """Why the strip programs cannot run this export, beyond `gemm_refusal`: a mask, or rows that do not
+    divide the image's height."""
+    if manifest.mask_shape is not None:
+        return ("the strip programs take no mask (a masked release transform: dct's channel subset, FaceMAE); "
+                "use --backend executorch-xnnpack or torch")
+    if manifest.input_shape[-2] % rows:
+        return f"the image height {manifest.input_shape[-2]} is not a multiple of the strip's {rows} rows"
+    return None
+
+
+class NativeRuntime:
+    name = "native"
+    static_weights = False  # the weights are program inputs
+
+    def __init__(self, layer: nn.Module, artifacts: Path, manifest, threads: int | None = None,
+                 rows: int = STRIP_ROWS):
+        from export.artifacts import write_strip_ptes
+
+        require_gemm(manifest, artifacts, self.name)
+        refusal = strip_refusal(manifest, rows)
+        if refusal is not None:
+            raise ValueError(f"the native backend cannot run {artifacts}: {refusal}")
+        self.manifest, self.batch_size, self.trainable = manifest, manifest.batch_size, manifest.trainable
+        release, vjp = write_strip_ptes(layer, rows, manifest.input_shape[-1], artifacts / f"native-strips-{rows}")
+        self._names = [f"w{i}" for i in range(len(manifest.weight_names))]
+        self._server = StripServer(build_cached(), release, vjp, self._names, "1" if threads == 1 else "all")
+        self.last_report: dict = {}  # the runner's answer to the last request (times in ms, peak RSS in kB)
+        self.verification = self_check(layer, self)
+
+    def _weights(self, weights: list[torch.Tensor]) -> dict[str, np.ndarray]:
+        return {name: w.detach().numpy() for name, w in zip(self._names, weights, strict=True)}
+
+    def release(self, images: torch.Tensor, noise: torch.Tensor, weights: list[torch.Tensor],
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        if mask is not None:
+            raise ValueError(strip_refusal(self.manifest, 1) or "the strip programs take no mask")
+        flat, self.last_report = self._server.release(
+            {"images": images.numpy(), "noise": noise.numpy(), **self._weights(weights)}, len(images))
+        return torch.from_numpy(flat).reshape(noise.shape)
+
+    def weight_grads(self, images: torch.Tensor, noise: torch.Tensor, grad: torch.Tensor,
+                     weights: list[torch.Tensor], mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+        grad = training_args(self.manifest, self.name, grad, mask)
+        flats, self.last_report = self._server.grads(
+            {"images": images.numpy(), "grad": grad.detach().numpy(), **self._weights(weights)}, len(images),
+            len(weights))
+        return [torch.from_numpy(g).reshape(w.shape) for g, w in zip(flats, weights, strict=True)]
+
+    def close(self) -> None:
+        """End the runner process now (otherwise when the runtime is collected or Python exits)."""
+        self._server.close()
+
+
+def self_check(layer: nn.Module, runtime: NativeRuntime) -> dict:
+    """The runner against eager PyTorch on two random images with the layer's and perturbed weights, at
+    export/verify.py's tolerances; raises `ExportMismatch` naming the error otherwise."""
+    from export.verify import check, weight_variants
+
+    shape = runtime.manifest.input_shape[1:]
+    images = torch.rand((min(2, runtime.batch_size), *shape), generator=torch.Generator().manual_seed(1))
+    return {name: check(layer, runtime, images, weights, f"random images, {name}")
+            for name, weights in weight_variants(layer).items()}
