@@ -7,7 +7,8 @@ the wire) and on View 1 verification of unseen people. The points:
 
 - f32, f16, i8: the conv1 release (16 x 64 x 64 per image) with activations and gradients in that encoding;
 - bottleneck: a learned 1x1 conv + tanh to 4 channels at the split (`--release bottleneck`), f32 and i8;
-- i8 up and f16 down; i8 both ways with the gradients rounded stochastically (`--gradient-rounding stochastic`).
+- i8 up and f16 down; i8 both ways with the gradients rounded stochastically (`--gradient-rounding stochastic`);
+- i8c both ways: int8 with a scale per image and channel (SPEC.md section 4).
 
 View 1 is scored as `python -m edge_server.evaluation` scores a run (device 0's layer, its release, the
 server's tail), with the release passed through the run's activation encoding and back, as the wire
@@ -44,6 +45,7 @@ POINTS: list[tuple[str, str, str, list[str]]] = [
     ("bottleneck4-i8", "i8", "i8", BOTTLENECK),
     ("i8-up-f16-down", "i8", "f16", []),
     ("i8-stochastic", "i8", "i8", ["--gradient-rounding", "stochastic"]),
+    ("i8c", "i8c", "i8c", []),
 ]
 
 
@@ -114,8 +116,15 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "test_accuracy_delta_mean": -loss, "test_accuracy_delta_se": standard_error(deltas),
                     "view1_delta_mean": statistics.fmean(v_deltas), "view1_delta_se": standard_error(v_deltas),
                     "bytes_ratio_vs_f32": ratio, "up_ratio_vs_f32": up / ref_up,
+                    "within_bytes": ratio <= TARGET["bytes_ratio"], "within_loss": loss <= TARGET["accuracy_loss"],
                     "meets_target_as_measured": ratio <= TARGET["bytes_ratio"] and loss <= TARGET["accuracy_loss"]})
     return out
+
+
+def over_quarter(ratio: float) -> str:
+    """How far above the target's quarter of f32's bytes, as a share of that quarter ('-' when within it)."""
+    excess = ratio / TARGET["bytes_ratio"] - 1
+    return "-" if excess <= 0 else f"{100 * excess:.3f}%"
 
 
 def standard_error(xs: list[float]) -> float | None:
@@ -146,8 +155,9 @@ def table(summary: list[dict[str, Any]], rows: list[dict[str, Any]], config: dic
              f"named (up/down where they differ). View 1: {rows[0]['view1_pairs']:,} DevTest pairs of unseen people. Bytes: whole protocol "
              "messages per training image, measured by the device. Deltas are paired with f32 of the same seed.", "",
              "| point | encoding | seeds | test acc | delta vs f32 | mean delta ± s.e. | View 1 acc | delta vs f32 | "
-             "mean delta ± s.e. | bytes up/image | bytes down/image | up vs f32 | both ways vs f32 | meets target |",
-             "|---|---|---|---|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
+             "mean delta ± s.e. | bytes up/image | bytes down/image | up vs f32 | both ways vs f32 | over 1/4 by | "
+             "loss <= 0.5 pt |",
+             "|---|---|---|---|---|---:|---|---|---:|---:|---:|---:|---:|---|---|"]
     fmt = lambda xs: " / ".join(f"{x:.3f}" for x in xs)  # noqa: E731
     dfmt = lambda xs: " / ".join(f"{x:+.3f}" for x in xs)  # noqa: E731
     for s in summary:
@@ -156,11 +166,13 @@ def table(summary: list[dict[str, Any]], rows: list[dict[str, Any]], config: dic
                      f"{mean_se(s['test_accuracy_delta_mean'], s['test_accuracy_delta_se'])} | {fmt(s['view1_accuracy'])} | "
                      f"{dfmt(s['view1_delta_vs_f32'])} | {mean_se(s['view1_delta_mean'], s['view1_delta_se'])} | "
                      f"{s['bytes_up_per_image']:,.0f} | {s['bytes_down_per_image']:,.0f} | {s['up_ratio_vs_f32']:.3f} | "
-                     f"{s['bytes_ratio_vs_f32']:.3f} | "
-                     f"{'yes' if s['meets_target_as_measured'] else 'no'} |")
+                     f"{s['bytes_ratio_vs_f32']:.4f} | {over_quarter(s['bytes_ratio_vs_f32'])} | "
+                     f"{'yes' if s['within_loss'] else 'no'} |")
     lines += ["", f"Target (issue #15): <= {TARGET['bytes_ratio']:.2f} of f32's bytes (both ways: the gradients "
               f"come down as large as the activations go up) at <= {100 * TARGET['accuracy_loss']:.1f} point loss of "
-              "test accuracy (mean paired delta). s.e.: the standard error of that mean over the seeds. "
+              "test accuracy (mean paired delta). s.e.: the standard error of that mean over the seeds. 'over 1/4 by': "
+              "the bytes above a quarter of f32's, as a share of that quarter (whole messages: their framing does not "
+              "shrink with the values, and i8c adds a float32 scale per image and channel). "
               + (f"Largest spread between seeds of one point here: {noise:.3f} test accuracy; the main job has shown "
                  f"0.497 vs 0.531 between identical runs, so a difference under ~0.03 is noise and a 'yes' or 'no' "
                  f"decided by less than that is not a measurement of the encoding."
