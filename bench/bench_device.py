@@ -474,13 +474,18 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.lrn_window or args.noise or args.minimal_rss:
         saved = json.loads(args.out.with_suffix(".json").read_text())
+        # each section keeps the load it was measured under; the main table's own load lines stay as they were
+        saved.setdefault("section_load", {})
+        before = os.getloadavg()
         if args.minimal_rss:
             saved["minimal_rss"] = minimal_rss(export_programs("vgg_face", "none", args.artifacts))
         if args.lrn_window:
             saved["lrn_window"] = lrn_window(args.runs)
         if args.noise:
             saved["noise"] = noise_speed(args.runs, sorted(set(args.threads or {1, os.cpu_count() or 1})))
-        saved["load_after"] = os.getloadavg()
+        for section in ("minimal_rss", "lrn_window", "noise"):
+            if getattr(args, section):
+                saved["section_load"][section] = [before, os.getloadavg()]
         args.out.with_suffix(".json").write_text(json.dumps(saved, indent=2))
         text = full_text(saved)
         print(text)
@@ -538,6 +543,15 @@ def machine_name(cores: int) -> str:
     return f"{platform.processor() or platform.machine()}, {cores} cores, {platform.system()} (shared CI-class VM)"
 
 
+def section_load(saved: dict, section: str) -> str:
+    """The load a section was measured under, where its run recorded it (earlier runs did not)."""
+    load = saved.get("section_load", {}).get(section)
+    if not load:
+        return ""
+    return (f"\nLoad while this table was measured: {' / '.join(f'{x:.1f}' for x in load[0])} before, "
+            f"{' / '.join(f'{x:.1f}' for x in load[1])} after.\n")
+
+
 def full_text(saved: dict) -> str:
     """The results file's text: the main table, then the LRN and noise tables when measured."""
     text = table(saved["results"], saved["machine"])
@@ -554,7 +568,7 @@ def full_text(saved: dict) -> str:
     if "lrn_window" in saved:
         text += "\n" + lrn_table(saved["lrn_window"])
     if "noise" in saved:
-        text += "\n" + noise_table(saved["noise"])
+        text += "\n" + noise_table(saved["noise"]) + section_load(saved, "noise")
     if "minimal_rss" in saved:
         text += "\n" + minimal_table(saved["minimal_rss"])
     return text
