@@ -54,7 +54,8 @@ def measure(data: Path, steps: int, every: int, batch: int, seed: int) -> list[d
     from device_sdk.models import build_backbone, build_classifier, resolve_spec, split_backbone, to_input
 
     torch.manual_seed(seed)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed)   # the batches; the dithering has its own stream, so the columns see the same
+    codecs = encodings(np.random.default_rng([seed, 1]))
     spec = resolve_spec("iresnet_small")
     backbone = build_backbone(spec)
     device, server = split_backbone(backbone, "conv1")
@@ -62,8 +63,7 @@ def measure(data: Path, steps: int, every: int, batch: int, seed: int) -> list[d
     head = build_classifier(spec, len(split.train.class_names))
     optimizer = torch.optim.SGD([*backbone.parameters(), *head.parameters()], lr=0.05, momentum=0.9)
     images, labels = split.train.load(spec.input_size), split.train.labels
-    weights = [p for p in device.parameters() if p.requires_grad]
-    codecs = encodings(rng)
+    weights = [p for p in device.parameters() if p.requires_grad]   # conv1's weight (batch norm is the server's)
     rows = []
     for step in range(steps + 1):
         pick = rng.choice(len(labels), batch, replace=False)

@@ -48,7 +48,7 @@ def add_tail_args(p: argparse.ArgumentParser) -> None:
                    help="classifier: freeze the tail, train only the output layer")
     add_record_max_arg(p)
     p.add_argument("--gradient-rounding", choices=GRADIENT_ROUNDING, default="nearest",
-                   help="how i8 gradients round on their way down: nearest (the reference encoder's) or stochastic "
+                   help="how i8 and i8c gradients round on their way down: nearest (the reference encoder's) or stochastic "
                         "(unbiased; docs/wire.md)")
 
 

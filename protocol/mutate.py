@@ -138,6 +138,12 @@ def _itemsize(t: dict) -> int:
 
 def _nonfinite(t: dict, rng: random.Random) -> None:
     data = bytearray(t["data"])
+    if isinstance(t.get("scales"), (bytes, bytearray)) and len(t["scales"]) >= 4:   # i8c: a scale that is not finite
+        scales = bytearray(t["scales"])
+        i = rng.randrange(len(scales) // 4) * 4
+        scales[i:i + 4] = rng.choice((struct.pack("<f", math.nan), struct.pack("<f", math.inf), struct.pack("<f", 3e38)))
+        t["scales"] = bytes(scales)
+        return
     if t.get("dtype") not in ("f32", "f16") or len(data) < _itemsize(t):
         t["scale"] = rng.choice((math.inf, math.nan, 1e300))   # i8 * 1e300 overflows float32
         return
@@ -153,6 +159,7 @@ def _huge_finite(t: dict, rng: random.Random) -> None:
     n = len(t["data"]) // _itemsize(t)
     t.update(dtype="f32", data=struct.pack(f"<{n}f", *([rng.choice((3e38, -3e38))] * n)))
     t.pop("scale", None)
+    t.pop("scales", None)
 
 
 TENSOR_ATTACKS: dict[str, Callable[[dict, random.Random], None]] = {
@@ -165,12 +172,15 @@ TENSOR_ATTACKS: dict[str, Callable[[dict, random.Random], None]] = {
     "too_many_dims": lambda t, r: t.update(shape=[1] * r.randint(9, 40), data=bytes(_itemsize(t))),
     "shape_not_list": lambda t, r: t.update(shape=random_value(r, 0)),
     "bad_dtype": lambda t, r: t.update(dtype=r.choice(BAD_DTYPES)),
-    "other_dtype": lambda t, r: t.update(dtype=r.choice([d for d in ("f32", "f16", "i8") if d != t["dtype"]])),
+    "other_dtype": lambda t, r: t.update(dtype=r.choice([d for d in ("f32", "f16", "i8", "i8c") if d != t["dtype"]])),
     "length_mismatch": lambda t, r: t.update(data=bytes(t["data"])[:-r.randint(1, 5)] if r.random() < 0.5 and t["data"]
                                              else bytes(t["data"]) + bytes(r.randint(1, 5))),
     "data_not_bin": lambda t, r: t.update(data=r.choice((bytes(t["data"]).hex(), list(bytes(t["data"])[:8]), None))),
     "bad_scale": lambda t, r: t.update(scale=r.choice(BAD_SCALES)),
-    "drop_scale": lambda t, r: t.pop("scale", None) if "scale" in t else t.update(scale=1.0),
+    "drop_scale": lambda t, r: (t.pop("scale", None) if "scale" in t else t.pop("scales", None) if "scales" in t
+                                else t.update(scale=1.0)),
+    "bad_scales": lambda t, r: t.update(scales=r.choice((b"", bytes(3), struct.pack("<2f", 0.0, -1.0), [1.0], None,
+                                                         bytes(t.get("scales", b""))[:-4], bytes(t.get("scales", b"")) * 2))),
     "nonfinite": _nonfinite,
     "huge_finite": _huge_finite,
     "tensor_not_a_map": lambda t, r: t.clear(),

@@ -93,7 +93,8 @@ def unpack(patches: np.ndarray, visible: dict[str, Any], shape: tuple[int, ...])
 
 def pack(wire: dict[str, Any], patch: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """(packed wire tensor, `visible`) of an encoded dense `[N, C, H, W]` tensor (`encode_tensor`'s map): the
-    patches whose encoded bytes are not all zero, same dtype and scale. Refuses (ValueError) a shape the patch
+    patches whose encoded bytes are not all zero, same dtype and scale (i8c: each patch its image's scales, `[T, C]`,
+    so that it decodes as the dense tensor does). Refuses (ValueError) a shape the patch
     size does not tile: a sender bug, not a wire error."""
     shape = wire["shape"]
     if len(shape) != 4 or patch < 1 or shape[2] % patch or shape[3] % patch:
@@ -108,6 +109,9 @@ def pack(wire: dict[str, Any], patch: int) -> tuple[dict[str, Any], dict[str, An
     packed = {"dtype": wire["dtype"], "shape": [int(mask.sum()), c, patch, patch], "data": data}
     if "scale" in wire:
         packed["scale"] = wire["scale"]
+    if "scales" in wire:
+        per_patch = np.repeat(np.frombuffer(wire["scales"], np.uint8).reshape(n, -1), mask.sum(axis=(1, 2)), axis=0)
+        packed["scales"] = per_patch.tobytes()
     per_image = bytes_per_image((gh, gw))
     bits = np.packbits(mask.reshape(n, gh * gw), axis=1, bitorder="little")
     assert bits.shape == (n, per_image)

@@ -250,8 +250,8 @@ class ServerSession:
         devices' cluster releases (None: CLUSTERS is `unsupported`); `epsilon`: each device's last reported
         spent epsilon (SPEC.md section 5.11), shared by all sessions and kept in the server's checkpoint, so
         that WELCOME can tell a device that lost its privacy state what it had spent; `heads`: FedGC on device
-        heads, opt-in (None: CLASS_EMBEDDINGS is `unsupported`); `gradient_rounding`: how BACKWARD's i8 gradients
-        round, "nearest" (the reference encoder's) or "stochastic" (unbiased: `encode_tensor`'s `dither`)."""
+        heads, opt-in (None: CLASS_EMBEDDINGS is `unsupported`); `gradient_rounding`: how BACKWARD's i8 and i8c
+        gradients round, "nearest" (the reference encoder's) or "stochastic" (unbiased: `encode_tensor`'s `dither`)."""
         if gradient_rounding not in GRADIENT_ROUNDING:
             raise ValueError(f"gradient_rounding must be one of {GRADIENT_ROUNDING}, not {gradient_rounding!r}")
         self.info = info

@@ -64,7 +64,7 @@ def encode_tensor(array: np.ndarray, encoding: str = "f32", scale: float | None 
     elif encoding == "i8":
         a = a.astype(np.float32, copy=False)
         peak = _peak(a)
-        scale = peak / 127.0 if peak > 0 else 1.0
+        scale = peak / 127.0 if peak > 0 and np.float32(peak / 127.0) > 0 else 1.0   # a subnormal peak: all zeros
         if _below_overflow(np.float32(scale)) != np.float32(scale):   # SPEC.md section 4: 127 steps stay finite
             scale = float(_below_overflow(np.float32(scale)))
         steps = a / np.float32(scale)   # float32 / float32, as the nearest rule (SPEC.md section 4)
@@ -98,7 +98,7 @@ def _per_channel_i8(a: np.ndarray, dither: np.random.Generator | None) -> tuple[
     groups = a.reshape(a.shape[0], a.shape[1], math.prod(a.shape[2:]))
     with np.errstate(invalid="ignore"):
         peaks = np.abs(groups).max(axis=2, initial=0.0).astype(np.float64)
-    usable = np.isfinite(peaks) & (peaks > 0)
+    usable = np.isfinite(peaks) & ((peaks / 127.0).astype(SCALES_DTYPE) > 0)   # a subnormal peak: all zeros
     scales = _below_overflow(np.where(usable, peaks / 127.0, 1.0).astype(SCALES_DTYPE))
     steps = groups / scales[:, :, None]
     rounded = np.rint(steps) if dither is None else np.floor(steps + dither.random(steps.shape, np.float32))

@@ -67,11 +67,14 @@ def check_tensor(obj) -> None:
 
 @FAST
 @given(dtype=st.sampled_from(list(WIRE_DTYPES)) | scalars, shape=shapes, data=st.binary(max_size=64) | scalars,
-       scale=st.none() | st.floats() | st.integers(-5, 2**64 - 1) | scalars, extra=st.booleans())
-def test_codec_answers_any_tensor_map_with_an_array_or_bad_tensor(dtype, shape, data, scale, extra):
+       scale=st.none() | st.floats() | st.integers(-5, 2**64 - 1) | scalars, extra=st.booleans(),
+       scales=st.none() | st.binary(max_size=64) | scalars)
+def test_codec_answers_any_tensor_map_with_an_array_or_bad_tensor(dtype, shape, data, scale, extra, scales):
     obj = {"dtype": dtype, "shape": shape, "data": data}
     if scale is not None:
         obj["scale"] = scale
+    if scales is not None:
+        obj["scales"] = scales
     if extra:
         obj["extra"] = 1
     check_tensor(obj)
@@ -125,6 +128,22 @@ def test_codec_round_trip_within_its_precision(values, dtype):
     tolerance = {"f32": 0.0, "f16": peak * 2**-10, "i8": peak / 127 / 2 * 1.0001,
                  "i8c": peak / 127 / 2 * 1.0001}[dtype]   # a 1-D tensor asked for as i8c goes as i8
     assert np.all(np.abs(y - x) <= tolerance + 1e-45)
+
+
+@FAST
+@given(values=st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False) | st.sampled_from(
+           [1e-44, -5e-45, 3.4028234663852886e+38, -3.4028234663852886e+38, 0.0]), min_size=12, max_size=12),
+       shape=st.sampled_from([(2, 2, 3), (1, 3, 2, 2), (3, 4, 1), (1, 1, 12)]), dither=st.booleans())
+def test_i8c_round_trip_within_each_groups_precision(values, shape, dither):
+    """i8c on tensors it really scales (3 or 4 axes), with subnormal and float32-extreme groups: always a valid
+    tensor, every value within half (dithered: one) of its own group's step."""
+    x = np.asarray(values, np.float32).reshape(shape)
+    wire = msgpack.unpackb(m.encode({"type": "backward", "batch_id": 1, "durable_through": 0,
+                                     "grad": encode_tensor(x, "i8c", dither=np.random.default_rng(0) if dither else None)}))
+    y = decode_tensor(wire["grad"])
+    peaks = np.abs(x).reshape(shape[0], shape[1], -1).max(axis=2).reshape(shape[0], shape[1], *([1] * (len(shape) - 2)))
+    bound = peaks / 127 * (1.0 if dither else 0.5) * 1.0001 + 1e-44
+    assert y.shape == x.shape and np.all(np.abs(y.astype(np.float64) - x) <= bound)
 
 
 # ---- message decoding -----------------------------------------------------------------------------
@@ -246,7 +265,7 @@ def honest(step: tuple, head: str) -> bytes:
 steps = st.lists(st.tuples(st.sampled_from(["batch", "forward", "grad", "mutant", "batch", "forward", "hello",
                                             "reconnect", "fresh"]),
                            st.sampled_from([0, 0, 0, 0, -1, 1, -2, 2**62]), st.sampled_from([2, 1, 2, 2, 0, 3]),
-                           st.sampled_from(["f32", "f16", "i8"]), st.sampled_from([False, False, False, True])),
+                           st.sampled_from(list(WIRE_DTYPES)), st.sampled_from([False, False, False, True])),
                  min_size=4, max_size=30)
 
 

@@ -16,6 +16,7 @@ release is the Python clip-and-quantise of eager PyTorch's release plus those sa
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ from device_sdk.models.lrn import PaperLRN
 from device_sdk.runtimes import native as native_module
 from device_sdk.privacy.discrete import DiscreteGaussian, DiscreteGaussianMechanism, clip_quantise, squared_norms
 from device_sdk.privacy.fastnoise import NoiseStream
-from device_sdk.runtimes.native import build, draw_integers, reference_normals, run_native, write_inputs
+from device_sdk.runtimes.native import StripServer, build, draw_integers, reference_normals, run_native, write_inputs
 from device_sdk.runtimes.native_runtime import NativeRuntime
 from export.artifacts import (RELEASE_GEMM_PTE, VJP_GEMM_PTE, Manifest, example_inputs, export_gemm_ptes,
                               export_strip_ptes, manifest_of)
@@ -314,3 +315,25 @@ def test_strip_release_with_exact_noise_is_python_quantised_eager_plus_samples(n
     fresh = [run_native(binary, work, SAMPLES, (programs["strips"] / "release.pte", STRIP_RELEASE), runs=1, warmup=0,
                         strips=True, exact=exact)["release"] for _ in range(2)]
     assert (fresh[0] != fresh[1]).mean() > 0.5
+
+
+def test_a_dead_runner_leaves_no_files_and_closes_cleanly(tmp_path):
+    """A runner that exits at once (here /bin/true): the request raises with its exit code, and close() still removes
+    the scratch directory with the inputs written into it (it used to re-raise the broken pipe and keep them)."""
+    server = StripServer(Path("/bin/true"), tmp_path / "r.pte", tmp_path / "g.pte", ["w0"])
+    images = np.zeros((1, 3, 4, 4), np.float32)
+    with pytest.raises(RuntimeError, match=r"--serve stopped \(0\)"):
+        for _ in range(3):   # the first write may still land in the pipe's buffer
+            server.release({"images": images, "noise": images, "w0": images}, 1)
+    assert (server.scratch / "images.f32").exists()
+    server.close()
+    assert not server.scratch.exists()
+
+
+def test_a_runner_that_cannot_start_leaves_no_scratch_directory(tmp_path, monkeypatch):
+    made = []
+    real = native_module._scratch
+    monkeypatch.setattr(native_module, "_scratch", lambda: made.append(real()) or made[-1])
+    with pytest.raises(FileNotFoundError):
+        StripServer(tmp_path / "no-such-runner", tmp_path / "r.pte", tmp_path / "g.pte", ["w0"])
+    assert made and not made[0].exists()

@@ -35,7 +35,7 @@ from tests.conftest import TOKENS, serve_in_thread
 
 MASK = replace(PRESETS["iresnet_small"], release="mask")
 SHAPE = (3, 64, 64)
-ENCODINGS = ("f32", "f16", "i8")
+ENCODINGS = ("f32", "f16", "i8", "i8c")   # every wire dtype: i8c packs its scales per patch
 
 
 def _images(n: int, seed: int = 0) -> np.ndarray:

@@ -56,7 +56,11 @@ class NativeRuntime:
         self._names = [f"w{i}" for i in range(len(manifest.weight_names))]
         self._server = StripServer(build_cached(), release, vjp, self._names, "1" if threads == 1 else "all")
         self.last_report: dict = {}  # the runner's answer to the last request (times in ms, peak RSS in kB)
-        self.verification = self_check(layer, self)
+        try:
+            self.verification = self_check(layer, self)
+        except BaseException:   # a runner that fails its check must not live on until garbage collection
+            self._server.close()
+            raise
 
     def _weights(self, weights: list[torch.Tensor]) -> dict[str, np.ndarray]:
         return {name: w.detach().numpy() for name, w in zip(self._names, weights, strict=True)}

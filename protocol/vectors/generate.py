@@ -441,12 +441,15 @@ def channel_scaled_valid_cases() -> list[tuple[str, bytes]]:
     both = {"activations": "i8c", "gradients": "i8c"}
     quiet = ACT_GRAD.copy()
     quiet[1, 0] = 0.0                     # an all-zero (image, channel): its scale is 1.0
+    quiet[0, 1] = [1e-44, 0.0, -5e-45]    # a subnormal peak: float32(peak / 127) is 0, so 1.0 too, all zeros
     return [
         ("forward_i8c_labels", client("server", both).forward(1, ACTIVATIONS, LABELS)),
         ("backward_i8c", server(client("server", both)).applied(1, ACT_GRAD, loss=2.3025850929940455, n_correct=1)),
         ("backward_i8c_zero_channel", server(client("device", both)).applied(1, quiet)),
         # 2-D tensors in a role negotiated as i8c go as i8 (section 5.10)
         ("embeddings_i8c_role_as_i8", server(client("device", both)).embedded(1, EMBEDDINGS)),
+        # a mask release packed (section 5.12): each travelled patch carries its image's scales
+        ("forward_packed_i8c_labels", packed_client("server", "i8c").forward(2, _packed_release(), LABELS)),
     ]
 
 

@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import weakref
 from pathlib import Path
 
@@ -148,17 +149,22 @@ def _scratch() -> Path:
 
 
 def _stop(proc: subprocess.Popen, scratch: Path) -> None:
-    """End a runner (closing its input ends its request loop) and remove its files."""
-    if proc.stdin and not proc.stdin.closed:
-        proc.stdin.close()
+    """End a runner (closing its input ends its request loop) and remove its files, whatever state the runner is
+    in: one that died leaves a broken pipe (and an unflushed request) behind, which must not keep its files."""
     try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    if proc.stdout:
-        proc.stdout.close()
-    shutil.rmtree(scratch, ignore_errors=True)
+        if proc.stdin and not proc.stdin.closed:
+            proc.stdin.close()
+    except OSError:   # BrokenPipeError: the runner had already exited
+        pass
+    finally:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 class StripServer:
@@ -175,13 +181,22 @@ class StripServer:
         cmd = [str(binary), "--serve", "--strips", "--dir", str(self.scratch), "--threads", threads,
                "--noise-in", "noise", "--release", f"{release_pte}:images,{names}",
                "--grad", f"{vjp_pte}:images,grad,{names}"]
-        with open(self._stderr, "wb") as err:
-            self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            with open(self._stderr, "wb") as err:
+                self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+        except BaseException:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            raise
         self._finalizer = weakref.finalize(self, _stop, self._proc, self.scratch)
+        self._lock = threading.Lock()   # one scratch directory and one pipe: one request at a time
 
     def request(self, op: str, samples: int, inputs: dict[str, np.ndarray]) -> dict:
         """Write `inputs`, ask for `op` ("release" or "grad") over `samples` samples; the runner's report.
         A runner that stopped (bad input, a crash) raises with what it wrote to stderr."""
+        with self._lock:
+            return self._request(op, samples, inputs)
+
+    def _request(self, op: str, samples: int, inputs: dict[str, np.ndarray]) -> dict:
         write_inputs(self.scratch, inputs)
         try:
             self._proc.stdin.write(f"{op} {samples}\n")
@@ -197,13 +212,15 @@ class StripServer:
 
     def release(self, inputs: dict[str, np.ndarray], samples: int) -> tuple[np.ndarray, dict]:
         """The release of `samples` images plus the noise in `inputs` (float32, flat) and the report."""
-        report = self.request("release", samples, inputs)
-        return np.fromfile(self.scratch / "release.f32", dtype=np.float32), report
+        with self._lock:   # the output file is the next request's too
+            report = self._request("release", samples, inputs)
+            return np.fromfile(self.scratch / "release.f32", dtype=np.float32), report
 
     def grads(self, inputs: dict[str, np.ndarray], samples: int, outputs: int) -> tuple[list[np.ndarray], dict]:
         """The gradient program's `outputs` outputs summed over strips and samples (flat), and the report."""
-        report = self.request("grad", samples, inputs)
-        return [np.fromfile(self.scratch / f"grad_{i}.f32", dtype=np.float32) for i in range(outputs)], report
+        with self._lock:
+            report = self._request("grad", samples, inputs)
+            return [np.fromfile(self.scratch / f"grad_{i}.f32", dtype=np.float32) for i in range(outputs)], report
 
     def close(self) -> None:
         self._finalizer()

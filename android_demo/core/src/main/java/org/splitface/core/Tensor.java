@@ -53,7 +53,7 @@ public final class Tensor {
             }
             case "i8": {
                 double peak = peak(values);
-                double scale = peak > 0 ? peak / 127.0 : 1.0;
+                double scale = peak > 0 && (float) (peak / 127.0) > 0 ? peak / 127.0 : 1.0;  // a subnormal peak: zeros
                 if (Float.isInfinite(127f * (float) scale)) scale = Math.nextDown((float) scale);  // SPEC.md 4
                 float fscale = (float) scale;
                 byte[] q = new byte[values.length];
@@ -70,7 +70,7 @@ public final class Tensor {
                 for (int g = 0; g < groups; g++) {
                     float peak = 0;
                     for (int i = g * size; i < (g + 1) * size; i++) peak = Math.max(peak, Math.abs(values[i]));
-                    float fscale = Float.isFinite(peak) && peak > 0 ? (float) (peak / 127.0) : 1f;
+                    float fscale = Float.isFinite(peak) && (float) (peak / 127.0) > 0 ? (float) (peak / 127.0) : 1f;
                     if (Float.isInfinite(127f * fscale)) fscale = Math.nextDown(fscale);       // SPEC.md 4
                     scales.putFloat(fscale);
                     for (int i = g * size; i < (g + 1) * size; i++)
