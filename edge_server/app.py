@@ -45,7 +45,7 @@ from protocol.session import (
 
 from protocol import messages as m
 from protocol.clusters import ClusterRelay, HeadBoard
-from protocol.transport import SERVER_WS_OPTIONS, reuse_large_buffers, send_fragments
+from protocol.transport import SERVER_WS_OPTIONS, receive, reuse_large_buffers, send_fragments
 
 from .auth import AuthThrottle, throttled
 from .checkpoint import NonFiniteState, ReplyStore, load_checkpoint, save_checkpoint
@@ -430,7 +430,7 @@ class EdgeServer:
             while True:
                 timeout, code, reason = self._deadline(conn)
                 try:
-                    data = await asyncio.wait_for(ws.recv(), timeout)
+                    data = await asyncio.wait_for(receive(ws), timeout)   # on a timeout the connection is closed
                 except TimeoutError:
                     log.warning("%s from %s: %s; closing", session.device_id or "connection", address, reason)
                     self.metrics.closed("hello_timeout" if code == CLOSE_POLICY else "lock_timeout")
