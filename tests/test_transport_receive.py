@@ -1,6 +1,6 @@
 """protocol/transport.receive: messages assembled as their fragments arrive are the bytes that were sent, placed
 so that decode views their tensor, under the same limits as websockets' recv() (the whole message's max_size,
-its bound on fragments)."""
+its bound on fragments); and the server's replies as parts are the bytes of its replies as one buffer."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +16,7 @@ from websockets.exceptions import ConnectionClosed
 from protocol import messages as m
 from protocol import transport
 from protocol.errors import ProtocolError
+from protocol.session import DeviceRecord, ServerInfo, ServerSession
 from protocol.tensor import encode_tensor
 from protocol.transport import CLIENT_WS_OPTIONS, SERVER_WS_OPTIONS, Message, receive, send_fragments
 
@@ -153,4 +154,34 @@ def test_decode_views_byte_views_of_bytes_only():
     copied = m.decode(memoryview(mutable)[pad:])["activations"]   # a bytearray may change: copied, as before
     assert not np.shares_memory(copied, np.frombuffer(mutable, np.uint8))
     assert np.array_equal(viewed, copied)
+
+
+def _server_session(encoding: str) -> ServerSession:
+    """A session as the edge server holds it once a device is admitted (applied only needs that state)."""
+    info = ServerInfo(model={"name": "test"}, split="conv1", activation_shape=SHAPE[1:], embedding_dim=8,
+                      num_classes=10, max_batch=8)
+    s = ServerSession(info, lambda device, token: True, {}, lambda device: 0)
+    s.device_id, s.grad_encoding = "d", encoding
+    return s
+
+
+@pytest.mark.parametrize("encoding", ["f32", "f16", "i8"])
+def test_backward_as_parts_is_the_bytes_of_backward(encoding):
+    grad = np.random.default_rng(3).standard_normal(SHAPE).astype(np.float32)
+    sessions = [_server_session(encoding), _server_session(encoding)]
+    whole = sessions[0].applied(5, grad, loss=1.25, n_correct=3, server_s=0.5)
+    parts = sessions[1].applied_parts(5, grad, loss=1.25, n_correct=3, server_s=0.5)
+    assert b"".join(parts) == whole
+    assert sessions[1].record == DeviceRecord(5, parts)   # kept as parts for a retry
+    shared = any(isinstance(p, memoryview) and np.shares_memory(np.frombuffer(p, np.uint8), grad) for p in parts)
+    assert shared == (encoding == "f32")                  # f32: sent from the gradient's own buffer
+
+
+def test_reply_parts_are_checkpointed_as_their_bytes(tmp_path):
+    from edge_server.checkpoint import ReplyStore   # torch: only for this test
+    grad = np.random.default_rng(4).standard_normal(SHAPE).astype(np.float32)
+    parts = _server_session("f32").applied_parts(9, grad)
+    store = ReplyStore(tmp_path)
+    name = store.save("d", 9, parts)
+    assert store.load(name) == b"".join(parts) == _server_session("f32").applied(9, grad)
 
