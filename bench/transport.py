@@ -22,9 +22,11 @@ same load from other processes on this shared machine. Variants:
   the echo encodes its reply with messages.encode, one copy), both ends receiving with websockets' recv();
 - protocol, + replies as parts: the echo sends its reply as messages.encode_parts' parts, as the edge server
   does with ServerSession.applied_parts;
-- protocol, + streamed receive on the server / (both ends): transport.receive instead of recv(): fragments
-  copied into the message's buffer as they arrive, the message placed so that its tensor is aligned (decode
-  views it instead of copying it); the last variant is what the device client and the edge server do now;
+- protocol, + server's streamed receive (now): replies as parts, and the echo receives with transport.receive
+  instead of recv(): fragments copied into the message's buffer as they arrive, the message placed so that its
+  tensor is aligned (decode views it instead of copying it); what the device client and the edge server do now;
+- protocol, + client's streamed receive too: the client receives with transport.receive as well (measured
+  slower: websockets hands a client its unmasked fragments as bytearrays, which recv_streaming copies once more);
 - raw blocking sockets: a length prefix, then sendall / recv_into a buffer reused across trips (no protocol,
   no validation, no allocation): the ceiling.
 
@@ -75,11 +77,15 @@ VARIANTS: dict[str, Setting | None] = {
     "protocol, tuned (fragments + allocator)": Setting(True, True, False),
     "protocol, zero-copy codec (tuned + views)": Setting(True, True, True),
     "protocol, + replies as parts": Setting(True, True, True, reply_parts=True),
-    "protocol, + streamed receive on the server": Setting(True, True, True, True, True),
-    "protocol, + streamed receive (replies as parts, aligned views)": Setting(True, True, True, True, True, True),
+    "protocol, + server's streamed receive (now)": Setting(True, True, True, True, True),
+    "protocol, + client's streamed receive too (not adopted)": Setting(True, True, True, True, True, True),
     "raw blocking sockets, recv_into": None,
 }
 RAW = list(VARIANTS)[-1]
+# Round trips take their batch ids from these in turn, one of each width msgpack gives an int (fixint, uint8,
+# uint16, uint32): the tensors then sit at each of the offsets in a message that a training run meets (FORWARD's
+# at 70, 71, 72 and 74 bytes, BACKWARD's at 64, 65, 66 and 68), aligned for a view or not.
+BATCH_IDS = (100, 200, 40_000, 100_000)
 
 
 def codec_setting(zero_copy: bool) -> None:
@@ -273,7 +279,7 @@ async def _client_loop(conn, port: int, setting: Setting, activations: np.ndarra
     from protocol.transport import message_size, receive, send_fragments
     session = ClientSession("bench-device", "bench-token", {}, "conv1", "server", len(activations), 1000,
                             {"activations": "f32", "gradients": "f32"})
-    batch_id = 0
+    trip = 0
     async with connect(f"ws://127.0.0.1:{port}", **ws_options("client", setting.fragments)) as ws:
         loop = asyncio.get_running_loop()
         while (cmd := await loop.run_in_executor(None, conn.recv)) != "stop":
@@ -283,7 +289,8 @@ async def _client_loop(conn, port: int, setting: Setting, activations: np.ndarra
             times, phases = [], {"encode": [], "send": [], "wait": [], "decode": []}
             sizes = [0, 0]
             for _ in range(cmd[1]):
-                batch_id += 1
+                batch_id = BATCH_IDS[trip % len(BATCH_IDS)]
+                trip += 1
                 t0 = time.perf_counter()
                 # the device client's path: the FORWARD's parts, its activations sent from their own buffer
                 data = session.forward_parts(batch_id, activations, labels) if setting.zero_copy else \

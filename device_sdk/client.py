@@ -26,7 +26,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from protocol import messages as m
 from protocol.errors import ErrorCode, RemoteError
 from protocol.session import ClientSession
-from protocol.transport import CLIENT_WS_OPTIONS, Message, message_size, receive, reuse_large_buffers, send_fragments
+from protocol.transport import CLIENT_WS_OPTIONS, Message, message_size, reuse_large_buffers, send_fragments
 
 from .engine import DeviceEngine
 from .meter import BatchCost, EnergyCounter, Stopwatch, peak_rss_bytes
@@ -287,7 +287,7 @@ class DeviceClient:
             await send_fragments(self._ws, data)
             if phase:
                 self._fault("after-" + phase, batch_id)
-            reply = await receive(self._ws)   # assembled as it arrives, its tensor aligned for decode's view
+            reply = await self._ws.recv()   # not transport.receive: slower on a client (see its docstring)
         except (ConnectionClosed, OSError) as exc:
             raise ConnectionLost(str(exc)) from exc
         if phase and self.faults and m.decode(reply)["type"] == m.BACKWARD:
