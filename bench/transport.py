@@ -27,6 +27,8 @@ same load from other processes on this shared machine. Variants:
   tensor is aligned (decode views it instead of copying it); what the device client and the edge server do now;
 - protocol, + client's streamed receive too: the client receives with transport.receive as well (measured
   slower: websockets hands a client its unmasked fragments as bytearrays, which recv_streaming copies once more);
+- websockets alone: the "now" variant's transport, but neither end decodes (the echo answers every FORWARD
+  with a BACKWARD it encoded once): what the protocol would cost if its codec and checks were free;
 - raw blocking sockets: a length prefix, then sendall / recv_into a buffer reused across trips (no protocol,
   no validation, no allocation): the ceiling.
 
@@ -67,6 +69,7 @@ class Setting(NamedTuple):
     reply_parts: bool = False  # the echo sends its reply as messages.encode_parts' parts, not joined
     server_receive: bool = False   # the echo receives with transport.receive, not websockets' recv()
     client_receive: bool = False   # the client too
+    codec: bool = True             # False: neither end decodes, the echo answers a BACKWARD made in advance
 
 
 # variant -> its setting; None: raw sockets
@@ -79,6 +82,7 @@ VARIANTS: dict[str, Setting | None] = {
     "protocol, + replies as parts": Setting(True, True, True, reply_parts=True),
     "protocol, + server's streamed receive (now)": Setting(True, True, True, True, True),
     "protocol, + client's streamed receive too (not adopted)": Setting(True, True, True, True, True, True),
+    "websockets alone: now, without decode or encode (a floor)": Setting(True, True, True, True, True, codec=False),
     "raw blocking sockets, recv_into": None,
 }
 RAW = list(VARIANTS)[-1]
@@ -159,6 +163,7 @@ def server_main(conn, variant: str) -> None:
     if setting.allocator:
         reuse_large_buffers()
     encode = m.encode_parts if setting.reply_parts else m.encode
+    canned: list[Any] = []   # without the codec: the reply to every message, made from the first one
 
     async def echo(ws) -> None:
         while True:
@@ -167,11 +172,13 @@ def server_main(conn, variant: str) -> None:
             except ConnectionClosed:
                 return
             t0 = time.perf_counter()
-            msg = m.decode(data)
+            msg = m.decode(data) if setting.codec or not canned else None
             t1 = time.perf_counter()
-            reply = encode({"type": m.BACKWARD, "batch_id": msg["batch_id"],
-                            "grad": encode_tensor(msg["activations"], "f32"), "loss": 4.6, "n_correct": 1,
-                            "durable_through": 0})
+            if setting.codec or not canned:
+                canned[:] = [encode({"type": m.BACKWARD, "batch_id": msg["batch_id"],
+                                     "grad": encode_tensor(msg["activations"], "f32"), "loss": 4.6, "n_correct": 1,
+                                     "durable_through": 0})]
+            reply = canned[0]
             t2 = time.perf_counter()
             if setting.fragments:
                 await send_fragments(ws, reply)
@@ -303,7 +310,7 @@ async def _client_loop(conn, port: int, setting: Setting, activations: np.ndarra
                 t2 = time.perf_counter()
                 reply = await (receive(ws) if setting.client_receive else ws.recv())
                 t3 = time.perf_counter()
-                grad = session.receive(reply, {m.BACKWARD}, batch_id)["grad"]
+                grad = session.receive(reply, {m.BACKWARD}, batch_id)["grad"] if setting.codec else activations
                 t4 = time.perf_counter()
                 if grad.shape != activations.shape:
                     raise AssertionError(f"echo returned {grad.shape}, sent {activations.shape}")
