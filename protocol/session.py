@@ -268,8 +268,9 @@ class ServerSession:
         assert self.device_id is not None
         return self._records.setdefault(self.device_id, DeviceRecord())
 
-    def receive(self, data: bytes) -> Action:
-        """Decide what a received message means; errors come back as a Reply."""
+    def receive(self, data: bytes | memoryview) -> Action:
+        """Decide what a received message means (bytes, or transport.receive's view of them); errors come back
+        as a Reply."""
         if self.closed:
             return self._refuse(ProtocolError(ErrorCode.BAD_STATE, "session is closed"), close=True)
         try:
