@@ -17,10 +17,18 @@ same load from other processes on this shared machine. Variants:
 - protocol, fragments only / allocator only: one of the two changes of protocol/transport.py;
 - protocol, tuned: both, with the codec before the zero-copy one (msgpack.packb, msgpack.unpackb,
   np.isfinite(...).all());
-- protocol, zero-copy codec: tuned, and today's codec (the client sends ClientSession.forward_parts, the
+- protocol, zero-copy codec: tuned, and the zero-copy codec (the client sends ClientSession.forward_parts, the
   tensor from its own buffer; decode views the tensor in the received message; the sum-first finite check;
-  the echo encodes its reply with messages.encode, one copy, as ServerSession.applied does): what the device
-  client and the edge server do now;
+  the echo encodes its reply with messages.encode, one copy), both ends receiving with websockets' recv();
+- protocol, + replies as parts: the echo sends its reply as messages.encode_parts' parts, as the edge server
+  does with ServerSession.applied_parts;
+- protocol, + server's streamed receive (now): replies as parts, and the echo receives with transport.receive
+  instead of recv(): fragments copied into the message's buffer as they arrive, the message placed so that its
+  tensor is aligned (decode views it instead of copying it); what the device client and the edge server do now;
+- protocol, + client's streamed receive too: the client receives with transport.receive as well (measured
+  slower: websockets hands a client its unmasked fragments as bytearrays, which recv_streaming copies once more);
+- websockets alone: the "now" variant's transport, but neither end decodes (the echo answers every FORWARD
+  with a BACKWARD it encoded once): what the protocol would cost if its codec and checks were free;
 - raw blocking sockets: a length prefix, then sendall / recv_into a buffer reused across trips (no protocol,
   no validation, no allocation): the ceiling.
 
@@ -46,23 +54,42 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1e6
 
-# variant -> (send in fragments, reuse_large_buffers, zero-copy codec); None: raw sockets
-VARIANTS: dict[str, tuple[bool, bool, bool] | None] = {
-    "protocol, as before (one frame, default allocator)": (False, False, False),
-    "protocol, fragments only": (True, False, False),
-    "protocol, allocator only": (False, True, False),
-    "protocol, tuned (fragments + allocator)": (True, True, False),
-    "protocol, zero-copy codec (tuned + views)": (True, True, True),
+class Setting(NamedTuple):
+    """What a protocol variant runs with."""
+    fragments: bool            # send_fragments and protocol/transport.py's websocket options
+    allocator: bool            # reuse_large_buffers
+    zero_copy: bool            # today's codec (encode_parts, decode's views, the sum-first finite check)
+    reply_parts: bool = False  # the echo sends its reply as messages.encode_parts' parts, not joined
+    server_receive: bool = False   # the echo receives with transport.receive, not websockets' recv()
+    client_receive: bool = False   # the client too
+    codec: bool = True             # False: neither end decodes, the echo answers a BACKWARD made in advance
+
+
+# variant -> its setting; None: raw sockets
+VARIANTS: dict[str, Setting | None] = {
+    "protocol, as before (one frame, default allocator)": Setting(False, False, False),
+    "protocol, fragments only": Setting(True, False, False),
+    "protocol, allocator only": Setting(False, True, False),
+    "protocol, tuned (fragments + allocator)": Setting(True, True, False),
+    "protocol, zero-copy codec (tuned + views)": Setting(True, True, True),
+    "protocol, + replies as parts": Setting(True, True, True, reply_parts=True),
+    "protocol, + server's streamed receive (now)": Setting(True, True, True, True, True),
+    "protocol, + client's streamed receive too (not adopted)": Setting(True, True, True, True, True, True),
+    "websockets alone: now, without decode or encode (a floor)": Setting(True, True, True, True, True, codec=False),
     "raw blocking sockets, recv_into": None,
 }
-BEFORE, TUNED, ZERO_COPY, RAW = (list(VARIANTS)[i] for i in (0, 3, 4, 5))
+RAW = list(VARIANTS)[-1]
+# Round trips take their batch ids from these in turn, one of each width msgpack gives an int (fixint, uint8,
+# uint16, uint32): the tensors then sit at each of the offsets in a message that a training run meets (FORWARD's
+# at 70, 71, 72 and 74 bytes, BACKWARD's at 64, 65, 66 and 68), aligned for a view or not.
+BATCH_IDS = (100, 200, 40_000, 100_000)
 
 
 def codec_setting(zero_copy: bool) -> None:
@@ -126,37 +153,44 @@ def server_main(conn, variant: str) -> None:
         conn.recv()
         conn.send(phases)
         return
-    fragmented, allocator, zero_copy = setting
-    codec_setting(zero_copy)
+    codec_setting(setting.zero_copy)
     from websockets.asyncio.server import serve
+    from websockets.exceptions import ConnectionClosed
 
     from protocol import messages as m
     from protocol.tensor import encode_tensor
-    from protocol.transport import reuse_large_buffers, send_fragments
-    if allocator:
+    from protocol.transport import receive, reuse_large_buffers, send_fragments
+    if setting.allocator:
         reuse_large_buffers()
+    encode = m.encode_parts if setting.reply_parts else m.encode
+    canned: list[Any] = []   # without the codec: the reply to every message, made from the first one
 
     async def echo(ws) -> None:
-        async for data in ws:
+        while True:
+            try:
+                data = await (receive(ws) if setting.server_receive else ws.recv())
+            except ConnectionClosed:
+                return
             t0 = time.perf_counter()
-            msg = m.decode(data)
+            msg = m.decode(data) if setting.codec or not canned else None
             t1 = time.perf_counter()
-            reply = m.encode({"type": m.BACKWARD, "batch_id": msg["batch_id"],
-                              "grad": encode_tensor(msg["activations"], "f32"), "loss": 4.6, "n_correct": 1,
-                              "durable_through": 0})
-            del msg, data
+            if setting.codec or not canned:
+                canned[:] = [encode({"type": m.BACKWARD, "batch_id": msg["batch_id"],
+                                     "grad": encode_tensor(msg["activations"], "f32"), "loss": 4.6, "n_correct": 1,
+                                     "durable_through": 0})]
+            reply = canned[0]
             t2 = time.perf_counter()
-            if fragmented:
+            if setting.fragments:
                 await send_fragments(ws, reply)
             else:
                 await ws.send(reply)
-            del reply
+            del reply, msg, data
             phases["decode"].append(t1 - t0)
             phases["encode"].append(t2 - t1)
             phases["send"].append(time.perf_counter() - t2)
 
     async def main() -> None:
-        async with serve(echo, "127.0.0.1", 0, **ws_options("server", fragmented)) as server:
+        async with serve(echo, "127.0.0.1", 0, **ws_options("server", setting.fragments)) as server:
             conn.send(next(iter(server.sockets)).getsockname()[1])
             await asyncio.get_running_loop().run_in_executor(None, conn.recv)   # "stop"
 
@@ -226,12 +260,11 @@ def client_main(conn, variant: str, port: int, shape: tuple[int, ...]) -> None:
             conn.send({"times": times, "phases": {}, "message_bytes": list(sizes)})
         s.close()
         return
-    fragmented, allocator, zero_copy = setting
-    codec_setting(zero_copy)
+    codec_setting(setting.zero_copy)
     from protocol.transport import reuse_large_buffers
-    if allocator:
+    if setting.allocator:
         reuse_large_buffers()
-    asyncio.run(_client_loop(conn, port, fragmented, zero_copy, activations, labels))
+    asyncio.run(_client_loop(conn, port, setting, activations, labels))
 
 
 def _protocol_sizes(activations: np.ndarray, labels: np.ndarray) -> tuple[int, int]:
@@ -245,17 +278,16 @@ def _protocol_sizes(activations: np.ndarray, labels: np.ndarray) -> tuple[int, i
     return len(forward), len(backward)
 
 
-async def _client_loop(conn, port: int, fragmented: bool, zero_copy: bool, activations: np.ndarray,
-                       labels: np.ndarray) -> None:
+async def _client_loop(conn, port: int, setting: Setting, activations: np.ndarray, labels: np.ndarray) -> None:
     from websockets.asyncio.client import connect
 
     from protocol import messages as m
     from protocol.session import ClientSession
-    from protocol.transport import message_size, send_fragments
+    from protocol.transport import message_size, receive, send_fragments
     session = ClientSession("bench-device", "bench-token", {}, "conv1", "server", len(activations), 1000,
                             {"activations": "f32", "gradients": "f32"})
-    batch_id = 0
-    async with connect(f"ws://127.0.0.1:{port}", **ws_options("client", fragmented)) as ws:
+    trip = 0
+    async with connect(f"ws://127.0.0.1:{port}", **ws_options("client", setting.fragments)) as ws:
         loop = asyncio.get_running_loop()
         while (cmd := await loop.run_in_executor(None, conn.recv)) != "stop":
             if cmd == "codec":
@@ -264,20 +296,21 @@ async def _client_loop(conn, port: int, fragmented: bool, zero_copy: bool, activ
             times, phases = [], {"encode": [], "send": [], "wait": [], "decode": []}
             sizes = [0, 0]
             for _ in range(cmd[1]):
-                batch_id += 1
+                batch_id = BATCH_IDS[trip % len(BATCH_IDS)]
+                trip += 1
                 t0 = time.perf_counter()
                 # the device client's path: the FORWARD's parts, its activations sent from their own buffer
-                data = session.forward_parts(batch_id, activations, labels) if zero_copy else \
+                data = session.forward_parts(batch_id, activations, labels) if setting.zero_copy else \
                     session.forward(batch_id, activations, labels)
                 t1 = time.perf_counter()
-                if fragmented:
+                if setting.fragments:
                     await send_fragments(ws, data)
                 else:
                     await ws.send(data)
                 t2 = time.perf_counter()
-                reply = await ws.recv()
+                reply = await (receive(ws) if setting.client_receive else ws.recv())
                 t3 = time.perf_counter()
-                grad = session.receive(reply, {m.BACKWARD}, batch_id)["grad"]
+                grad = session.receive(reply, {m.BACKWARD}, batch_id)["grad"] if setting.codec else activations
                 t4 = time.perf_counter()
                 if grad.shape != activations.shape:
                     raise AssertionError(f"echo returned {grad.shape}, sent {activations.shape}")
@@ -349,6 +382,11 @@ class Pair:
         self.client_pipe.send(cmd)
         return self.client_pipe.recv()
 
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) both processes have used so far: unlike wall time, other processes' load
+        hardly moves it. NaN where /proc is not there."""
+        return _cpu_s(self.client.pid) + _cpu_s(self.server.pid)
+
     def stop(self) -> dict[str, list[float]]:
         phases: dict[str, list[float]] = {}
         try:
@@ -365,6 +403,14 @@ class Pair:
         return phases
 
 
+def _cpu_s(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime
+
+
 def run(shape: tuple[int, ...], rounds: int, trips: int, warmup: int, variants: list[str]) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     pairs = []
@@ -373,11 +419,14 @@ def run(shape: tuple[int, ...], rounds: int, trips: int, warmup: int, variants: 
             pairs.append(Pair(ctx, v, shape))
         for pair in pairs:
             pair.ask(("trips", warmup))
-        got: dict[str, dict[str, Any]] = {v: {"times": [], "phases": {}, "message_bytes": None} for v in variants}
+        got: dict[str, dict[str, Any]] = {v: {"times": [], "phases": {}, "message_bytes": None, "cpu_s": 0.0}
+                                          for v in variants}
         for r in range(rounds):
             for pair in pairs:
+                cpu = pair.cpu_s()
                 out = pair.ask(("trips", trips))
                 g = got[pair.variant]
+                g["cpu_s"] += pair.cpu_s() - cpu
                 g["times"] += out["times"]
                 g["message_bytes"] = out["message_bytes"]
                 for k, v in out["phases"].items():
@@ -396,6 +445,7 @@ def run(shape: tuple[int, ...], rounds: int, trips: int, warmup: int, variants: 
         rows.append({"variant": v, "trips": len(times), "p50_s": p50, "mean_s": statistics.fmean(times),
                      "min_s": min(times), "max_s": max(times), "times_s": [round(t, 5) for t in times],
                      "message_bytes": got[v]["message_bytes"], "payload_mb_s": payload / p50 / MB,
+                     "cpu_s_per_trip": got[v]["cpu_s"] / len(times),
                      "client_phases_p50_s": {k: statistics.median(x) for k, x in got[v]["phases"].items()},
                      "server_phases_p50_s": {k: statistics.median(x) for k, x in server_phases[v].items() if x}})
     raw = next((r for r in rows if r["variant"] == RAW), None)
@@ -412,10 +462,13 @@ def table(res: dict[str, Any]) -> str:
          f"variants interleaved, after {a['warmup']} warm-up trip(s). Payload MB/s counts the tensor bytes both ways. "
          f"{res['machine']}. Other processes' load during the run: load average "
          f"{res['loadavg_start'][0]:.1f} at the start, {res['loadavg_end'][0]:.1f} at the end.", "",
-         "| variant | trips | p50 ms/trip | min ms | payload MB/s (p50) | vs raw sockets |", "|---|---:|---:|---:|---:|---:|"]
+         "CPU ms/trip: user + system time of the variant's client and server processes together, divided by its "
+         "trips (other processes' load moves it far less than the wall time).", "",
+         "| variant | trips | p50 ms/trip | min ms | CPU ms/trip | payload MB/s (p50) | vs raw sockets |",
+         "|---|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
         L.append(f"| {r['variant']} | {r['trips']} | {r['p50_s'] * 1e3:.0f} | {r['min_s'] * 1e3:.0f} | "
-                 f"{r['payload_mb_s']:,.0f} | {_ratio(r['vs_raw_sockets'])} |")
+                 f"{r.get('cpu_s_per_trip', math.nan) * 1e3:.0f} | {r['payload_mb_s']:,.0f} | {_ratio(r['vs_raw_sockets'])} |")
     L += ["", "Where a round trip goes (p50 ms; client: encode = ClientSession.forward (forward_parts with the "
           "zero-copy codec, as the device client), send = until websockets "
           "has handed the message to the transport, wait = until the reply is assembled, decode = validated "

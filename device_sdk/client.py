@@ -287,7 +287,7 @@ class DeviceClient:
             await send_fragments(self._ws, data)
             if phase:
                 self._fault("after-" + phase, batch_id)
-            reply = await self._ws.recv()
+            reply = await self._ws.recv()   # not transport.receive: slower on a client (see its docstring)
         except (ConnectionClosed, OSError) as exc:
             raise ConnectionLost(str(exc)) from exc
         if phase and self.faults and m.decode(reply)["type"] == m.BACKWARD:

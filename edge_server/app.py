@@ -45,7 +45,7 @@ from protocol.session import (
 
 from protocol import messages as m
 from protocol.clusters import ClusterRelay, HeadBoard
-from protocol.transport import SERVER_WS_OPTIONS, reuse_large_buffers, send_fragments
+from protocol.transport import SERVER_WS_OPTIONS, Message, message_size, receive, reuse_large_buffers, send_fragments
 
 from .auth import AuthThrottle, throttled
 from .checkpoint import NonFiniteState, ReplyStore, load_checkpoint, save_checkpoint
@@ -282,7 +282,7 @@ class EdgeServer:
         log.info("checkpoint at server step %d (%d replies kept)", self.trainer.steps,
                  sum(r["reply"] is not None for r in devices.values()))
 
-    def _save(self, state: dict[str, Any], records: dict[str, tuple[int, bytes | None]]) -> None:
+    def _save(self, state: dict[str, Any], records: dict[str, tuple[int, Message | None]]) -> None:
         """In the worker thread: the replies first (new ones only), then the checkpoint naming them; replies
         no checkpoint names any more are deleted once it is in place."""
         state["devices"] = {d: {"last_applied": applied,
@@ -432,7 +432,7 @@ class EdgeServer:
             while True:
                 timeout, code, reason = self._deadline(conn)
                 try:
-                    data = await asyncio.wait_for(ws.recv(), timeout)
+                    data = await asyncio.wait_for(receive(ws), timeout)   # on a timeout the connection is closed
                 except TimeoutError:
                     log.warning("%s from %s: %s; closing", session.device_id or "connection", address, reason)
                     self.metrics.closed("hello_timeout" if code == CLOSE_POLICY else "lock_timeout")
@@ -447,7 +447,7 @@ class EdgeServer:
                 reply = await self._perform(conn, action)
                 await send_fragments(ws, reply)
                 if session.device_id:
-                    self.metrics.traffic(session.device_id, bytes_out=len(reply))
+                    self.metrics.traffic(session.device_id, bytes_out=message_size(reply))
                 if conn.applied_step:
                     if self._fault_due("crash-after-batch", conn.applied_step):
                         await _drained(ws)  # the reply has left this process: the device will get it
@@ -473,8 +473,8 @@ class EdgeServer:
                 log.info("%s from %s: %d messages held back by the rate limit", session.device_id, address, rate.held)
             conn.done.set()
 
-    async def _perform(self, conn: "_Connection", action: Action) -> bytes:
-        """Carry out one action and return the reply bytes."""
+    async def _perform(self, conn: "_Connection", action: Action) -> Message:
+        """Carry out one action and return the reply: bytes, or a BACKWARD's parts (ServerSession.applied_parts)."""
         session = conn.session
         if isinstance(action, Reply):
             return action.data
@@ -512,7 +512,7 @@ class EdgeServer:
         conn.holds_lock = False
         self.model_lock.release()
 
-    async def _run(self, conn: "_Connection", batch_id: int, fn: Callable, *args: Any) -> tuple[bytes, bool]:
+    async def _run(self, conn: "_Connection", batch_id: int, fn: Callable, *args: Any) -> tuple[Message, bool]:
         """Run compute in the worker thread (the caller holds the model lock): (reply, True), or an ERROR and
         False when it raised (nothing applied): a refused step gets its own code, anything else `server_error`
         (logged with its trace). A training step is checkpointed here, before its reply is sent, when it
@@ -550,7 +550,8 @@ class EdgeServer:
         start = time.perf_counter()
         if isinstance(action, Train):
             grad, loss, n_correct = self.trainer.train_server_head(action.activations, action.labels)
-            reply = session.applied(action.batch_id, grad, loss, n_correct, server_s=time.perf_counter() - start)
+            # sent from the gradient's own buffer: the trainer returns a fresh array per step (applied_parts)
+            reply = session.applied_parts(action.batch_id, grad, loss, n_correct, server_s=time.perf_counter() - start)
             if self.recorder:
                 self.recorder.record(session.device_id, action.batch_id, action.activations, action.labels)
             return reply, len(grad), loss, n_correct, True
@@ -575,7 +576,8 @@ class EdgeServer:
         grad = self.trainer.train_tail(action.grad)
         if self.recorder:
             self.recorder.record_embedding_grad(session.device_id, action.batch_id, action.grad)
-        return session.applied(action.batch_id, grad, server_s=time.perf_counter() - start), len(grad), None, None, True
+        return session.applied_parts(action.batch_id, grad, server_s=time.perf_counter() - start), len(grad), None, \
+            None, True
 
 
 async def _drained(ws: ServerConnection, within_s: float = 10.0) -> None:
@@ -591,9 +593,9 @@ def _peer(connection: ServerConnection) -> str:
     return str(connection.remote_address[0]) if connection.remote_address else "?"
 
 
-def _error_code(reply: bytes) -> str | None:
-    """The code of an ERROR the session built (errors are small: larger replies are not decoded)."""
-    if len(reply) > 4096:
+def _error_code(reply: Message) -> str | None:
+    """The code of an ERROR the session built (errors are small `bytes`: larger replies and parts are not decoded)."""
+    if not isinstance(reply, bytes) or len(reply) > 4096:
         return None
     try:
         message = msgpack.unpackb(reply)

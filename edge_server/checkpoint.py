@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from protocol.transport import Message, fragments
+
 FORMAT = 1
 
 
@@ -56,13 +58,14 @@ class ReplyStore:
         """A file name for any device id (ids are the peer's strings: hashed, never used as paths)."""
         return f"{hashlib.sha256(device_id.encode()).hexdigest()[:24]}-{batch_id}.msgpack"
 
-    def save(self, device_id: str, batch_id: int, reply: bytes) -> str:
-        """The reply's file name, written durably unless an earlier checkpoint wrote it already."""
+    def save(self, device_id: str, batch_id: int, reply: Message) -> str:
+        """The reply's file name, written durably unless an earlier checkpoint wrote it already; the reply is
+        bytes or a BACKWARD's parts, written one after the other (the same bytes)."""
         name = self.name(device_id, batch_id)
         path = self.folder / name
         if not path.exists():
             self.folder.mkdir(parents=True, exist_ok=True)
-            _write_atomically(path, lambda f: f.write(reply))
+            _write_atomically(path, lambda f: f.writelines(fragments(reply)))
         return name
 
     def load(self, name: str) -> bytes:

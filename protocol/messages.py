@@ -334,8 +334,9 @@ def _unpack(data: bytes | bytearray | memoryview) -> Any:
     placeholder ext, which `ext_hook` turns into the view, with unpackb's own limits for the whole message. Any
     message the walk does not fully understand (malformed, truncated, trailing bytes, too many objects, an ext
     of the placeholder's type) goes to plain unpackb, which accepts or refuses it as it always did. Only
-    immutable `bytes` are viewed, so nothing can change a decoded tensor behind its back."""
-    bins = _tensor_bins(data) if ZERO_COPY and type(data) is bytes and len(data) >= VIEW_MESSAGE_MIN else None
+    immutable `bytes` (or a memoryview of a slice of them) are viewed, so nothing can change a decoded tensor
+    behind its back."""
+    bins = _tensor_bins(data) if ZERO_COPY and _immutable(data) and len(data) >= VIEW_MESSAGE_MIN else None
     if not bins:
         return msgpack.unpackb(data, raw=False, strict_map_key=True)
     view = memoryview(data)
@@ -354,6 +355,25 @@ def _unpack(data: bytes | bytearray | memoryview) -> Any:
                            max_bin_len=n, max_array_len=n, max_map_len=n // 2, max_ext_len=n)
 
 
+def _immutable(data: bytes | bytearray | memoryview) -> bool:
+    """Whether `data` is `bytes`, or a flat byte view of `bytes` (transport.receive hands a message at an offset
+    inside the bytes it assembled): memory that nothing can write to."""
+    if type(data) is bytes:
+        return True
+    return isinstance(data, memoryview) and type(data.obj) is bytes and data.format == "B" and data.ndim == 1 \
+        and data.c_contiguous
+
+
+def tensor_offset(head: bytes | bytearray | memoryview) -> int | None:
+    """Where the bytes of the first tensor that decode would view start, in a message that begins with `head`
+    (any prefix of it); None where `head` ends before that tensor's header, or the message has no such tensor.
+
+    transport.receive places a message so that this offset falls on an aligned address: decode then views the
+    tensor instead of copying it to align it."""
+    bins = _tensor_bins(head, first=True)
+    return bins[0][1] if bins else None
+
+
 # msgpack's head byte -> (bytes of the header after it holding a length, fixed bytes after that); see _tensor_bins
 _SIZED = {0xc4: (1, 0), 0xc5: (2, 0), 0xc6: (4, 0),     # bin 8/16/32
           0xc7: (1, 1), 0xc8: (2, 1), 0xc9: (4, 1),     # ext 8/16/32 (length, then the type byte)
@@ -363,9 +383,11 @@ _FIXED = {0xc0: 0, 0xc2: 0, 0xc3: 0, 0xca: 4, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4
 _DATA_KEY = b"\xa4data"
 
 
-def _tensor_bins(data: bytes) -> list[tuple[int, int, int]] | None:
+def _tensor_bins(data: bytes | memoryview, first: bool = False) -> list[tuple[int, int, int]] | None:
     """(start, payload start, end) of each bin of at least VIEW_BIN_MIN bytes that is the value of a "data" key,
-    from a walk over the message's msgpack objects; None where the walk stops short of a plain, whole message."""
+    from a walk over the message's msgpack objects; None where the walk stops short of a plain, whole message.
+
+    `first`: only the first such bin, as soon as its header is read (`data` may be the message's beginning)."""
     n, pos, steps, found = len(data), 0, 0, []
     stack = [[1, False, False]]   # per open container: items left, is a map, the last key was "data"
     while stack:
@@ -402,8 +424,11 @@ def _tensor_bins(data: bytes) -> list[tuple[int, int, int]] | None:
             start, pos = pos, pos + 1 + width + extra
             if extra and (pos > n or data[pos - 1] == _PLACEHOLDER_EXT):
                 return None
-            if data_value and b <= 0xc6 and length >= VIEW_BIN_MIN and pos + length <= n:
-                found.append((start, pos, pos + length))
+            if data_value and b <= 0xc6 and length >= VIEW_BIN_MIN:
+                if first:   # its whole header must be in `data`, or the length was read short
+                    return [(start, pos, pos + length)] if pos <= n else None
+                if pos + length <= n:
+                    found.append((start, pos, pos + length))
             pos += length
         elif b in (0xdc, 0xdd, 0xde, 0xdf):                # array 16/32, map 16/32
             width = 2 if b in (0xdc, 0xde) else 4

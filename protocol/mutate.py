@@ -136,6 +136,11 @@ def _itemsize(t: dict) -> int:
     return {"f32": 4, "f16": 2, "i8": 1, "i8c": 1}.get(t.get("dtype"), 4)
 
 
+def _scales(t: dict) -> bytes:
+    """An i8c tensor's scales as bytes (b"" where there are none, or where a mutation already made them something else)."""
+    return bytes(t["scales"]) if isinstance(t.get("scales"), (bytes, bytearray, memoryview)) else b""
+
+
 def _nonfinite(t: dict, rng: random.Random) -> None:
     data = bytearray(t["data"])
     if isinstance(t.get("scales"), (bytes, bytearray)) and len(t["scales"]) >= 4:   # i8c: a scale that is not finite
@@ -180,7 +185,7 @@ TENSOR_ATTACKS: dict[str, Callable[[dict, random.Random], None]] = {
     "drop_scale": lambda t, r: (t.pop("scale", None) if "scale" in t else t.pop("scales", None) if "scales" in t
                                 else t.update(scale=1.0)),
     "bad_scales": lambda t, r: t.update(scales=r.choice((b"", bytes(3), struct.pack("<2f", 0.0, -1.0), [1.0], None,
-                                                         bytes(t.get("scales", b""))[:-4], bytes(t.get("scales", b"")) * 2))),
+                                                         _scales(t)[:-4], _scales(t) * 2))),
     "nonfinite": _nonfinite,
     "huge_finite": _huge_finite,
     "tensor_not_a_map": lambda t, r: t.clear(),

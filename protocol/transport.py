@@ -13,15 +13,22 @@ Two changes take that away without touching the bytes of a message or any limit:
 - `reuse_large_buffers`: glibc keeps freed large blocks for the next message instead of unmapping them
   (mallopt M_MMAP_THRESHOLD and M_TRIM_THRESHOLD). The cost: the process keeps its peak heap resident.
 
+A third, `receive`, takes the reassembly of fragments out of websockets' hands: it copies each fragment, as it
+arrives, into the message's buffer (while the sender is still sending, and from memory that is still in the
+cache), and places the message so that its tensor is aligned, which lets messages.decode view it.
+
 This module names no websocket library (protocol/ depends on numpy and msgpack only); its settings are
-plain keyword arguments of websockets' connect() and serve().
+plain keyword arguments of websockets' connect() and serve(), and it uses the connections' public methods.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import io
 import platform
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
+
+from .messages import tensor_offset
 
 FRAGMENT_BYTES = 1 << 20
 # Largest block glibc serves from its heap after reuse_large_buffers (above it: mmap, as before).
@@ -38,6 +45,14 @@ CLIENT_WS_OPTIONS: dict[str, Any] = {**COMMON_WS_OPTIONS, "write_limit": WRITE_L
 
 
 Message = bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]
+
+# websockets' recv() refuses a message of more fragments (its default, WEBSOCKETS_MAX_FRAGMENTS) with close code
+# 1009; `receive` keeps that bound, so that no sender can make it take a Python step per byte of a message.
+MAX_FRAGMENTS = 4096
+CLOSE_MESSAGE_TOO_BIG = 1009
+# A received message is placed so that its first tensor starts at a multiple of this many bytes (bytes objects'
+# contents are 16-byte aligned in CPython): enough for every dtype of the wire and for SIMD loads.
+ALIGN = 16
 
 
 def fragments(data: Message, size: int = FRAGMENT_BYTES) -> list[memoryview]:
@@ -62,6 +77,52 @@ async def send_fragments(ws: Any, data: Message, size: int = FRAGMENT_BYTES) -> 
     """Send one binary message (whole or as parts) on a websockets connection, in frames of at most `size` bytes."""
     parts = fragments(data, size)
     await ws.send(parts[0] if len(parts) == 1 else parts)
+
+
+async def receive(ws: Any) -> bytes | memoryview | str:
+    """The next message on a websockets connection, as `ws.recv()` would return it, assembled while it arrives.
+
+    A message of one frame is returned as websockets gives it. A fragmented one is copied fragment by fragment
+    into one buffer (io.BytesIO, whose getvalue() hands over its bytes without a copy), behind a few bytes of
+    padding chosen from the first fragment so that the message's first tensor lands at a multiple of ALIGN: the
+    result is then a memoryview of immutable bytes, which messages.decode views like `bytes`. websockets checks
+    the connection's max_size on every frame, as for recv(), and fails the connection with 1009 when a message
+    outgrows it; `receive` adds recv()'s bound of MAX_FRAGMENTS. A text message is returned as `str`.
+
+    Unlike recv(), `receive` must not be cancelled once a message has started (websockets' recv_streaming):
+    the connection is then unusable, and the caller closes it (the edge server does, on a deadline).
+
+    It pays on a server: websockets unmasks each fragment into new `bytes`, which recv_streaming hands over as
+    they are. A client's fragments are not masked and websockets keeps them as bytearrays, which recv_streaming
+    copies once more: there recv() (one join at the end) measured faster (bench/transport.py), so the device
+    client keeps it."""
+    stream = ws.recv_streaming()
+    first = await anext(stream)
+    second = await anext(stream, None)
+    if second is None:
+        return first
+    if isinstance(first, str):
+        return "".join([first, second, *[f async for f in _bounded(ws, stream, 2)]])
+    pad = -(tensor_offset(first) or 0) % ALIGN
+    out = io.BytesIO()
+    for part in (bytes(pad), first, second):
+        out.write(part)
+    async for fragment in _bounded(ws, stream, 2):
+        out.write(fragment)
+    data = out.getvalue()
+    return memoryview(data)[pad:] if pad else data
+
+
+async def _bounded(ws: Any, stream: AsyncIterator[Any], seen: int) -> AsyncIterator[Any]:
+    """The rest of a message's fragments, `seen` of them already taken; past MAX_FRAGMENTS in all, the connection
+    is closed with 1009 and websockets' ConnectionClosed raised, as recv() does."""
+    async for fragment in stream:
+        seen += 1
+        if seen > MAX_FRAGMENTS:
+            await ws.close(CLOSE_MESSAGE_TOO_BIG, "too many fragments")
+            await ws.wait_closed()
+            raise ws.protocol.close_exc
+        yield fragment
 
 
 _tuned: bool | None = None

@@ -387,6 +387,16 @@ def test_server_head_train_and_retry():
     assert isinstance(s.receive(c.forward(2, ACTS, [1, 2])), Train)
 
 
+
+def test_server_head_retry_replays_the_reply_parts():
+    c, s = connect()
+    s.receive(c.forward(1, ACTS, [0, 4]))
+    parts = s.applied_parts(1, GRAD, loss=1.5, n_correct=1)   # as the edge server sends it
+    assert b"".join(parts) == connect()[1].applied(1, GRAD, loss=1.5, n_correct=1)   # the same bytes as applied's
+    retry = s.receive(c.forward(1, ACTS, [0, 4]))
+    assert isinstance(retry, Reply) and retry.data is parts
+    assert isinstance(s.receive(c.forward(2, ACTS, [0, 4])), Train) and s.record.last_reply is None
+
 def test_out_of_order_keeps_the_session_open():
     c, s = connect()
     assert isinstance(s.receive(c.forward(1, ACTS, [0, 1])), Train)
