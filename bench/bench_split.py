@@ -47,7 +47,7 @@ import numpy as np
 
 from protocol import messages as m
 from protocol.session import ClientSession, DeviceRecord, ServerInfo, ServerSession
-from protocol.tensor import WIRE_DTYPES, decode_tensor, encode_tensor
+from protocol.tensor import WIRE_DTYPES, decode_tensor, encode_tensor, payload_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -314,7 +314,7 @@ def bench_bytes(bench_spec_name: str, batch: int, num_classes: int, full_presets
     overhead = {}
     for enc in WIRE_DTYPES:
         fwd, bwd = message_sizes(small, small_shape, batch, num_classes, enc)
-        payload = batch * math.prod(small_shape) * WIRE_DTYPES[enc].itemsize
+        payload = payload_bytes((batch, *small_shape), enc)
         overhead[enc] = (fwd - payload, bwd - payload)
         row = {"model": bench_spec_name, "activation_shape": list(small_shape), "encoding": enc, "batch": batch,
                "forward_bytes": fwd, "backward_bytes": bwd, "forward_overhead_bytes": fwd - payload,
@@ -326,7 +326,7 @@ def bench_bytes(bench_spec_name: str, batch: int, num_classes: int, full_presets
         spec = resolve_spec(name)
         shape = activation_shape(spec, SPLIT)          # meta device: nothing full-size is built
         for enc in WIRE_DTYPES:
-            payload = batch * math.prod(shape) * WIRE_DTYPES[enc].itemsize
+            payload = payload_bytes((batch, *shape), enc)
             rows.append({"model": name, "activation_shape": list(shape), "encoding": enc, "batch": batch,
                          "forward_bytes": payload + overhead[enc][0], "backward_bytes": payload + overhead[enc][1],
                          "forward_overhead_bytes": overhead[enc][0], "backward_overhead_bytes": overhead[enc][1],

@@ -93,6 +93,15 @@ def encode_tensor(array: np.ndarray, encoding: str = "f32", scale: float | None 
     return out
 
 
+def payload_bytes(shape: tuple[int, ...] | list[int], encoding: str) -> int:
+    """Bytes of a tensor's values (and i8c's scales) on the wire, without its map's framing: what an encoding
+    costs at a shape too large to encode (a full-size model's release)."""
+    values = math.prod(shape) * WIRE_DTYPES[encoding].itemsize
+    if encoding == "i8c" and len(shape) >= I8C_MIN_RANK:
+        return values + shape[0] * shape[1] * SCALES_DTYPE.itemsize
+    return values
+
+
 def _per_channel_i8(a: np.ndarray, dither: np.random.Generator | None) -> tuple[memoryview, memoryview]:
     """i8c's int8 values and float32 scales: each (image, channel) group as i8 encodes a tensor, max/127."""
     groups = a.reshape(a.shape[0], a.shape[1], math.prod(a.shape[2:]))

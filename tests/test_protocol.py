@@ -23,7 +23,7 @@ from protocol.session import (
     Train,
     TrainTail,
 )
-from protocol.tensor import decode_tensor, encode_tensor
+from protocol.tensor import decode_tensor, encode_tensor, payload_bytes
 from protocol.vectors import generate as gen
 
 VECTORS = Path(gen.__file__).resolve().parent
@@ -170,6 +170,13 @@ def test_i8_peak_at_float32_max_decodes_finite(encoding):
     x = np.array([[[np.finfo(np.float32).max, -1e38]]], np.float32)
     out = decode_tensor(encode_tensor(x, encoding))
     assert np.all(np.isfinite(out)) and np.all(np.abs(out - x) <= x.max() / 127 / 2 * 1.0001)
+
+
+@pytest.mark.parametrize("encoding", ["f32", "f16", "i8", "i8c"])
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (2, 3), (0, 3, 2)])
+def test_payload_bytes_are_what_the_encoder_writes(encoding, shape):
+    wire = encode_tensor(np.ones(shape, np.float32), encoding)
+    assert payload_bytes(shape, encoding) == len(wire["data"]) + len(wire.get("scales", b""))
 
 
 def test_stochastic_rounding_is_for_peak_scaled_i8_only():
