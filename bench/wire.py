@@ -145,14 +145,14 @@ def spread(rows: list[dict[str, Any]]) -> float | None:
     return max(spans) if spans else None
 
 
-def table(summary: list[dict[str, Any]], rows: list[dict[str, Any]], config: dict) -> str:
+def table(summary: list[dict[str, Any]], rows: list[dict[str, Any]], config: dict, demo_args: str) -> str:
     noise = spread(rows)
     lines = [f"Configuration: {config['model']['family']} (width {config['model']['width']}, depth "
              f"{config['model']['depth']}) at {config['model']['input_size']}x{config['model']['input_size']}, split "
              f"`{config['split']}`, {config['num_classes']} identities (View 1 DevTrain people with >= 10 images; "
              f"{config['train_images']} train / {config['test_images']} test images), {config['num_devices']} devices, "
              f"{config['epochs']} epochs, batch {config['batch_size']}. Activations and gradients in the encoding "
-             f"named (up/down where they differ). View 1: {rows[0]['view1_pairs']:,} DevTest pairs of unseen people. Bytes: whole protocol "
+             f"named (up/down where they differ). Every run's splitface-demo arguments also held `{demo_args}`. View 1: {rows[0]['view1_pairs']:,} DevTest pairs of unseen people. Bytes: whole protocol "
              "messages per training image, measured by the device. Deltas are paired with f32 of the same seed.", "",
              "| point | encoding | seeds | test acc | delta vs f32 | mean delta ± s.e. | View 1 acc | delta vs f32 | "
              "mean delta ± s.e. | bytes up/image | bytes down/image | up vs f32 | both ways vs f32 | over 1/4 by | "
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "summary.json").write_text(json.dumps({"target": TARGET, "points": summary, "runs": rows,
                                                        "seed_spread": spread(rows), "not_measured": missing},
                                                       indent=2) + "\n")
-    text = table(summary, rows, config)
+    text = table(summary, rows, config, args.demo_args)
     if missing:
         text += f"\nNot measured in this run: {', '.join(missing)}.\n"
     (args.out / "table.md").write_text(text)
