@@ -63,6 +63,22 @@ def test_the_main_job_releases_the_frontiers_best_point():
     assert line == f"DEFAULT_RELEASE=({' '.join(best['demo_args'])})"
 
 
+def test_the_main_job_sends_the_encoding_its_wire_results_measured():
+    """run.sh's DEFAULT_WIRE is what the device CLI takes and what results/wire-default-release compared with f32
+    on this very release (i8c both ways)."""
+    from protocol.tensor import ENCODINGS
+
+    line = next(l for l in (ROOT / "run.sh").read_text().splitlines() if l.startswith("DEFAULT_WIRE="))
+    words = line.removeprefix("DEFAULT_WIRE=(").removesuffix(")").split()
+    wire = dict(zip(words[::2], words[1::2]))
+    assert wire == {"--activation-encoding": "i8c", "--gradient-encoding": "i8c"} and "i8c" in ENCODINGS
+    measured = json.loads((ROOT / "results" / "wire-default-release" / "summary.json").read_text())
+    best = json.loads((ROOT / "results" / "frontier" / "best.json").read_text())
+    assert {p["point"] for p in measured["points"]} >= {"f32", "i8c"}
+    run_args = json.loads((ROOT / "results" / "wire-default-release" / "runs" / "i8c-seed0" / "demo_args.json").read_text())
+    assert " ".join(best["demo_args"]) in " ".join(run_args)   # measured on the main job's release
+
+
 def test_the_main_job_finds_its_audited_point_whatever_spec_fields_were_added_since():
     """The main job prints the frontier's audit figures for its release: a run whose model spec has fields the
     frontier's recorded run predates (at their defaults) is still the same release."""

@@ -394,7 +394,6 @@ def test_server_head_train_and_retry():
     assert isinstance(s.receive(c.forward(2, ACTS, [1, 2])), Train)
 
 
-
 def test_server_head_retry_replays_the_reply_parts():
     c, s = connect()
     s.receive(c.forward(1, ACTS, [0, 4]))
@@ -403,6 +402,17 @@ def test_server_head_retry_replays_the_reply_parts():
     retry = s.receive(c.forward(1, ACTS, [0, 4]))
     assert isinstance(retry, Reply) and retry.data is parts
     assert isinstance(s.receive(c.forward(2, ACTS, [0, 4])), Train) and s.record.last_reply is None
+
+
+def test_a_retry_replays_the_dithered_gradient_it_first_sent():
+    """Stochastic rounding draws once per reply: a retry re-sends those very bytes, not a new draw."""
+    c, s = connect(gradient_rounding="stochastic", encodings={"activations": "i8c", "gradients": "i8c"})
+    s.receive(c.forward(1, ACTS, [0, 4]))
+    grad = np.linspace(-1, 1, 12, dtype=np.float32).reshape(2, 2, 3) / 3
+    parts = s.applied_parts(1, grad, loss=1.5, n_correct=1)
+    retry = s.receive(c.forward(1, ACTS, [0, 4]))
+    assert isinstance(retry, Reply) and b"".join(retry.data) == b"".join(parts)
+
 
 def test_out_of_order_keeps_the_session_open():
     c, s = connect()

@@ -165,7 +165,7 @@ def _server_session(encoding: str) -> ServerSession:
     return s
 
 
-@pytest.mark.parametrize("encoding", ["f32", "f16", "i8"])
+@pytest.mark.parametrize("encoding", ["f32", "f16", "i8", "i8c"])
 def test_backward_as_parts_is_the_bytes_of_backward(encoding):
     grad = np.random.default_rng(3).standard_normal(SHAPE).astype(np.float32)
     sessions = [_server_session(encoding), _server_session(encoding)]
