@@ -420,6 +420,67 @@ def test_native_backend_exact_release_is_keyed_and_trains_like_eager(tmp_path):
         assert (out["native"]["released"] != out["torch"]["released"]).mean() > 0.5  # different samplers, same law
         for got, want in zip(out["native"]["step"], out["torch"]["step"], strict=True):
             assert (got - want).abs().max() <= GRAD_RTOL * want.abs().max()
+        with pytest.raises(RuntimeError, match="exact release needs its key in .*none was written for this request"):
+            server.request("release", 2, {"images": images.numpy(), **runtime._weights(weights)})  # no key: stops
     finally:
         runtime.close()
     assert not runtime._server.scratch.exists() and not server.scratch.exists()
+
+
+def simulate_exact(backend: str, lfw, tmp_path) -> dict:
+    """One epoch of VGG-Face's conv1 (64 px, batch 2, 4 images) through `backend` against a loopback server, with
+    the privacy options as the simulator's command line gives them (--mechanism per-image --noise discrete)."""
+    import argparse
+    import asyncio
+
+    from device_sdk.data import load_lfw
+    from device_sdk.optim import TrainConfig
+    from device_sdk.options import add_privacy_args, privacy_engines
+    from device_sdk.simulator import SimConfig, simulate
+    from tests.conftest import TOKENS, serve_in_thread, small_trainer
+
+    parser = argparse.ArgumentParser()
+    add_privacy_args(parser)
+    args = parser.parse_args(["--mechanism", "per-image", "--noise", "discrete", "--clip-norm", "4",
+                              "--noise-multiplier", "2"])
+    data = load_lfw(lfw, min_images=10, max_identities=4)
+    data.train, data.test = data.train.subset(np.arange(4)), data.test.subset(np.arange(2))
+    config = SimConfig(url="", spec=resolve_spec("vgg_face_small"), num_devices=1, epochs=1, batch_size=2,
+                       progress=False, train=TrainConfig(lr=0.05), backend=backend, artifacts=tmp_path / "artifacts",
+                       privacy=privacy_engines(args, releases_per_image=1))
+    with serve_in_thread(small_trainer(len(data.class_names), lr=0.05), tmp_path / "run") as server:
+        config.url = server.url
+        return asyncio.run(simulate(config, data, {"device-0": TOKENS["device-0"]}))["devices"][0]
+
+
+@pytest.mark.slow  # builds the runner, lowers the strip programs, trains against a real server
+def test_simulator_with_native_exact_noise_spends_what_eager_spends(lfw, tmp_path, monkeypatch):
+    """`--backend native --mechanism per-image --noise discrete` completes a short run against a loopback server
+    (int8 integers on the wire), every release made by the runner, and its accountant spent what the eager
+    engine's spent for the same releases."""
+    calls = []
+    exact_release = NativeRuntime.exact_release
+    monkeypatch.setattr(NativeRuntime, "exact_release", lambda self, *a: calls.append(1) or exact_release(self, *a))
+    runs = {backend: simulate_exact(backend, lfw, tmp_path / backend) for backend in ("torch", "native")}
+    assert len(calls) == 2 + 1  # two training batches and one evaluation batch, none made in eager PyTorch
+    native, eager = runs["native"], runs["torch"]
+    assert native["privacy"]["mechanism"] == eager["privacy"]["mechanism"]
+    assert native["privacy"]["mechanism"]["name"] == "discrete_gaussian"
+    for level in ("epsilon_image", "epsilon_identity"):
+        assert native["privacy"][level] == eager["privacy"][level]
+    assert native["privacy"]["epsilon_image"]["max"] > 0
+    assert len(native["epochs"]) == 1 and np.isfinite(native["epochs"][0]["train_loss"])
+
+
+def test_exact_noise_needs_a_runtime_that_makes_the_whole_release():
+    """A runtime that only adds the float noise it is given (ExecuTorch, ONNX Runtime) is refused for the exact
+    option before any release, naming the backends that run it."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from device_sdk.models import resolve_spec
+
+    spec = dataclasses.replace(resolve_spec("vgg_face_small"), input_size=32)
+    engine = exact_engine(spec, DiscreteGaussianMechanism(clip_norm=4.0, noise_multiplier=1.0))
+    with pytest.raises(ValueError, match="the executorch backend adds float noise .*runs on --backend native or torch"):
+        engine.attach_runtime(SimpleNamespace(name="executorch", static_weights=False))
