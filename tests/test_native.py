@@ -12,7 +12,9 @@ anything is built. (Training through it against a real server: tests/test_runtim
 
 The exact option in the runner (`--noise-discrete`, discrete_gaussian.h): its uniform integers equal
 `NoiseStream.uniform_below`'s word for word, its samples follow `DiscreteGaussian`'s pmf, and a strip
-release is the Python clip-and-quantise of eager PyTorch's release plus those samples, as int8."""
+release is the Python clip-and-quantise of eager PyTorch's release plus those samples, as int8. Through the
+`native` backend (`--noise discrete`) it runs under the engine's per-release key: a replay repeats its integers,
+the weight step and the accountant's figures are eager PyTorch's, and a simulator run spends what eager spends."""
 from __future__ import annotations
 
 import subprocess
