@@ -148,9 +148,15 @@ class DeviceEngine:
 
         Those programs add noise they are given, so only additive mechanisms qualify, and they have no
         per-sample gradients, so DP-SGD stays on the torch backend. A program with static weights serves
-        only a frozen layer.
+        only a frozen layer. The exact option (`--noise discrete`) needs a runtime that makes the whole
+        release itself under the engine's key (`exact_release`: the native runner); its gradient is the
+        straight-through one, the layer's own vector-Jacobian product, as eager PyTorch's.
         """
-        if not hasattr(self.privacy.mechanism, "additive_noise"):
+        if isinstance(self.privacy.mechanism, DiscreteGaussianMechanism):
+            if not hasattr(runtime, "exact_release"):
+                raise ValueError(f"the {runtime.name} backend adds float noise it is given; --noise discrete's "
+                                 f"exact release runs on --backend native or torch")
+        elif not hasattr(self.privacy.mechanism, "additive_noise"):
             raise ValueError(f"the {runtime.name} backend supports the none and per-activation mechanisms, "
                              f"not {self.privacy.mechanism.name} (use --backend torch)")
         if self.privacy.layer_training == "dpsgd":
@@ -178,10 +184,18 @@ class DeviceEngine:
 
         def compute(generator: torch.Generator) -> dict[str, Any]:
             if isinstance(mechanism, DiscreteGaussianMechanism):  # the exact option: integers, keyed per release
-                activations = layer(x)
                 mask = release_mask(self.spec, len(x), self.release_shape, generator)
+                key = self.privacy.stream_key(generator)
+                if self.runtime is not None:  # the runner clips, quantises and draws under the same key
+                    if mask is not None:
+                        raise ValueError(f"the {self.runtime.name} backend's exact release takes no mask")
+                    params = list(self.layer.parameters()) if weights is None else list(weights.values())
+                    q = self.runtime.exact_release(x, params, mechanism, key).reshape(len(x), *self.release_shape)
+                    # the straight-through gradient is the layer's own (see straight_through): the noise is none
+                    return {"noise": torch.zeros((len(x), *self.release_shape)), "released": mechanism.values(q)}
+                activations = layer(x)
                 masked = activations if mask is None else activations * mask
-                q = mechanism.release(masked, self.privacy.stream_key(generator))
+                q = mechanism.release(masked, key)
                 return {"activations": activations, "released": mechanism.straight_through(masked, q)}
             if self.runtime is None:
                 activations = layer(x)

@@ -12,7 +12,9 @@ anything is built. (Training through it against a real server: tests/test_runtim
 
 The exact option in the runner (`--noise-discrete`, discrete_gaussian.h): its uniform integers equal
 `NoiseStream.uniform_below`'s word for word, its samples follow `DiscreteGaussian`'s pmf, and a strip
-release is the Python clip-and-quantise of eager PyTorch's release plus those samples, as int8."""
+release is the Python clip-and-quantise of eager PyTorch's release plus those samples, as int8. Through the
+`native` backend (`--noise discrete`) it runs under the engine's per-release key: a replay repeats its integers,
+the weight step and the accountant's figures are eager PyTorch's, and a simulator run spends what eager spends."""
 from __future__ import annotations
 
 import subprocess
@@ -337,3 +339,150 @@ def test_a_runner_that_cannot_start_leaves_no_scratch_directory(tmp_path, monkey
     with pytest.raises(FileNotFoundError):
         StripServer(tmp_path / "no-such-runner", tmp_path / "r.pte", tmp_path / "g.pte", ["w0"])
     assert made and not made[0].exists()
+
+
+def exact_params(mechanism: DiscreteGaussianMechanism) -> tuple[str, float, int]:
+    """The runner's --noise-discrete, --quant-step and --clip-steps for `mechanism`."""
+    info = mechanism.describe()
+    return info["sigma2_steps"], info["step"], info["bound_steps"]
+
+
+def exact_engine(spec, mechanism, runtime=None):
+    """A device engine on VGG-Face's conv1 with the exact option (secret fixed: both engines draw the same keys)."""
+    from device_sdk.engine import DeviceEngine, PrivacyEngine
+    from device_sdk.optim import TrainConfig
+
+    engine = DeviceEngine(spec, "conv1", "server", 4, TrainConfig(lr=0.5, momentum=0.0),
+                          PrivacyEngine(mechanism=mechanism, secret=7))
+    if runtime is not None:
+        engine.attach_runtime(runtime)
+    return engine
+
+
+@pytest.mark.slow  # builds the runner (into the per-user cache) and lowers two strip programs
+def test_native_backend_exact_release_is_keyed_and_trains_like_eager(tmp_path):
+    """The native backend's exact release under a key is discrete.py's clip_quantise of eager PyTorch's release
+    plus the runner's own samples under that key (the strip test's check), repeated exactly on a replay with the
+    key and different under another; through the engine, a re-sent release repeats its integers and is counted
+    once, the accountant's figures are the eager engine's, and the straight-through weight gradient (the layer's
+    own vector-Jacobian product: the clip and the rounding pass the gradient unchanged) matches eager PyTorch's."""
+    import dataclasses
+
+    from device_sdk.models import resolve_spec
+
+    layer = vgg_layer()
+    runtime = NativeRuntime(layer, tmp_path, backend_manifest(layer, 2, 32))
+    try:
+        mechanism = DiscreteGaussianMechanism(clip_norm=4.0, noise_multiplier=0.05)
+        sigma2, _, _ = exact_params(mechanism)
+        g = torch.Generator().manual_seed(8)
+        images = torch.rand(2, 3, 32, 32, generator=g)
+        weights = [p.detach() + 0.05 * torch.randn(p.shape, generator=g) for p in layer.parameters()]
+        key = bytes(range(200, 232))
+        released = runtime.exact_release(images, weights, mechanism, key)
+        assert released.dtype == np.int8 and released.shape == (2, 16 * 32 * 32)
+        server = runtime._exact[exact_params(mechanism)]
+        assert not (server.scratch / "key").exists()  # the runner consumed the request's key
+        assert np.array_equal(runtime.exact_release(images, weights, mechanism, key), released)  # a replay
+        other = runtime.exact_release(images, weights, mechanism, bytes(range(1, 33)))
+        assert (other != released).mean() > 0.5
+        (tmp_path / "exact.key").write_bytes(key)
+        z = draw_integers(runtime._start[0], tmp_path / "exact-draw", tmp_path / "exact.key", released.size, sigma2=sigma2)
+        assert np.abs(released).max() < 127  # nothing clamped, so the integers are q + z exactly
+        q = released.astype(np.int64) - z.reshape(released.shape)
+        eager = reference(layer, images, torch.zeros(1), torch.zeros(1), weights, grads=False)[0]
+        assert (eager.flatten(1).norm(dim=1) > 2 * mechanism.clip_norm).all()  # every image is clipped
+        want = clip_quantise(eager, mechanism.step, mechanism.bound)
+        assert (squared_norms(q) <= mechanism.bound**2).all()
+        assert np.abs(q - want).max() <= 1 and (q != want).mean() < 1e-3  # a rounding tie may fall the other way
+        with pytest.raises(ValueError, match="32 bytes"):
+            runtime.exact_release(images, weights, mechanism, b"short")
+
+        # the engine: the native engine's release, replay, accounting and step against eager PyTorch's
+        spec = dataclasses.replace(resolve_spec("vgg_face_small"), input_size=32)
+        torch_engine, native_engine = exact_engine(spec, mechanism), exact_engine(spec, mechanism, runtime)
+        for engine in (torch_engine, native_engine):  # the runner's programs hold vgg_layer's LRN clamp
+            engine.layer.load_state_dict(layer.state_dict())
+            for lrn in (m for m in engine.layer.modules() if isinstance(m, PaperLRN)):
+                lrn.input_max = 1.0
+        pixels = (255 * images).to(torch.uint8).numpy()
+        grad = torch.randn(2, 16, 32, 32, generator=g).numpy()
+        out = {}
+        for name, engine in (("torch", torch_engine), ("native", native_engine)):
+            first = engine.forward(pixels, ("train", 1, 0), [0, 1], [0, 1])
+            assert np.array_equal(engine.forward(pixels, ("train", 1, 0), [0, 1], [0, 1]), first)  # re-sent
+            integers = first / np.float32(mechanism.step)
+            assert np.array_equal(integers, np.round(integers)) and np.abs(integers).max() <= 127
+            before = [p.detach().clone() for p in engine.layer.parameters()]
+            engine.commit(1, grad)
+            out[name] = {"step": [b - p.detach() for b, p in zip(before, engine.layer.parameters())],
+                         "privacy": engine.privacy.accountant.report(), "released": first}
+        assert out["native"]["privacy"] == out["torch"]["privacy"]  # one release per image, counted once
+        assert out["native"]["privacy"]["epsilon_image"]["max"] > 0
+        assert (out["native"]["released"] != out["torch"]["released"]).mean() > 0.5  # different samplers, same law
+        for got, want in zip(out["native"]["step"], out["torch"]["step"], strict=True):
+            assert (got - want).abs().max() <= GRAD_RTOL * want.abs().max()
+        with pytest.raises(RuntimeError, match="exact release needs its key in .*none was written for this request"):
+            server.request("release", 2, {"images": images.numpy(), **runtime._weights(weights)})  # no key: stops
+    finally:
+        runtime.close()
+    assert not runtime._server.scratch.exists() and not server.scratch.exists()
+
+
+def simulate_exact(backend: str, lfw, tmp_path) -> dict:
+    """One epoch of VGG-Face's conv1 (64 px, batch 2, 4 images) through `backend` against a loopback server, with
+    the privacy options as the simulator's command line gives them (--mechanism per-image --noise discrete)."""
+    import argparse
+    import asyncio
+
+    from device_sdk.data import load_lfw
+    from device_sdk.optim import TrainConfig
+    from device_sdk.options import add_privacy_args, privacy_engines
+    from device_sdk.simulator import SimConfig, simulate
+    from tests.conftest import TOKENS, serve_in_thread, small_trainer
+
+    parser = argparse.ArgumentParser()
+    add_privacy_args(parser)
+    args = parser.parse_args(["--mechanism", "per-image", "--noise", "discrete", "--clip-norm", "4",
+                              "--noise-multiplier", "2"])
+    data = load_lfw(lfw, min_images=10, max_identities=4)
+    data.train, data.test = data.train.subset(np.arange(4)), data.test.subset(np.arange(2))
+    config = SimConfig(url="", spec=resolve_spec("vgg_face_small"), num_devices=1, epochs=1, batch_size=2,
+                       progress=False, train=TrainConfig(lr=0.05), backend=backend, artifacts=tmp_path / "artifacts",
+                       privacy=privacy_engines(args, releases_per_image=1))
+    with serve_in_thread(small_trainer(len(data.class_names), lr=0.05), tmp_path / "run") as server:
+        config.url = server.url
+        return asyncio.run(simulate(config, data, {"device-0": TOKENS["device-0"]}))["devices"][0]
+
+
+@pytest.mark.slow  # builds the runner, lowers the strip programs, trains against a real server
+def test_simulator_with_native_exact_noise_spends_what_eager_spends(lfw, tmp_path, monkeypatch):
+    """`--backend native --mechanism per-image --noise discrete` completes a short run against a loopback server
+    (int8 integers on the wire), every release made by the runner, and its accountant spent what the eager
+    engine's spent for the same releases."""
+    calls = []
+    exact_release = NativeRuntime.exact_release
+    monkeypatch.setattr(NativeRuntime, "exact_release", lambda self, *a: calls.append(1) or exact_release(self, *a))
+    runs = {backend: simulate_exact(backend, lfw, tmp_path / backend) for backend in ("torch", "native")}
+    assert len(calls) == 2 + 1  # two training batches and one evaluation batch, none made in eager PyTorch
+    native, eager = runs["native"], runs["torch"]
+    assert native["privacy"]["mechanism"] == eager["privacy"]["mechanism"]
+    assert native["privacy"]["mechanism"]["name"] == "discrete_gaussian"
+    for level in ("epsilon_image", "epsilon_identity"):
+        assert native["privacy"][level] == eager["privacy"][level]
+    assert native["privacy"]["epsilon_image"]["max"] > 0
+    assert len(native["epochs"]) == 1 and np.isfinite(native["epochs"][0]["train_loss"])
+
+
+def test_exact_noise_needs_a_runtime_that_makes_the_whole_release():
+    """A runtime that only adds the float noise it is given (ExecuTorch, ONNX Runtime) is refused for the exact
+    option before any release, naming the backends that run it."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from device_sdk.models import resolve_spec
+
+    spec = dataclasses.replace(resolve_spec("vgg_face_small"), input_size=32)
+    engine = exact_engine(spec, DiscreteGaussianMechanism(clip_norm=4.0, noise_multiplier=1.0))
+    with pytest.raises(ValueError, match="the executorch backend adds float noise .*runs on --backend native or torch"):
+        engine.attach_runtime(SimpleNamespace(name="executorch", static_weights=False))

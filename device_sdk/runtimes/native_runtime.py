@@ -8,7 +8,8 @@ every request, so each step's weights are the ones used. The noise is the engine
 tensor the engine drew (keyed by the release, counted by its accountant) and adds it strip by strip, so that
 a replayed release is bit-identical and the accounting has one source. The runner's own generator
 (`--noise-std`, a fresh OS key per release) is not used here: its noise would differ on a replay the
-accountant counts as free.
+accountant counts as free. The exact option (`--noise discrete`, `exact_release`) is computed whole in the
+runner, clip, quantisation and integer noise, under the engine's per-release key given with each request.
 
 Covered: what the im2col programs cover (`Manifest.gemm_refusal`, the same refusal as `executorch-xnnpack`),
 unmasked, with the image height a multiple of the strip's rows. Checked against eager PyTorch
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..privacy.discrete import DiscreteGaussianMechanism
 from .base import require_gemm, training_args
 from .native import StripServer, build_cached
 
@@ -54,7 +56,9 @@ class NativeRuntime:
         self.manifest, self.batch_size, self.trainable = manifest, manifest.batch_size, manifest.trainable
         release, vjp = write_strip_ptes(layer, rows, manifest.input_shape[-1], artifacts / f"native-strips-{rows}")
         self._names = [f"w{i}" for i in range(len(manifest.weight_names))]
-        self._server = StripServer(build_cached(), release, vjp, self._names, "1" if threads == 1 else "all")
+        self._start = (build_cached(), release, vjp, self._names, "1" if threads == 1 else "all")
+        self._server = StripServer(*self._start)
+        self._exact: dict[tuple[str, float, int], StripServer] = {}  # the exact option's runners, by parameters
         self.last_report: dict = {}  # the runner's answer to the last request (times in ms, peak RSS in kB)
         try:
             self.verification = self_check(layer, self)
@@ -73,6 +77,20 @@ class NativeRuntime:
             {"images": images.numpy(), "noise": noise.numpy(), **self._weights(weights)}, len(images))
         return torch.from_numpy(flat).reshape(noise.shape)
 
+    def exact_release(self, images: torch.Tensor, weights: list[torch.Tensor], mechanism: DiscreteGaussianMechanism,
+                      key: bytes) -> np.ndarray:
+        """The exact option's release, int8 of shape (N, numel): each image's layer output clipped and quantised
+        (discrete.py's `clip_quantise`) plus discrete Gaussian noise, all in the runner, drawn from ChaCha20 under
+        `key` (the engine's per-release `PrivacyEngine.stream_key`), so that a replay repeats its integers. Its
+        own runner process, started on first use, keeps the mechanism's parameters."""
+        info = mechanism.describe()
+        params = (info["sigma2_steps"], info["step"], info["bound_steps"])
+        if params not in self._exact:
+            self._exact[params] = StripServer(*self._start, exact=params)
+        flat, self.last_report = self._exact[params].exact_release(
+            {"images": images.numpy(), **self._weights(weights)}, len(images), key)
+        return flat.reshape(len(images), -1)
+
     def weight_grads(self, images: torch.Tensor, noise: torch.Tensor, grad: torch.Tensor,
                      weights: list[torch.Tensor], mask: torch.Tensor | None = None) -> list[torch.Tensor]:
         grad = training_args(self.manifest, self.name, grad, mask)
@@ -82,8 +100,10 @@ class NativeRuntime:
         return [torch.from_numpy(g).reshape(w.shape) for g, w in zip(flats, weights, strict=True)]
 
     def close(self) -> None:
-        """End the runner process now (otherwise when the runtime is collected or Python exits)."""
+        """End the runner processes now (otherwise when the runtime is collected or Python exits)."""
         self._server.close()
+        for server in self._exact.values():
+            server.close()
 
 
 def self_check(layer: nn.Module, runtime: NativeRuntime) -> dict:

@@ -172,15 +172,24 @@ class StripServer:
     call writes the request's inputs into its scratch directory (in /dev/shm where there is one), sends one
     line, and reads the runner's one-line JSON answer and its output files. No process per batch, no program
     loaded twice. The release's noise is read from the file the caller wrote (`--noise-in`), never drawn.
-    `weights`: the input names of the programs' weights, after the images (and the gradient)."""
+    `weights`: the input names of the programs' weights, after the images (and the gradient).
 
-    def __init__(self, binary: Path, release_pte: Path, vjp_pte: Path, weights: list[str], threads: str = "1"):
+    `exact`: the exact option instead, (sigma^2 in steps^2 as "P/Q", step, clip norm in steps) as `run_native`
+    takes it: each release (`exact_release`) is clipped, quantised and noised by the runner under the key the
+    caller gives with the request (a key file in the scratch directory, removed by the runner once read), and
+    comes back as int8; the runner never draws a key of its own here."""
+
+    def __init__(self, binary: Path, release_pte: Path, vjp_pte: Path, weights: list[str], threads: str = "1",
+                 exact: tuple[str, float, int] | None = None):
         self.scratch = _scratch()
         self._stderr = self.scratch / "stderr.txt"
+        self.exact = exact
         names = ",".join(weights)
-        cmd = [str(binary), "--serve", "--strips", "--dir", str(self.scratch), "--threads", threads,
-               "--noise-in", "noise", "--release", f"{release_pte}:images,{names}",
-               "--grad", f"{vjp_pte}:images,grad,{names}"]
+        noise = (["--noise-in", "noise"] if exact is None else
+                 ["--noise-discrete", str(exact[0]), "--quant-step", repr(float(exact[1])), "--clip-steps",
+                  str(exact[2]), "--noise-key", str(self.scratch / "key")])
+        cmd = [str(binary), "--serve", "--strips", "--dir", str(self.scratch), "--threads", threads, *noise,
+               "--release", f"{release_pte}:images,{names}", "--grad", f"{vjp_pte}:images,grad,{names}"]
         try:
             with open(self._stderr, "wb") as err:
                 self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -215,6 +224,20 @@ class StripServer:
         with self._lock:   # the output file is the next request's too
             report = self._request("release", samples, inputs)
             return np.fromfile(self.scratch / "release.f32", dtype=np.float32), report
+
+    def exact_release(self, inputs: dict[str, np.ndarray], samples: int, key: bytes) -> tuple[np.ndarray, dict]:
+        """The exact option's int8 release of `samples` images (flat) under the 32-byte `key`, and the report:
+        the same inputs and key give the same integers."""
+        if self.exact is None:
+            raise RuntimeError("this runner adds the caller's noise; start it with exact=... for the exact option")
+        if len(key) != 32:
+            raise ValueError(f"the exact option's key is 32 bytes, got {len(key)}")
+        with self._lock:
+            fd = os.open(self.scratch / "key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(key)
+            report = self._request("release", samples, inputs)
+            return np.fromfile(self.scratch / "release.i8", dtype=np.int8), report
 
     def grads(self, inputs: dict[str, np.ndarray], samples: int, outputs: int) -> tuple[list[np.ndarray], dict]:
         """The gradient program's `outputs` outputs summed over strips and samples (flat), and the report."""
