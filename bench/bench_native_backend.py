@@ -7,7 +7,7 @@ prints per batch, for the release and the weight gradient: the wall time as the 
 inputs, the request, reading the output back) and, from the runner's reply, its programs' compute and its
 whole pass (reading the inputs and writing the output included).
 
-    python bench/bench_native_backend.py            # VGG-Face conv1, 224 px, batch 8, one thread
+    python bench/bench_native_backend.py            # VGG-Face conv1, 224 px, batch 8, one thread; --out's text
 """
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--artifacts", type=Path, default=None, help="keep the strip programs here (default: a temp dir)")
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "bench_native_backend.txt",
+                   help="where the printed table is also written")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     layer = device_layer(args.model, args.input_size)
@@ -65,10 +67,12 @@ def main(argv: list[str] | None = None) -> None:
             rows[f"{op} runner compute"].append(report["compute_ms"])
             rows[f"{op} runner pass"].append(report["total_ms"])
     runtime.close()
-    print(f"{args.model} conv1, {args.input_size} px, batch {args.samples}, one thread, {args.runs} runs after 1 "
-          f"warm-up; load {load:.1f} before, {os.getloadavg()[0]:.1f} after; ms per batch, mean / min")
-    for name, values in rows.items():
-        print(f"  {name:24s} {statistics.mean(values):8.1f} / {min(values):8.1f}")
+    lines = [f"{args.model} conv1, {args.input_size} px, batch {args.samples}, one thread, {args.runs} runs after 1 "
+             f"warm-up; load {load:.1f} before, {os.getloadavg()[0]:.1f} after; ms per batch, mean / min"]
+    lines += [f"  {name:24s} {statistics.mean(values):8.1f} / {min(values):8.1f}" for name, values in rows.items()]
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    args.out.write_text(text)
 
 
 if __name__ == "__main__":
