@@ -52,7 +52,7 @@ def encode_tensor(array: np.ndarray, encoding: str = "f32", scale: float | None 
     if scale is not None and encoding != "i8":
         raise ValueError(f"a fixed scale is for i8 integers, not {encoding}")
     if dither is not None and (encoding not in ("i8", "i8c") or scale is not None):
-        raise ValueError("stochastic rounding is for i8 with the peak's scale, not for "
+        raise ValueError("stochastic rounding is for i8 and i8c with their peaks' scales, not for "
                          + (encoding if encoding != "i8" else "integers at a fixed scale"))
     a = np.asarray(array)
     if encoding == "i8c" and a.ndim < I8C_MIN_RANK:
