@@ -185,3 +185,20 @@ def test_reply_parts_are_checkpointed_as_their_bytes(tmp_path):
     name = store.save("d", 9, parts)
     assert store.load(name) == b"".join(parts) == _server_session("f32").applied(9, grad)
 
+
+
+def test_the_trainer_returns_a_fresh_gradient_each_step():
+    """applied_parts sends an f32 gradient from its own memory and keeps those views for a retry: the edge server's
+    trainer must hand back a new array every step, never one it writes into again."""
+    from tests.conftest import small_trainer   # torch: only for this test
+    from device_sdk.models import activation_shape
+
+    trainer = small_trainer()
+    shape = activation_shape(trainer.spec, trainer.split)
+    rng = np.random.default_rng(5)
+    acts = rng.standard_normal((4, *shape)).astype(np.float32)
+    first, _, _ = trainer.train_server_head(acts, np.arange(4) % 5)
+    kept = first.copy()
+    second, _, _ = trainer.train_server_head(rng.standard_normal((4, *shape)).astype(np.float32), np.arange(4) % 5)
+    assert not np.shares_memory(first, second)
+    assert np.array_equal(first, kept)
