@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import io
+import os
 import platform
 from typing import Any, AsyncIterator, Sequence
 
@@ -48,7 +49,8 @@ Message = bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryvi
 
 # websockets' recv() refuses a message of more fragments (its default, WEBSOCKETS_MAX_FRAGMENTS) with close code
 # 1009; `receive` keeps that bound, so that no sender can make it take a Python step per byte of a message.
-MAX_FRAGMENTS = 4096
+# The same environment variable sets both.
+MAX_FRAGMENTS = int(os.environ.get("WEBSOCKETS_MAX_FRAGMENTS", "4096"))
 CLOSE_MESSAGE_TOO_BIG = 1009
 # A received message is placed so that its first tensor starts at a multiple of this many bytes (bytes objects'
 # contents are 16-byte aligned in CPython): enough for every dtype of the wire and for SIMD loads.
