@@ -566,11 +566,11 @@ def full_text(saved: dict) -> str:
                  f"when they started, {' / '.join(f'{x:.1f}' for x in m['load_after'])} after the last; compare "
                  "ratios only within one run.\n")
     if "lrn_window" in saved:
-        text += "\n" + lrn_table(saved["lrn_window"])
+        text += "\n" + lrn_table(saved["lrn_window"]) + section_load(saved, "lrn_window")
     if "noise" in saved:
         text += "\n" + noise_table(saved["noise"]) + section_load(saved, "noise")
     if "minimal_rss" in saved:
-        text += "\n" + minimal_table(saved["minimal_rss"])
+        text += "\n" + minimal_table(saved["minimal_rss"]) + section_load(saved, "minimal_rss")
     return text
 
 

@@ -179,6 +179,8 @@ class DeviceEngine:
         of its own (a pipelined forward's copy)."""
         mechanism = self.privacy.mechanism
 
+        params = list(self.layer.parameters()) if weights is None else list(weights.values())  # a runtime's weights
+
         def layer(t: torch.Tensor) -> torch.Tensor:
             return self.layer(t) if weights is None else torch.func.functional_call(self.layer, weights, (t,))
 
@@ -189,7 +191,6 @@ class DeviceEngine:
                 if self.runtime is not None:  # the runner clips, quantises and draws under the same key
                     if mask is not None:
                         raise ValueError(f"the {self.runtime.name} backend's exact release takes no mask")
-                    params = list(self.layer.parameters()) if weights is None else list(weights.values())
                     q = self.runtime.exact_release(x, params, mechanism, key).reshape(len(x), *self.release_shape)
                     # the straight-through gradient is the layer's own (see straight_through): the noise is none
                     return {"noise": torch.zeros((len(x), *self.release_shape)), "released": mechanism.values(q)}
@@ -203,7 +204,6 @@ class DeviceEngine:
             # dct_keep: the channel subset is drawn first, from the same keyed generator, as `privatize` does
             mask = release_mask(self.spec, len(x), self.release_shape, generator)
             noise = mechanism.additive_noise((len(x), *self.release_shape), generator)
-            params = list(self.layer.parameters()) if weights is None else list(weights.values())
             if mask is None:
                 released = self.runtime.release(x, noise, params)
             else:  # the program adds its noise after the layer; the mask must come between

@@ -143,8 +143,8 @@ def _scales(t: dict) -> bytes:
 
 def _nonfinite(t: dict, rng: random.Random) -> None:
     data = bytearray(t["data"])
-    if isinstance(t.get("scales"), (bytes, bytearray)) and len(t["scales"]) >= 4:   # i8c: a scale that is not finite
-        scales = bytearray(t["scales"])
+    if len(_scales(t)) >= 4:   # i8c: a scale that is not finite
+        scales = bytearray(_scales(t))
         i = rng.randrange(len(scales) // 4) * 4
         scales[i:i + 4] = rng.choice((struct.pack("<f", math.nan), struct.pack("<f", math.inf), struct.pack("<f", 3e38)))
         t["scales"] = bytes(scales)

@@ -63,10 +63,7 @@ def encode_tensor(array: np.ndarray, encoding: str = "f32", scale: float | None 
         out["data"], out["scale"] = _bytes_view(_integers_at(a.astype(np.float32, copy=False), scale)), float(scale)
     elif encoding == "i8":
         a = a.astype(np.float32, copy=False)
-        peak = _peak(a)
-        scale = peak / 127.0 if peak > 0 and np.float32(peak / 127.0) > 0 else 1.0   # a subnormal peak: all zeros
-        if _below_overflow(np.float32(scale)) != np.float32(scale):   # SPEC.md section 4: 127 steps stay finite
-            scale = float(_below_overflow(np.float32(scale)))
+        scale = float(_peak_scales(np.asarray(_peak(a))))
         steps = a / np.float32(scale)   # float32 / float32, as the nearest rule (SPEC.md section 4)
         rounded = np.rint(steps) if dither is None else np.floor(steps + dither.random(a.shape, np.float32))
         q = np.clip(rounded, -127, 127).astype(np.int8)
@@ -107,20 +104,24 @@ def _per_channel_i8(a: np.ndarray, dither: np.random.Generator | None) -> tuple[
     groups = a.reshape(a.shape[0], a.shape[1], math.prod(a.shape[2:]))
     with np.errstate(invalid="ignore"):
         peaks = np.abs(groups).max(axis=2, initial=0.0).astype(np.float64)
-    usable = np.isfinite(peaks) & ((peaks / 127.0).astype(SCALES_DTYPE) > 0)   # a subnormal peak: all zeros
-    scales = _below_overflow(np.where(usable, peaks / 127.0, 1.0).astype(SCALES_DTYPE))
+    scales = _peak_scales(peaks).astype(SCALES_DTYPE)
     steps = groups / scales[:, :, None]
     rounded = np.rint(steps) if dither is None else np.floor(steps + dither.random(steps.shape, np.float32))
     q = np.clip(rounded, -127, 127).astype(np.int8)
     return _bytes_view(q), _bytes_view(scales)
 
 
-def _below_overflow(scale: np.ndarray | np.float32) -> np.ndarray | np.float32:
-    """The float32 scale, one float32 lower where 127 steps of it would overflow float32 (a peak within a rounding of
-    float32's largest value: decoded, 127 * scale would be infinite, which the receiver refuses)."""
-    with np.errstate(over="ignore"):
-        over = ~np.isfinite(np.float32(127) * scale)
-    return np.where(over, np.nextafter(scale, np.float32(0)), scale).astype(np.float32)[()]
+def _peak_scales(peaks: np.ndarray) -> np.ndarray:
+    """i8's and i8c's scale rule (SPEC.md section 4), in float64: max / 127; 1.0 where the peak is 0, not finite, or
+    so small that its float32 scale is 0 (its values all round to 0); and the float32 just below where 127 steps of
+    the float32 scale would overflow float32 (a peak within a rounding of float32's largest value: decoded, it
+    would be infinite, which the receiver refuses)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        scales = peaks / 127.0
+        scales = np.where(np.isfinite(scales) & (scales.astype(np.float32) > 0), scales, 1.0)
+        single = scales.astype(np.float32)
+        over = ~np.isfinite(np.float32(127) * single)
+    return np.where(over, np.nextafter(single, np.float32(0)).astype(np.float64), scales)
 
 
 def _integers_at(a: np.ndarray, scale: float) -> np.ndarray:
