@@ -1,11 +1,18 @@
 """What a device pays for the `native` backend per batch, beside what the runner computes.
 
 The backend (device_sdk/runtimes/native_runtime.py) feeds one persistent runner process through files in
-/dev/shm, the engine's noise among them; bench_native.py times the runner alone, one process per run, with
-its own drawn noise. This times the backend on bench_native.py's layer and inputs (4-row strip programs) and
-prints per batch, for the release and the weight gradient: the wall time as the engine sees it (writing the
-inputs, the request, reading the output back) and, from the runner's reply, its programs' compute and its
-whole pass (reading the inputs and writing the output included).
+/dev/shm; bench_native.py times the runner alone, one process per run. This times the backend on
+bench_native.py's layer and inputs (4-row strip programs) and prints per batch, side by side in one run:
+
+- the release as the backend made it before: the engine draws the noise (torch.randn, as
+  `PerActivationGaussian.additive_noise`) and the runner reads it from a file (`NativeRuntime.release`);
+- the release as the engine makes it now: the runner draws the noise under the release's key
+  (`NativeRuntime.keyed_release`), with what of its compute the drawing took;
+- the weight gradient.
+
+Wall is the time as the engine sees it (drawing the noise where the engine draws it, writing the inputs, the
+request, reading the output back); from the runner's reply, its programs' compute and its whole pass (reading
+the inputs and writing the output included).
 
     python bench/bench_native_backend.py            # VGG-Face conv1, 224 px, batch 8, one thread; --out's text
 """
@@ -25,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_native import device_layer, inputs  # noqa: E402
+from device_sdk.privacy.fastnoise import fresh_key  # noqa: E402
 from device_sdk.runtimes.native_runtime import NativeRuntime  # noqa: E402
 from export.artifacts import example_inputs, manifest_of  # noqa: E402
 
@@ -42,6 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--input-size", type=int, default=224)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--noise-std", type=float, default=0.5, help="the release noise's standard deviation")
     p.add_argument("--artifacts", type=Path, default=None, help="keep the strip programs here (default: a temp dir)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "bench_native_backend.txt",
                    help="where the printed table is also written")
@@ -53,23 +62,40 @@ def main(argv: list[str] | None = None) -> None:
     runtime = NativeRuntime(layer, artifacts, manifest, threads=1)  # checked against eager PyTorch on load
     t = inputs(layer, args.samples, args.input_size)
     weights = [t["weight"], t["bias"]]
-    rows = {"release wall": [], "release runner compute": [], "release runner pass": [],
-            "grad wall": [], "grad runner compute": [], "grad runner pass": []}
+    shape = t["noise"].shape
+    generator = torch.Generator().manual_seed(0)
+
+    def engine_noise() -> dict:  # what the engine did before: draw with torch, hand the tensor over in a file
+        runtime.release(t["images"], args.noise_std * torch.randn(shape, generator=generator), weights)
+        return runtime.last_report
+
+    def keyed() -> dict:  # what it does now: the runner draws under the release's key
+        runtime.keyed_release(t["images"], weights, args.noise_std, fresh_key())
+        return runtime.last_report
+
+    def grad() -> dict:
+        runtime.weight_grads(t["images"], None, t["grad"], weights)
+        return runtime.last_report
+
+    calls = {"release, engine draws (torch), file": engine_noise, "release, runner draws under the key": keyed,
+             "weight gradient": grad}
+    rows: dict[str, list[float]] = {}
     load = os.getloadavg()[0]
     for r in range(args.runs + 1):  # the first is a warm-up
-        release_ms, release = timed(lambda: (runtime.release(t["images"], t["noise"], weights), runtime.last_report)[1])
-        grad_ms, grad = timed(lambda: (runtime.weight_grads(t["images"], t["noise"], t["grad"], weights),
-                                       runtime.last_report)[1])
-        if r == 0:
-            continue
-        for op, wall, report in (("release", release_ms, release), ("grad", grad_ms, grad)):
-            rows[f"{op} wall"].append(wall)
-            rows[f"{op} runner compute"].append(report["compute_ms"])
-            rows[f"{op} runner pass"].append(report["total_ms"])
+        for name, call in calls.items():
+            wall, report = timed(call)
+            if r == 0:
+                continue
+            values = {"wall": wall, "runner pass": report["total_ms"], "runner compute": report["compute_ms"]}
+            if call is keyed:
+                values["of which drawing"] = report["noise_ms"]
+            for part, value in values.items():
+                rows.setdefault(f"{name}: {part}", []).append(value)
     runtime.close()
-    lines = [f"{args.model} conv1, {args.input_size} px, batch {args.samples}, one thread, {args.runs} runs after 1 "
-             f"warm-up; load {load:.1f} before, {os.getloadavg()[0]:.1f} after; ms per batch, mean / min"]
-    lines += [f"  {name:24s} {statistics.mean(values):8.1f} / {min(values):8.1f}" for name, values in rows.items()]
+    lines = [f"{args.model} conv1, {args.input_size} px, batch {args.samples}, one thread, noise std "
+             f"{args.noise_std:g}, {args.runs} runs after 1 warm-up, the three calls in turn; load {load:.1f} before, "
+             f"{os.getloadavg()[0]:.1f} after; ms per batch, mean / min"]
+    lines += [f"  {name:60s} {statistics.mean(values):8.1f} / {min(values):8.1f}" for name, values in rows.items()]
     text = "\n".join(lines) + "\n"
     print(text, end="")
     args.out.write_text(text)

@@ -150,7 +150,9 @@ class DeviceEngine:
         per-sample gradients, so DP-SGD stays on the torch backend. A program with static weights serves
         only a frozen layer. The exact option (`--noise discrete`) needs a runtime that makes the whole
         release itself under the engine's key (`exact_release`: the native runner); its gradient is the
-        straight-through one, the layer's own vector-Jacobian product, as eager PyTorch's.
+        straight-through one, the layer's own vector-Jacobian product, as eager PyTorch's. A runtime that
+        draws the float noise itself under the engine's key (`keyed_release`: the native runner) does so for
+        unmasked releases: the same law as `additive_noise`, another sampler (docs/noise.md).
         """
         if isinstance(self.privacy.mechanism, DiscreteGaussianMechanism):
             if not hasattr(runtime, "exact_release"):
@@ -203,6 +205,10 @@ class DeviceEngine:
                 return {"activations": activations, "released": privatize(self.spec, mechanism, activations, generator)}
             # dct_keep: the channel subset is drawn first, from the same keyed generator, as `privatize` does
             mask = release_mask(self.spec, len(x), self.release_shape, generator)
+            if mask is None and hasattr(self.runtime, "keyed_release"):  # the runner draws it, under the same key
+                std = mechanism.describe()["noise_std"]
+                released = self.runtime.keyed_release(x, params, std, self.privacy.stream_key(generator))
+                return {"noise": None, "released": released.reshape(len(x), *self.release_shape)}
             noise = mechanism.additive_noise((len(x), *self.release_shape), generator)
             if mask is None:
                 released = self.runtime.release(x, noise, params)

@@ -348,7 +348,7 @@ def exact_params(mechanism: DiscreteGaussianMechanism) -> tuple[str, float, int]
 
 
 def exact_engine(spec, mechanism, runtime=None):
-    """A device engine on VGG-Face's conv1 with the exact option (secret fixed: both engines draw the same keys)."""
+    """A device engine on VGG-Face's conv1 with `mechanism` (secret fixed: every engine draws the same keys)."""
     from device_sdk.engine import DeviceEngine, PrivacyEngine
     from device_sdk.optim import TrainConfig
 
@@ -427,6 +427,70 @@ def test_native_backend_exact_release_is_keyed_and_trains_like_eager(tmp_path):
     finally:
         runtime.close()
     assert not runtime._server.scratch.exists() and not server.scratch.exists()
+
+
+@pytest.mark.slow  # builds the runner (into the per-user cache) and lowers two strip programs
+def test_native_backend_draws_the_engines_noise_under_the_release_key(tmp_path):
+    """The float option in the runner: a keyed release is eager PyTorch's plus std times the key's ChaCha20 +
+    Box-Muller normals (the float64 reference), repeated exactly on a replay and different under another key;
+    std 0 adds nothing. Through the engine, the release's key is the engine's per-release key, a re-sent release
+    is bit-identical and counted once, the accountant's figures are the eager engine's, and the step equals
+    eager PyTorch's (the noise does not enter the weight gradient)."""
+    import dataclasses
+
+    from device_sdk.privacy.mechanisms import NoNoise, PerActivationGaussian
+
+    layer = vgg_layer()
+    runtime = NativeRuntime(layer, tmp_path, backend_manifest(layer, 2, 32))
+    try:
+        g = torch.Generator().manual_seed(9)
+        images = torch.rand(2, 3, 32, 32, generator=g)
+        weights = [p.detach() + 0.05 * torch.randn(p.shape, generator=g) for p in layer.parameters()]
+        eager = reference(layer, images, torch.zeros(1), torch.zeros(1), weights, grads=False)[0].reshape(2, -1)
+        key = bytes(range(50, 82))
+        released = runtime.keyed_release(images, weights, 0.5, key)
+        assert released.shape == (2, 16 * 32 * 32) and not (runtime._keyed[0.5].scratch / "key").exists()
+        normals = torch.from_numpy(reference_normals(key, released.numel())).float().reshape(2, -1)
+        assert (released - eager - 0.5 * normals).abs().max() <= RELEASE_ATOL + 0.5 * 2e-5
+        assert torch.equal(runtime.keyed_release(images, weights, 0.5, key), released)  # a replay
+        assert (runtime.keyed_release(images, weights, 0.5, bytes(32)) != released).float().mean() > 0.99
+        assert (runtime.keyed_release(images, weights, 0.0, key) - eager).abs().max() <= RELEASE_ATOL  # no noise
+        with pytest.raises(ValueError, match="32 bytes"):
+            runtime.keyed_release(images, weights, 0.5, b"short")
+
+        spec = dataclasses.replace(resolve_spec("vgg_face_small"), input_size=32)
+        mechanism = PerActivationGaussian(3.0, 1e-5)
+        engines = {"noiseless": exact_engine(spec, NoNoise()), "torch": exact_engine(spec, mechanism),
+                   "native": exact_engine(spec, mechanism, runtime)}
+        for engine in engines.values():  # the runner's programs hold vgg_layer's LRN clamp
+            engine.layer.load_state_dict(layer.state_dict())
+            for lrn in (m for m in engine.layer.modules() if isinstance(m, PaperLRN)):
+                lrn.input_max = 1.0
+        pixels = (255 * images).to(torch.uint8).numpy()
+        grad = torch.randn(2, 16, 32, 32, generator=g).numpy()
+        out = {}
+        for name, engine in engines.items():
+            first = engine.forward(pixels, ("train", 1, 0), [0, 1], [0, 1])
+            assert np.array_equal(engine.forward(pixels, ("train", 1, 0), [0, 1], [0, 1]), first)  # re-sent
+            before = [p.detach().clone() for p in engine.layer.parameters()]
+            engine.commit(1, grad)
+            out[name] = {"step": [b - p.detach() for b, p in zip(before, engine.layer.parameters())],
+                         "privacy": engine.privacy.accountant.report(), "released": first}
+        native = engines["native"]
+        key = native.privacy.stream_key(native.privacy.generator(("train", 1, 0)))
+        normals = reference_normals(key, out["native"]["released"].size).reshape(out["native"]["released"].shape)
+        noise = out["native"]["released"] - out["noiseless"]["released"]
+        assert np.abs(noise - mechanism.std * normals).max() <= RELEASE_ATOL + mechanism.std * 2e-5
+        assert out["native"]["privacy"] == out["torch"]["privacy"]  # one release per image, counted once
+        assert out["native"]["privacy"]["epsilon_image"]["max"] > 0
+        for got, want in zip(out["native"]["step"], out["torch"]["step"], strict=True):
+            assert (got - want).abs().max() <= GRAD_RTOL * want.abs().max()
+        server = runtime._keyed[mechanism.std]
+        with pytest.raises(RuntimeError, match="noisy release needs its key in .*none was written for this request"):
+            server.request("release", 2, {"images": images.numpy(), **runtime._weights(weights)})  # no key: stops
+    finally:
+        runtime.close()
+    assert all(not s.scratch.exists() for s in (runtime._server, *runtime._keyed.values()))
 
 
 def simulate_exact(backend: str, lfw, tmp_path) -> dict:

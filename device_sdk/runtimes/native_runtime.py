@@ -4,12 +4,14 @@ as a phone app would link it.
 
 One runner process per runtime (`StripServer`) keeps the strip programs (`export.artifacts.write_strip_ptes`,
 4 image rows per call) loaded and answers a request per batch; the weights are program inputs written with
-every request, so each step's weights are the ones used. The noise is the engine's: the runner reads the
-tensor the engine drew (keyed by the release, counted by its accountant) and adds it strip by strip, so that
-a replayed release is bit-identical and the accounting has one source. The runner's own generator
-(`--noise-std`, a fresh OS key per release) is not used here: its noise would differ on a replay the
-accountant counts as free. The exact option (`--noise discrete`, `exact_release`) is computed whole in the
-runner, clip, quantisation and integer noise, under the engine's per-release key given with each request.
+every request, so each step's weights are the ones used. The engine's releases are drawn in the runner
+(`keyed_release`): N(0, std^2) per value from ChaCha20 + Box-Muller under the engine's per-release key
+(`PrivacyEngine.stream_key`, given with each request), added to each strip while it is in cache, so that no
+100 MB noise tensor is drawn by torch and passed through a file, and a replayed release under the same key is
+bit-identical (the accountant counts it once). Never a fresh OS key here: that noise would differ on a replay
+the accountant counts as free. `release` still takes a noise tensor (the self-check's, any caller's own).
+The exact option (`--noise discrete`, `exact_release`) is computed whole in the runner, clip, quantisation
+and integer noise, under the same per-release key.
 
 Covered: what the im2col programs cover (`Manifest.gemm_refusal`, the same refusal as `executorch-xnnpack`),
 unmasked, with the image height a multiple of the strip's rows. Checked against eager PyTorch
@@ -59,6 +61,7 @@ class NativeRuntime:
         self._start = (build_cached(), release, vjp, self._names, "1" if threads == 1 else "all")
         self._server = StripServer(*self._start)
         self._exact: dict[tuple[str, float, int], StripServer] = {}  # the exact option's runners, by parameters
+        self._keyed: dict[float, StripServer] = {}  # the runners that draw the float noise, by its std
         self.last_report: dict = {}  # the runner's answer to the last request (times in ms, peak RSS in kB)
         try:
             self.verification = self_check(layer, self)
@@ -77,6 +80,16 @@ class NativeRuntime:
             {"images": images.numpy(), "noise": noise.numpy(), **self._weights(weights)}, len(images))
         return torch.from_numpy(flat).reshape(noise.shape)
 
+    def keyed_release(self, images: torch.Tensor, weights: list[torch.Tensor], std: float, key: bytes) -> torch.Tensor:
+        """The release plus N(0, std^2) noise the runner draws under `key` (the engine's per-release
+        `PrivacyEngine.stream_key`), shaped (N, numel): the same images, weights and key give the same
+        release. Its own runner process per std, started on first use; std 0 adds no noise."""
+        if std not in self._keyed:
+            self._keyed[std] = StripServer(*self._start, noise_std=std)
+        flat, self.last_report = self._keyed[std].keyed_release(
+            {"images": images.numpy(), **self._weights(weights)}, len(images), key)
+        return torch.from_numpy(flat).reshape(len(images), -1)
+
     def exact_release(self, images: torch.Tensor, weights: list[torch.Tensor], mechanism: DiscreteGaussianMechanism,
                       key: bytes) -> np.ndarray:
         """The exact option's release, int8 of shape (N, numel): each image's layer output clipped and quantised
@@ -91,8 +104,9 @@ class NativeRuntime:
             {"images": images.numpy(), **self._weights(weights)}, len(images), key)
         return flat.reshape(len(images), -1)
 
-    def weight_grads(self, images: torch.Tensor, noise: torch.Tensor, grad: torch.Tensor,
+    def weight_grads(self, images: torch.Tensor, noise: torch.Tensor | None, grad: torch.Tensor,
                      weights: list[torch.Tensor], mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The weight gradient (the noise is additive and does not enter it: None after `keyed_release`)."""
         grad = training_args(self.manifest, self.name, grad, mask)
         flats, self.last_report = self._server.grads(
             {"images": images.numpy(), "grad": grad.detach().numpy(), **self._weights(weights)}, len(images),
@@ -102,7 +116,7 @@ class NativeRuntime:
     def close(self) -> None:
         """End the runner processes now (otherwise when the runtime is collected or Python exits)."""
         self._server.close()
-        for server in self._exact.values():
+        for server in (*self._exact.values(), *self._keyed.values()):
             server.close()
 
 

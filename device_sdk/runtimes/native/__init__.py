@@ -96,10 +96,16 @@ def reference_normals(key: bytes, n: int) -> np.ndarray:
 
 
 def write_inputs(workdir: Path, inputs: dict[str, np.ndarray]) -> None:
-    """Each input as workdir/<name>.f32 (float32, C order), the runner's input files."""
+    """Each input as workdir/<name>.f32 (float32, C order), the runner's input files. A file is rewritten in
+    place and cut to its new size, not truncated first, so that a file in /dev/shm keeps its pages from one
+    request to the next instead of freeing and zeroing them again (100 MB for a batch's gradient)."""
     workdir.mkdir(parents=True, exist_ok=True)
     for name, array in inputs.items():
-        np.ascontiguousarray(array, dtype=np.float32).tofile(workdir / f"{name}.f32")
+        data = np.ascontiguousarray(array, dtype=np.float32)
+        fd = os.open(workdir / f"{name}.f32", os.O_WRONLY | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.truncate(data.nbytes)
+            f.write(memoryview(data).cast("B"))
 
 
 def run_native(binary: Path, workdir: Path, samples: int, release: tuple[Path, list[str]],
@@ -174,20 +180,31 @@ class StripServer:
     loaded twice. The release's noise is read from the file the caller wrote (`--noise-in`), never drawn.
     `weights`: the input names of the programs' weights, after the images (and the gradient).
 
-    `exact`: the exact option instead, (sigma^2 in steps^2 as "P/Q", step, clip norm in steps) as `run_native`
-    takes it: each release (`exact_release`) is clipped, quantised and noised by the runner under the key the
-    caller gives with the request (a key file in the scratch directory, removed by the runner once read), and
-    comes back as int8; the runner never draws a key of its own here."""
+    `noise_std`: the runner draws each release's noise instead, N(0, noise_std^2) per value from ChaCha20 +
+    Box-Muller under the key the caller gives with the request (`keyed_release`; a key file in the scratch
+    directory, removed by the runner once read); 0 adds none. `exact`: the exact option instead, (sigma^2 in
+    steps^2 as "P/Q", step, clip norm in steps) as `run_native` takes it: each release (`exact_release`) is
+    clipped, quantised and noised by the runner under the request's key, and comes back as int8. A runner that
+    draws never takes a key of its own here, so a replay under the same key repeats its noise."""
 
     def __init__(self, binary: Path, release_pte: Path, vjp_pte: Path, weights: list[str], threads: str = "1",
-                 exact: tuple[str, float, int] | None = None):
+                 exact: tuple[str, float, int] | None = None, noise_std: float | None = None):
+        if exact is not None and noise_std is not None:
+            raise ValueError("a runner draws float noise (noise_std) or exact noise (exact), not both")
+        if noise_std is not None and not noise_std >= 0:
+            raise ValueError(f"noise_std must be >= 0, got {noise_std}")
         self.scratch = _scratch()
         self._stderr = self.scratch / "stderr.txt"
-        self.exact = exact
+        self.exact, self.noise_std = exact, noise_std
         names = ",".join(weights)
-        noise = (["--noise-in", "noise"] if exact is None else
-                 ["--noise-discrete", str(exact[0]), "--quant-step", repr(float(exact[1])), "--clip-steps",
-                  str(exact[2]), "--noise-key", str(self.scratch / "key")])
+        key = ["--noise-key", str(self.scratch / "key")]
+        if exact is not None:
+            noise = ["--noise-discrete", str(exact[0]), "--quant-step", repr(float(exact[1])), "--clip-steps",
+                     str(exact[2]), *key]
+        elif noise_std is None:
+            noise = ["--noise-in", "noise"]
+        else:
+            noise = ["--noise-std", repr(float(noise_std)), *key] if noise_std > 0 else []
         cmd = [str(binary), "--serve", "--strips", "--dir", str(self.scratch), "--threads", threads, *noise,
                "--release", f"{release_pte}:images,{names}", "--grad", f"{vjp_pte}:images,grad,{names}"]
         try:
@@ -230,14 +247,26 @@ class StripServer:
         the same inputs and key give the same integers."""
         if self.exact is None:
             raise RuntimeError("this runner adds the caller's noise; start it with exact=... for the exact option")
+        return self._keyed("release.i8", np.int8, inputs, samples, key)
+
+    def keyed_release(self, inputs: dict[str, np.ndarray], samples: int, key: bytes) -> tuple[np.ndarray, dict]:
+        """The release of `samples` images (flat, float32) with the noise the runner draws under the 32-byte
+        `key` (none when noise_std is 0), and the report: the same inputs and key give the same release."""
+        if self.noise_std is None:
+            raise RuntimeError("this runner adds the caller's noise or the exact option's; start it with noise_std=...")
+        return self._keyed("release.f32", np.float32, inputs, samples, key)
+
+    def _keyed(self, output: str, dtype: type, inputs: dict[str, np.ndarray], samples: int,
+               key: bytes) -> tuple[np.ndarray, dict]:
         if len(key) != 32:
-            raise ValueError(f"the exact option's key is 32 bytes, got {len(key)}")
+            raise ValueError(f"a release's key is 32 bytes, got {len(key)}")
         with self._lock:
-            fd = os.open(self.scratch / "key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(key)
+            if self.exact is not None or self.noise_std:  # a runner that draws consumes the request's key
+                fd = os.open(self.scratch / "key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(key)
             report = self._request("release", samples, inputs)
-            return np.fromfile(self.scratch / "release.i8", dtype=np.int8), report
+            return np.fromfile(self.scratch / output, dtype=dtype), report
 
     def grads(self, inputs: dict[str, np.ndarray], samples: int, outputs: int) -> tuple[list[np.ndarray], dict]:
         """The gradient program's `outputs` outputs summed over strips and samples (flat), and the report."""

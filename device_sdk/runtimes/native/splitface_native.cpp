@@ -40,11 +40,13 @@
 // then, writes D/release.f32 or D/grad_<i>.f32 and one JSON line on stdout; end of input ends it. A bad request
 // or input stops it as above (message on stderr, exit 2). device_sdk/runtimes/native_runtime.py drives it.
 //
+//   splitface_native --serve --strips --dir D --noise-std S --noise-key K ...
 //   splitface_native --serve --strips --dir D --noise-discrete P/Q --quant-step S --clip-steps B --noise-key K ...
 //
-// --serve with the exact option: each release's ChaCha20 key is the caller's (its per-release key), read from
-// the file K the caller wrote for that request and removed once read; never a fresh OS key, so a replayed
-// release under the same key repeats its integers exactly. Writes D/release.i8.
+// --serve with drawn noise (the float option, or the exact one): each release's ChaCha20 key is the caller's
+// (its per-release key), read from the file K the caller wrote for that request and removed once read; never
+// a fresh OS key, so a replayed release under the same key repeats its noise exactly. The exact option writes
+// D/release.i8. The output file is rewritten in place, not truncated, so its pages stay allocated between requests.
 // --etdump PREFIX: record every run with ExecuTorch's ETDump (each operator's time, XNNPACK's inside its
 // delegate call included) into PREFIX.release.etdp and PREFIX.grad.etdp, for the devtools Inspector.
 #include <executorch/extension/module/module.h>
@@ -619,22 +621,28 @@ int serve(StripRunner& r, const std::string& dir, Noise& noise) {
     bind_strips(r, dir, samples, release, !release);
     Times t;
     if (release) {
-      // The exact option's key is the request's: written by the caller before each release and consumed here,
-      // so a release never reuses an earlier request's key and a replay with the same key repeats its integers.
-      if (noise.discrete && access(noise.key_file.c_str(), R_OK) != 0) {
-        fail("an exact release needs its key in " + noise.key_file + ": none was written for this request");
+      // A drawn noise's key is the request's: written by the caller before each release and consumed here, so
+      // a release never reuses an earlier request's key and a replay with the same key repeats its noise.
+      bool keyed = noise.on || noise.discrete;
+      if (keyed && access(noise.key_file.c_str(), R_OK) != 0) {
+        fail(std::string(noise.discrete ? "an exact" : "a noisy") + " release needs its key in " + noise.key_file +
+             ": none was written for this request");
       }
       std::string out_path = release_path(dir, noise);
-      int out_fd = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      if (out_fd < 0) fail("cannot create " + out_path);
+      int out_fd = open(out_path.c_str(), O_WRONLY | O_CREAT, 0644);  // no O_TRUNC: the pages are reused
+      size_t per_sample = noise.discrete ? r.g.map() : r.g.map() * sizeof(float);
+      if (out_fd < 0 || ftruncate(out_fd, static_cast<off_t>(samples * per_sample)) != 0) {
+        fail("cannot create " + out_path);
+      }
       r.release_pass(out_fd, true, noise, t);
       close(out_fd);
-      if (noise.discrete) unlink(noise.key_file.c_str());
+      if (keyed) unlink(noise.key_file.c_str());
     } else {
       write_grads(dir, r.grad_pass(t));
     }
-    std::printf("{\"op\": \"%s\", \"samples\": %d, \"height\": %d, \"compute_ms\": %g, \"total_ms\": %g, "
-                "\"peak_kb\": %ld}\n", op.c_str(), samples, r.g.H, t.compute_ms[0], t.total_ms[0], peak_kb());
+    std::printf("{\"op\": \"%s\", \"samples\": %d, \"height\": %d, \"compute_ms\": %g, \"noise_ms\": %g, "
+                "\"total_ms\": %g, \"peak_kb\": %ld}\n", op.c_str(), samples, r.g.H, t.compute_ms[0],
+                t.noise_ms.empty() ? 0.0 : t.noise_ms[0], t.total_ms[0], peak_kb());
     std::fflush(stdout);
   }
   return 0;
@@ -738,8 +746,9 @@ int main(int argc, char** argv) {
          "[--threads 1|all]");
   }
   if (!strips && (serving || !noise_in.empty())) fail("--serve and --noise-in need --strips");
-  if (serving && noise.discrete && noise.key_file.empty()) {
-    fail("--serve with --noise-discrete needs --noise-key K: each release's key, written by the caller per request");
+  if (serving && (noise.on || noise.discrete) && noise.key_file.empty()) {
+    fail("--serve with --noise-std or --noise-discrete needs --noise-key K: each release's key, written by the "
+         "caller per request");
   }
   if (noise.on + noise.discrete.has_value() + !noise_in.empty() > 1) {
     fail("the noise is drawn (--noise-std), drawn exactly (--noise-discrete) or read (--noise-in): one of them");
