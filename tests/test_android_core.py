@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from device_sdk.models import build_backbone, resolve_spec, split_backbone
 from device_sdk.models.lrn import PaperLRN
 from device_sdk.privacy.planner import release_schedule
 from edge_server.checkpoint import load_checkpoint
+from export.java_layer import java_layer_job
+from export.verify import GRAD_RTOL, RELEASE_ATOL
 from tests.conftest import TOKENS, serve_in_thread, small_trainer
 from tests.test_integration import NUM_CLASSES, _setup, _start_server, _stop
 
@@ -49,16 +52,6 @@ def device_layer(clamp: float | None) -> torch.nn.Module:
     return layer
 
 
-def layer_job(layer: torch.nn.Module) -> dict:
-    conv = next(m for m in layer.modules() if isinstance(m, torch.nn.Conv2d))
-    lrn = next(m for m in layer.modules() if isinstance(m, PaperLRN))
-    f32 = lambda t: t.detach().numpy().astype("<f4").tobytes()  # noqa: E731
-    return {"conv": {"cin": conv.in_channels, "cout": conv.out_channels, "k": conv.kernel_size[0],
-                     "stride": conv.stride[0], "pad": conv.padding[0]},
-            "lrn": {"size": lrn.size, "alpha": lrn.alpha, "beta": lrn.beta, "gamma": lrn.gamma, "input_max": lrn.input_max},
-            "weight": f32(conv.weight), "bias": None if conv.bias is None else f32(conv.bias)}
-
-
 @pytest.fixture(scope="module")
 def faces(lfw):
     split = load_lfw(lfw, min_images=10, max_identities=4)
@@ -75,7 +68,7 @@ def test_java_device_layer_equals_pytorch_on_real_faces(java, faces, tmp_path, c
     out = layer(x)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
     (out * grad).sum().backward()
-    job = {**layer_job(layer), "images": images.tobytes(), "shape": list(images.shape),
+    job = {**java_layer_job(layer), "images": images.tobytes(), "shape": list(images.shape),
            "grad": grad.numpy().astype("<f4").tobytes()}
     (tmp_path / "job.msgpack").write_bytes(msgpack.packb(job))
     run = subprocess.run([*java, "parity", str(tmp_path / "job.msgpack"), str(tmp_path / "out.msgpack")],
@@ -91,9 +84,58 @@ def test_java_device_layer_equals_pytorch_on_real_faces(java, faces, tmp_path, c
         np.testing.assert_allclose(java_grad, want, atol=1e-4 * np.abs(want).max())
 
 
+def gemm_programs(layer: torch.nn.Module, batch: int, size: int, out: Path) -> dict:
+    """The layer's im2col programs (`splitface-export --gemm`) and the JNI library: a job's "programs", which the
+    Java device runs through ExecuTorch's C++ runtime (GemmLayerTrainer)."""
+    from device_sdk.runtimes.native import jni_library
+    from export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE, example_inputs, export_gemm_ptes
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name, program in zip((RELEASE_GEMM_PTE, VJP_GEMM_PTE), export_gemm_ptes(layer, *example_inputs(layer, batch, size), None)):
+        (out / name).write_bytes(program)
+    return {"library": str(jni_library()), "release": str(out / RELEASE_GEMM_PTE), "vjp": str(out / VJP_GEMM_PTE)}
+
+
+@pytest.mark.parametrize("clamp", [None, 1.0])
+def test_java_device_on_executorch_equals_pytorch_on_real_faces(java, faces, tmp_path, clamp):
+    """The Java device's layer on the im2col programs through ExecuTorch's C++ runtime (JNI, XNNPACK, no PyTorch
+    in the JVM) equals PyTorch's on real faces, a short last batch (3 of the programs' 4) included; a program given
+    a wrong shape is refused by name, not a crash."""
+    images = faces[0][:3]
+    layer = device_layer(clamp)
+    x = to_input(images)
+    out = layer(x)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    (out * grad).sum().backward()
+    job = {**java_layer_job(layer), "images": images.tobytes(), "shape": list(images.shape),
+           "grad": grad.numpy().astype("<f4").tobytes(), "programs": gemm_programs(layer, 4, 64, tmp_path / "programs")}
+    (tmp_path / "job.msgpack").write_bytes(msgpack.packb(job))
+    run = subprocess.run([*java, "parity", str(tmp_path / "job.msgpack"), str(tmp_path / "out.msgpack")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    got = msgpack.unpackb((tmp_path / "out.msgpack").read_bytes())
+    java_out = np.frombuffer(got["out"], "<f4").reshape(out.shape)
+    np.testing.assert_allclose(java_out, out.detach().numpy(), atol=RELEASE_ATOL)
+    conv = next(m for m in layer.modules() if isinstance(m, torch.nn.Conv2d))
+    for name, param in (("grad_weight", conv.weight), ("grad_bias", conv.bias)):
+        want = param.grad.numpy()
+        java_grad = np.frombuffer(got[name], "<f4").reshape(want.shape)
+        np.testing.assert_allclose(java_grad, want, atol=GRAD_RTOL * np.abs(want).max())
+    cout = job["conv"]["cout"]
+    other_layer = {"conv": {**job["conv"], "cout": cout + 1}, "weight": job["weight"] + bytes(len(job["weight"]) // cout),
+                   "bias": job["bias"] + bytes(4)}  # the programs were exported for another layer
+    for wrong, why in (({"images": np.ascontiguousarray(images[:, :, :32]).tobytes(), "shape": [3, 3, 32, 64]},
+                        "values as 3 images of 32 x 64; the programs take up to 4 images of 3 x 64 x 64"),
+                       (other_layer, r"input 2 has \d+ values; its shape \(\d+, 3, 3, 3\) takes \d+")):
+        (tmp_path / "wrong.msgpack").write_bytes(msgpack.packb({**job, **wrong}))
+        run = subprocess.run([*java, "parity", str(tmp_path / "wrong.msgpack"), str(tmp_path / "out.msgpack")],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode != 0 and "IllegalArgumentException" in run.stderr and re.search(why, run.stderr), run.stderr
+
+
 def train_job(url: str, faces, token: str, epochs: int, **extra) -> dict:
     images, labels, classes = faces
-    return {**layer_job(device_layer(extra.pop("clamp", None))), "url": url, "device_id": "device-0", "token": token,
+    return {**java_layer_job(device_layer(extra.pop("clamp", None))), "url": url, "device_id": "device-0", "token": token,
             "model": resolve_spec(MODEL).to_dict(), "split": "conv1", "num_classes": classes, "batch_size": 16,
             "epochs": epochs, "images": images.tobytes(), "shape": list(images.shape),
             "labels": [int(y) for y in labels], "lr": 0.005, "momentum": 0.9, "weight_decay": 0.0, "lr_decay": 0.1,
@@ -104,6 +146,27 @@ def run_java(java, job: dict, tmp_path: Path, *options: str) -> subprocess.Compl
     path = tmp_path / "train.msgpack"
     path.write_bytes(msgpack.packb(job))
     return subprocess.run([*java, "train", str(path), *options], capture_output=True, text=True, timeout=300)
+
+
+def test_java_device_on_executorch_trains_against_the_python_server(java, faces, tmp_path):
+    """Two epochs of the Java device with its layer on the im2col programs through ExecuTorch's C++ runtime
+    (JNI): every batch is applied once, and its steps move the layer as the plain-Java reference layer's do (the
+    server's losses of the two runs, which see the same batches, agree)."""
+    layer = device_layer(None)
+    programs = gemm_programs(layer, 16, 64, tmp_path / "programs")
+    runs = {}
+    for name, extra in (("reference", {}), ("executorch", {"programs": programs})):
+        with serve_in_thread(small_trainer(faces[2], MODEL, lr=0.05), tmp_path / name) as server:
+            run = run_java(java, train_job(server.url, faces, TOKENS["device-0"], epochs=2, **extra), tmp_path)
+            steps = server.trainer.steps
+        assert run.returncode == 0, run.stderr
+        batches = [json.loads(line) for line in run.stdout.splitlines()]
+        assert [b["batch_id"] for b in batches] == list(range(1, 9)) and steps == 8
+        runs[name] = [b["loss"] for b in batches]
+    # every loss after the first depends on the steps before it; float32 sums in another order drift apart
+    # over training (momentum, the server learning from the releases), so epoch 1 is held tighter than epoch 2
+    np.testing.assert_allclose(runs["executorch"][:4], runs["reference"][:4], rtol=1e-4)
+    np.testing.assert_allclose(runs["executorch"], runs["reference"], rtol=3e-2)
 
 
 def test_java_device_trains_against_the_python_server(java, faces, tmp_path):

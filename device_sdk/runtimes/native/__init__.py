@@ -31,6 +31,7 @@ import numpy as np
 
 SOURCE = Path(__file__).resolve().parent
 BINARY = "splitface_native"
+JNI_LIBRARY = "libsplitface_jni.so"  # splitface_jni.cpp: the runtime for android_demo's Java device on a host JVM
 
 
 def executorch_cmake_dir() -> Path:
@@ -78,6 +79,16 @@ def build_cached() -> Path:
     with open(where / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return build(where)
+
+
+def jni_library() -> Path:
+    """libsplitface_jni, built with the runner (`build_cached`): ExecuTorch's C++ runtime for the Android demo's
+    Java device on this host (android_demo/core's `NativeProgram`). CMake builds it where it finds a JDK's jni.h."""
+    library = build_cached().parent / JNI_LIBRARY
+    if not library.exists():
+        raise RuntimeError(f"no {JNI_LIBRARY} was built: CMake found no jni.h (set JAVA_HOME to a JDK, or "
+                           "apt-get install openjdk-17-jdk-headless)")
+    return library
 
 
 def reference_normals(key: bytes, n: int) -> np.ndarray:

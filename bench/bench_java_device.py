@@ -1,0 +1,104 @@
+"""The Android demo's Java device layer: the plain-Java reference against the im2col programs through
+ExecuTorch's C++ runtime (JNI, `GemmLayerTrainer` over `NativeProgram`), side by side in one run.
+
+The demo's core (android_demo/core) is what the app runs; on this host it runs in a JVM, each trainer in its own
+JVM process (`Cli bench`), so that each peak RSS is that trainer's. Both compute the release (conv1 + ReLU + LRN,
+the DP clamp) and the weight gradient for the same images, weights and server gradient; tests/test_android_core.py
+holds the JNI path to eager PyTorch. Not a phone: the JVM is HotSpot on x86, not ART on ARM.
+
+    python bench/bench_java_device.py           # VGG-Face conv1, 224 px, batch 8, one thread; --out's text
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import msgpack
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_native import device_layer, export_for_batch, inputs  # noqa: E402
+from device_sdk.runtimes.native import jni_library  # noqa: E402
+from export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE  # noqa: E402
+from export.java_layer import java_layer_job  # noqa: E402
+
+TRAINERS = {"reference": "plain Java (DeviceLayer: loops, its own backward)",
+            "executorch": "ExecuTorch C++ runtime via JNI (im2col programs, XNNPACK)"}
+
+
+def java_classes(out: Path) -> list[str]:
+    """The core built by android_demo/jvm_test.sh into `out`; the command line that runs its Cli."""
+    build = subprocess.run([str(ROOT / "android_demo" / "jvm_test.sh"), "--build-only"], capture_output=True,
+                           text=True, env={**os.environ, "JVM_BUILD_DIR": str(out)})
+    if build.returncode != 0:
+        raise SystemExit(f"building android_demo/core failed:\n{build.stdout}{build.stderr}")
+    return ["java", "-cp", f"{out / 'main'}:/usr/share/java/msgpack-core.jar", "org.splitface.core.Cli"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="vgg_face")
+    p.add_argument("--input-size", type=int, default=224)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, choices=(0, 1), default=1,
+                   help="1: ExecuTorch on the calling thread; 0: its pool, one thread per core (the Java reference has one)")
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "bench_java_device.txt",
+                   help="where the printed table is also written")
+    args = p.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="bench-java-device-"))
+    layer = device_layer(args.model, args.input_size)
+    t = inputs(layer, args.samples, args.input_size)
+    with torch.no_grad():  # the weights the programs and the Java layer both get
+        for param, value in zip(layer.parameters(), (t["weight"], t["bias"]), strict=True):
+            param.copy_(value)
+    programs = export_for_batch(layer, args.samples, args.input_size, work / "programs")
+    pixels = (255 * t["images"]).round().to(torch.uint8).numpy()
+    job = {**java_layer_job(layer), "images": pixels.tobytes(), "shape": list(pixels.shape),
+           "grad": t["grad"].numpy().astype("<f4").tobytes(), "warmup": args.warmup, "runs": args.runs,
+           "threads": args.threads,
+           "programs": {"library": str(jni_library()), "release": str(programs / RELEASE_GEMM_PTE),
+                        "vjp": str(programs / VJP_GEMM_PTE)}}
+    (work / "job.msgpack").write_bytes(msgpack.packb(job))
+    java = java_classes(work / "jvm")
+    load = os.getloadavg()
+    reports = {}
+    for trainer in TRAINERS:
+        run = subprocess.run([*java, "bench", str(work / "job.msgpack"), trainer], capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"Cli bench {trainer} failed:\n{run.stderr[-3000:]}")
+        reports[trainer] = json.loads(run.stdout.strip().splitlines()[-1])
+    after = os.getloadavg()
+    threads = "one thread" if args.threads == 1 else "ExecuTorch's pool (one thread per core)"
+    lines = [f"{args.model} conv1 + ReLU + LRN, {args.input_size} px, batch {args.samples}, {threads}; each trainer "
+             f"in its own JVM, {args.runs} runs after {args.warmup} warm-up; load {load[0]:.1f} before, "
+             f"{after[0]:.1f} after; ms per batch, mean / min",
+             "",
+             "| trainer | release | weight gradient | per sample | JVM peak RSS |",
+             "|---|---:|---:|---:|---:|"]
+    for trainer, what in TRAINERS.items():
+        r = reports[trainer]
+        fwd, grad = r["forward_ms"], r["grad_ms"]
+        lines.append(f"| {what} | {statistics.mean(fwd):.0f} / {min(fwd):.0f} | {statistics.mean(grad):.0f} / "
+                     f"{min(grad):.0f} | {statistics.mean(grad) / args.samples:.1f} | {r['peak_kb'] / 1024:.0f} MB |")
+    ratio = (statistics.mean(reports["reference"]["forward_ms"]) / statistics.mean(reports["executorch"]["forward_ms"]),
+             statistics.mean(reports["reference"]["grad_ms"]) / statistics.mean(reports["executorch"]["grad_ms"]))
+    lines += ["", f"ExecuTorch via JNI against the plain-Java layer: release {ratio[0]:.1f}x, weight gradient "
+                  f"{ratio[1]:.1f}x faster (this run's means)."]
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
