@@ -1,5 +1,6 @@
-"""The Android demo's Java device layer: the plain-Java reference against the im2col programs through
-ExecuTorch's C++ runtime (JNI, `GemmLayerTrainer` over `NativeProgram`), side by side in one run.
+"""The Android demo's Java device layer: the plain-Java reference against ExecuTorch's C++ runtime through
+JNI, on the batch im2col programs (`GemmLayerTrainer` over `NativeProgram`) and on the strip programs
+(`StripLayerTrainer`, the native runner's strip layer), side by side in one run.
 
 The demo's core (android_demo/core) is what the app runs; on this host it runs in a JVM, each trainer in its own
 JVM process (`Cli bench`), so that each peak RSS is that trainer's. Both compute the release (conv1 + ReLU + LRN,
@@ -28,11 +29,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_native import device_layer, export_for_batch, inputs  # noqa: E402
 from device_sdk.runtimes.native import jni_library  # noqa: E402
-from export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE  # noqa: E402
+from export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE, write_strip_ptes  # noqa: E402
 from export.java_layer import java_layer_job  # noqa: E402
 
 TRAINERS = {"reference": "plain Java (DeviceLayer: loops, its own backward)",
-            "executorch": "ExecuTorch C++ runtime via JNI (im2col programs, XNNPACK)"}
+            "gemm": "ExecuTorch via JNI, the batch im2col programs (XNNPACK)",
+            "strips": "ExecuTorch via JNI, the strip programs (4 rows, XNNPACK)"}
+STRIP_ROWS = 4  # the native backend's (device_sdk/runtimes/native_runtime.py)
 
 
 def java_classes(out: Path) -> list[str]:
@@ -62,22 +65,31 @@ def main(argv: list[str] | None = None) -> None:
     with torch.no_grad():  # the weights the programs and the Java layer both get
         for param, value in zip(layer.parameters(), (t["weight"], t["bias"]), strict=True):
             param.copy_(value)
-    programs = export_for_batch(layer, args.samples, args.input_size, work / "programs")
+    gemm = export_for_batch(layer, args.samples, args.input_size, work / "gemm")
+    strips = write_strip_ptes(layer, STRIP_ROWS, args.input_size, work / "strips")
+    library = str(jni_library())
+    programs = {"reference": None,
+                "gemm": {"library": library, "kind": "gemm", "release": str(gemm / RELEASE_GEMM_PTE),
+                         "vjp": str(gemm / VJP_GEMM_PTE)},
+                "strips": {"library": library, "kind": "strips", "release": str(strips[0]), "vjp": str(strips[1])}}
     pixels = (255 * t["images"]).round().to(torch.uint8).numpy()
     job = {**java_layer_job(layer), "images": pixels.tobytes(), "shape": list(pixels.shape),
            "grad": t["grad"].numpy().astype("<f4").tobytes(), "warmup": args.warmup, "runs": args.runs,
-           "threads": args.threads,
-           "programs": {"library": str(jni_library()), "release": str(programs / RELEASE_GEMM_PTE),
-                        "vjp": str(programs / VJP_GEMM_PTE)}}
-    (work / "job.msgpack").write_bytes(msgpack.packb(job))
+           "threads": args.threads}
     java = java_classes(work / "jvm")
     load = os.getloadavg()
     reports = {}
-    for trainer in TRAINERS:
-        run = subprocess.run([*java, "bench", str(work / "job.msgpack"), trainer], capture_output=True, text=True)
+    for trainer in ("job only", *TRAINERS):  # "job only": a JVM that reads the job and runs nothing
+        path = work / "job.msgpack"
+        extra = {"programs": programs[trainer]} if programs.get(trainer) else {}
+        if trainer == "job only":
+            extra = {"warmup": 0, "runs": 0}
+        path.write_bytes(msgpack.packb({**job, **extra}))
+        run = subprocess.run([*java, "bench", str(path)], capture_output=True, text=True)
         if run.returncode != 0:
             raise SystemExit(f"Cli bench {trainer} failed:\n{run.stderr[-3000:]}")
         reports[trainer] = json.loads(run.stdout.strip().splitlines()[-1])
+    baseline = reports.pop("job only")["peak_kb"] / 1024
     after = os.getloadavg()
     threads = "one thread" if args.threads == 1 else "ExecuTorch's pool (one thread per core)"
     lines = [f"{args.model} conv1 + ReLU + LRN, {args.input_size} px, batch {args.samples}, {threads}; each trainer "
@@ -91,10 +103,15 @@ def main(argv: list[str] | None = None) -> None:
         fwd, grad = r["forward_ms"], r["grad_ms"]
         lines.append(f"| {what} | {statistics.mean(fwd):.0f} / {min(fwd):.0f} | {statistics.mean(grad):.0f} / "
                      f"{min(grad):.0f} | {statistics.mean(grad) / args.samples:.1f} | {r['peak_kb'] / 1024:.0f} MB |")
-    ratio = (statistics.mean(reports["reference"]["forward_ms"]) / statistics.mean(reports["executorch"]["forward_ms"]),
-             statistics.mean(reports["reference"]["grad_ms"]) / statistics.mean(reports["executorch"]["grad_ms"]))
-    lines += ["", f"ExecuTorch via JNI against the plain-Java layer: release {ratio[0]:.1f}x, weight gradient "
-                  f"{ratio[1]:.1f}x faster (this run's means)."]
+    lines += ["", f"JVM peak RSS is the whole process's high-water mark (VmHWM): a JVM that only reads the job (its "
+                  f"images and server gradient, as msgpack bytes and as float arrays) peaks at {baseline:.0f} MB; the rest "
+                  f"is the trainer's arrays (the release returned, the gradient) and the garbage collector's headroom. "
+                  f"The native strip layer itself holds one strip's buffers (docs/device.md)."]
+    mean = {name: (statistics.mean(r["forward_ms"]), statistics.mean(r["grad_ms"])) for name, r in reports.items()}
+    lines.append("")
+    for name in ("gemm", "strips"):
+        lines.append(f"{name} against the plain-Java layer: release {mean['reference'][0] / mean[name][0]:.1f}x, weight "
+                     f"gradient {mean['reference'][1] / mean[name][1]:.1f}x faster (this run's means).")
     text = "\n".join(lines) + "\n"
     print(text, end="")
     args.out.write_text(text)

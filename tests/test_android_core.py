@@ -84,23 +84,36 @@ def test_java_device_layer_equals_pytorch_on_real_faces(java, faces, tmp_path, c
         np.testing.assert_allclose(java_grad, want, atol=1e-4 * np.abs(want).max())
 
 
-def gemm_programs(layer: torch.nn.Module, batch: int, size: int, out: Path) -> dict:
-    """The layer's im2col programs (`splitface-export --gemm`) and the JNI library: a job's "programs", which the
-    Java device runs through ExecuTorch's C++ runtime (GemmLayerTrainer)."""
+def programs(layer: torch.nn.Module, kind: str, batch: int, size: int, out: Path) -> dict:
+    """A job's "programs": the layer's im2col programs for `batch` images ("gemm", `splitface-export --gemm`) or
+    its strip programs ("strips", 4 rows, as the native backend runs them), and the JNI library through which the
+    Java device runs them on ExecuTorch's C++ runtime."""
     from device_sdk.runtimes.native import jni_library
-    from export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE, example_inputs, export_gemm_ptes
+    from export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE, example_inputs, export_gemm_ptes, write_strip_ptes
 
-    out.mkdir(parents=True, exist_ok=True)
-    for name, program in zip((RELEASE_GEMM_PTE, VJP_GEMM_PTE), export_gemm_ptes(layer, *example_inputs(layer, batch, size), None)):
-        (out / name).write_bytes(program)
-    return {"library": str(jni_library()), "release": str(out / RELEASE_GEMM_PTE), "vjp": str(out / VJP_GEMM_PTE)}
+    if kind == "strips":
+        release, vjp = write_strip_ptes(layer, 4, size, out)
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        release, vjp = out / RELEASE_GEMM_PTE, out / VJP_GEMM_PTE
+        for path, program in zip((release, vjp), export_gemm_ptes(layer, *example_inputs(layer, batch, size), None)):
+            path.write_bytes(program)
+    return {"library": str(jni_library()), "kind": kind, "release": str(release), "vjp": str(vjp)}
 
 
+# what each kind of programs says when the images or the weights do not fit them
+REFUSALS = {"gemm": ("values as 3 images of 32 x 64; the programs take up to 4 images of 3 x 64 x 64",
+                     r"input 2 has \d+ values; its shape \(\d+, 3, 3, 3\) takes \d+"),
+            "strips": ("an image height of 30 is not a positive multiple of the strip's 4 rows",
+                       r"weight 0 of \d+ values; the programs take \d+")}
+
+
+@pytest.mark.parametrize("kind", ["gemm", "strips"])
 @pytest.mark.parametrize("clamp", [None, 1.0])
-def test_java_device_on_executorch_equals_pytorch_on_real_faces(java, faces, tmp_path, clamp):
-    """The Java device's layer on the im2col programs through ExecuTorch's C++ runtime (JNI, XNNPACK, no PyTorch
-    in the JVM) equals PyTorch's on real faces, a short last batch (3 of the programs' 4) included; a program given
-    a wrong shape is refused by name, not a crash."""
+def test_java_device_on_executorch_equals_pytorch_on_real_faces(java, faces, tmp_path, clamp, kind):
+    """The Java device's layer through ExecuTorch's C++ runtime (JNI, XNNPACK, no PyTorch in the JVM), on the
+    batch im2col programs and on the strip programs, equals PyTorch's on real faces, with a batch shorter than the
+    batch programs' 4; images or weights that do not fit the programs are refused by name, not a crash."""
     images = faces[0][:3]
     layer = device_layer(clamp)
     x = to_input(images)
@@ -108,7 +121,7 @@ def test_java_device_on_executorch_equals_pytorch_on_real_faces(java, faces, tmp
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
     (out * grad).sum().backward()
     job = {**java_layer_job(layer), "images": images.tobytes(), "shape": list(images.shape),
-           "grad": grad.numpy().astype("<f4").tobytes(), "programs": gemm_programs(layer, 4, 64, tmp_path / "programs")}
+           "grad": grad.numpy().astype("<f4").tobytes(), "programs": programs(layer, kind, 4, 64, tmp_path / "programs")}
     (tmp_path / "job.msgpack").write_bytes(msgpack.packb(job))
     run = subprocess.run([*java, "parity", str(tmp_path / "job.msgpack"), str(tmp_path / "out.msgpack")],
                          capture_output=True, text=True, timeout=120)
@@ -124,9 +137,9 @@ def test_java_device_on_executorch_equals_pytorch_on_real_faces(java, faces, tmp
     cout = job["conv"]["cout"]
     other_layer = {"conv": {**job["conv"], "cout": cout + 1}, "weight": job["weight"] + bytes(len(job["weight"]) // cout),
                    "bias": job["bias"] + bytes(4)}  # the programs were exported for another layer
-    for wrong, why in (({"images": np.ascontiguousarray(images[:, :, :32]).tobytes(), "shape": [3, 3, 32, 64]},
-                        "values as 3 images of 32 x 64; the programs take up to 4 images of 3 x 64 x 64"),
-                       (other_layer, r"input 2 has \d+ values; its shape \(\d+, 3, 3, 3\) takes \d+")):
+    rows = 32 if kind == "gemm" else 30
+    shorter = {"images": np.ascontiguousarray(images[:, :, :rows]).tobytes(), "shape": [3, 3, rows, 64]}
+    for wrong, why in zip((shorter, other_layer), REFUSALS[kind], strict=True):
         (tmp_path / "wrong.msgpack").write_bytes(msgpack.packb({**job, **wrong}))
         run = subprocess.run([*java, "parity", str(tmp_path / "wrong.msgpack"), str(tmp_path / "out.msgpack")],
                              capture_output=True, text=True, timeout=120)
@@ -149,14 +162,14 @@ def run_java(java, job: dict, tmp_path: Path, *options: str) -> subprocess.Compl
 
 
 def test_java_device_on_executorch_trains_against_the_python_server(java, faces, tmp_path):
-    """Two epochs of the Java device with its layer on the im2col programs through ExecuTorch's C++ runtime
-    (JNI): every batch is applied once, and its steps move the layer as the plain-Java reference layer's do (the
-    server's losses of the two runs, which see the same batches, agree)."""
+    """Two epochs of the Java device with its layer through ExecuTorch's C++ runtime (JNI), on the batch im2col
+    programs and on the strip programs: every batch is applied once, and the steps move the layer as the
+    plain-Java reference layer's do (the server's losses of the runs, which see the same batches, agree)."""
     layer = device_layer(None)
-    programs = gemm_programs(layer, 16, 64, tmp_path / "programs")
     runs = {}
-    for name, extra in (("reference", {}), ("executorch", {"programs": programs})):
-        with serve_in_thread(small_trainer(faces[2], MODEL, lr=0.05), tmp_path / name) as server:
+    for name in ("reference", "gemm", "strips"):
+        extra = {} if name == "reference" else {"programs": programs(layer, name, 16, 64, tmp_path / name)}
+        with serve_in_thread(small_trainer(faces[2], MODEL, lr=0.05), tmp_path / f"server-{name}") as server:
             run = run_java(java, train_job(server.url, faces, TOKENS["device-0"], epochs=2, **extra), tmp_path)
             steps = server.trainer.steps
         assert run.returncode == 0, run.stderr
@@ -165,8 +178,9 @@ def test_java_device_on_executorch_trains_against_the_python_server(java, faces,
         runs[name] = [b["loss"] for b in batches]
     # every loss after the first depends on the steps before it; float32 sums in another order drift apart
     # over training (momentum, the server learning from the releases), so epoch 1 is held tighter than epoch 2
-    np.testing.assert_allclose(runs["executorch"][:4], runs["reference"][:4], rtol=1e-4)
-    np.testing.assert_allclose(runs["executorch"], runs["reference"], rtol=3e-2)
+    for name in ("gemm", "strips"):
+        np.testing.assert_allclose(runs[name][:4], runs["reference"][:4], rtol=1e-4)
+        np.testing.assert_allclose(runs[name], runs["reference"], rtol=3e-2)
 
 
 def test_java_device_trains_against_the_python_server(java, faces, tmp_path):

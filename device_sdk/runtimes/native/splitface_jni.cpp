@@ -1,18 +1,23 @@
-// libsplitface_jni: an exported program's forward method through ExecuTorch's C++ runtime, for Java
-// (android_demo/core's org.splitface.core.NativeProgram). The same source is what an Android build compiles
-// with the NDK against ExecuTorch's Android libraries; here it links the wheel's libraries (CMakeLists.txt),
-// so that the demo's Java device runs the im2col programs (XNNPACK, weights as inputs) on the host JVM.
+// libsplitface_jni: ExecuTorch's C++ runtime for Java (android_demo/core). Two entry points:
+// - org.splitface.core.NativeProgram: an exported program's forward method (the batch im2col programs);
+// - org.splitface.core.StripLayerTrainer: the runner's strip layer (strip_layer.h: one image at a time in
+//   strips that stay in cache), the release and the weight gradient of a batch from Java arrays.
+// The same source is what an Android build compiles with the NDK against ExecuTorch's Android libraries; here it
+// links the wheel's libraries (CMakeLists.txt), so that the demo's Java device runs them on the host JVM.
 //
-// Float32 tensors only, in and out (the device layer's programs): every input is checked against the
-// program's own input shapes before anything runs, and a mismatch or a failed call throws
-// IllegalArgumentException or IllegalStateException with the reason instead of crashing the JVM.
+// Float32 tensors only, in and out: every input is checked against the program's own shapes before anything
+// runs, and a mismatch or a failed call throws IllegalArgumentException or IllegalStateException with the
+// reason instead of crashing the JVM.
 #include <jni.h>
+
+#include "strip_layer.h"
 
 #include <executorch/extension/module/module.h>
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/extension/threadpool/threadpool_guard.h>
 
 #include <atomic>
+#include <cstring>
 
 #include <memory>
 #include <string>
@@ -29,6 +34,13 @@ namespace {
 
 constexpr const char* kMethod = "forward";
 std::atomic<bool> g_single_thread{false};  // setSingleThread: XNNPACK on the calling thread, no pool
+
+// Held during a call: with setSingleThread(true), XNNPACK runs on the calling thread (the guard is per thread).
+std::unique_ptr<executorch::extension::threadpool::NoThreadPoolGuard> thread_guard() {
+  if (!g_single_thread) return nullptr;
+  return std::make_unique<executorch::extension::threadpool::NoThreadPoolGuard>();
+}
+
 
 void throw_java(JNIEnv* env, const char* cls, const std::string& why) {
   jclass c = env->FindClass(cls);
@@ -131,8 +143,7 @@ extern "C" JNIEXPORT jobjectArray JNICALL Java_org_splitface_core_NativeProgram_
     tensors.push_back(from_blob(buffers[i].data(), p->shapes[i]));
   }
   for (auto& t : tensors) args.emplace_back(t);
-  std::unique_ptr<executorch::extension::threadpool::NoThreadPoolGuard> single;
-  if (g_single_thread) single = std::make_unique<executorch::extension::threadpool::NoThreadPoolGuard>();
+  auto guard = thread_guard();
   auto result = p->module->execute(kMethod, args);
   if (!result.ok()) {
     throw_java(env, "java/lang/IllegalStateException", "executing the program failed (error " +
@@ -161,4 +172,161 @@ extern "C" JNIEXPORT void JNICALL Java_org_splitface_core_NativeProgram_free(JNI
 
 extern "C" JNIEXPORT void JNICALL Java_org_splitface_core_NativeProgram_setSingleThread(JNIEnv*, jclass, jboolean on) {
   g_single_thread = on == JNI_TRUE;
+}
+
+// ---- StripLayerTrainer: the strip layer ----
+
+namespace {
+
+// A Java float[] pinned for the duration of a call (no JNI calls while it is held), released on every path.
+struct Pinned {
+  JNIEnv* env;
+  jfloatArray array;
+  float* data;
+  Pinned(JNIEnv* e, jfloatArray a) : env(e), array(a), data(static_cast<float*>(e->GetPrimitiveArrayCritical(a, nullptr))) {}
+  ~Pinned() {
+    if (data != nullptr) env->ReleasePrimitiveArrayCritical(array, data, 0);
+  }
+};
+
+splitface::StripLayer* strips_of(JNIEnv* env, jlong handle) {
+  if (handle == 0) throw_java(env, "java/lang/IllegalStateException", "the strip layer is closed");
+  return reinterpret_cast<splitface::StripLayer*>(handle);
+}
+
+// The batch's shape against the programs' and the weights set: false (with a Java exception) if they do not fit.
+bool bind(JNIEnv* env, splitface::StripLayer& layer, jfloatArray images, jint n, jint h, jint w, jobjectArray weights) {
+  const splitface::Geometry& g = layer.g;
+  jsize length = images == nullptr ? -1 : env->GetArrayLength(images);
+  if (n <= 0 || w != g.W || length != static_cast<jlong>(n) * g.C * h * w) {
+    throw_java(env, "java/lang/IllegalArgumentException", std::to_string(length) + " values as " + std::to_string(n) +
+               " images of " + std::to_string(h) + " x " + std::to_string(w) + "; the strip programs take images of " +
+               std::to_string(g.C) + " x H x " + std::to_string(g.W));
+    return false;
+  }
+  jsize count = weights == nullptr ? 0 : env->GetArrayLength(weights);
+  if (static_cast<size_t>(count) != layer.shared_count()) {
+    throw_java(env, "java/lang/IllegalArgumentException", "the strip programs take " +
+               std::to_string(layer.shared_count()) + " weights, got " + std::to_string(count));
+    return false;
+  }
+  try {
+    layer.set_height(h);
+    for (jsize i = 0; i < count; ++i) {
+      auto array = static_cast<jfloatArray>(env->GetObjectArrayElement(weights, i));
+      std::vector<float> values(array == nullptr ? 0 : env->GetArrayLength(array));
+      if (!values.empty()) env->GetFloatArrayRegion(array, 0, static_cast<jsize>(values.size()), values.data());
+      env->DeleteLocalRef(array);
+      layer.set_shared(static_cast<size_t>(i), values.data(), values.size());
+    }
+  } catch (const splitface::StripError& e) {
+    throw_java(env, "java/lang/IllegalArgumentException", e.what());
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+extern "C" JNIEXPORT jlong JNICALL Java_org_splitface_core_StripLayerTrainer_load(JNIEnv* env, jclass, jstring release,
+                                                                                jstring grad) {
+  auto text = [&](jstring s) {
+    const char* chars = env->GetStringUTFChars(s, nullptr);
+    std::string out(chars);
+    env->ReleaseStringUTFChars(s, chars);
+    return out;
+  };
+  try {
+    return reinterpret_cast<jlong>(new splitface::StripLayer(text(release), text(grad)));
+  } catch (const splitface::StripError& e) {
+    throw_java(env, "java/lang/IllegalArgumentException", e.what());
+    return 0;
+  }
+}
+
+extern "C" JNIEXPORT jintArray JNICALL Java_org_splitface_core_StripLayerTrainer_geometry(JNIEnv* env, jclass, jlong handle) {
+  splitface::StripLayer* layer = strips_of(env, handle);
+  if (layer == nullptr) return nullptr;
+  const splitface::Geometry& g = layer->g;
+  jint values[] = {g.C, g.O, g.R, g.W, g.kh, g.kw};
+  jintArray out = env->NewIntArray(6);
+  env->SetIntArrayRegion(out, 0, 6, values);
+  return out;
+}
+
+// The release of n images (n, C, h, w): (n, O, h, w), no noise (the caller adds it).
+extern "C" JNIEXPORT jfloatArray JNICALL Java_org_splitface_core_StripLayerTrainer_release(
+    JNIEnv* env, jclass, jlong handle, jfloatArray images, jint n, jint h, jint w, jobjectArray weights) {
+  splitface::StripLayer* layer = strips_of(env, handle);
+  if (layer == nullptr || !bind(env, *layer, images, n, h, w, weights)) return nullptr;
+  const splitface::Geometry& g = layer->g;
+  jfloatArray out = env->NewFloatArray(static_cast<jsize>(n * g.map()));
+  if (out == nullptr) return nullptr;  // OutOfMemoryError is pending
+  std::string error;
+  {
+    auto guard = thread_guard();
+    Pinned in(env, images), dst(env, out);
+    size_t rows = static_cast<size_t>(g.R) * g.W;
+    try {
+      for (jint s = 0; s < n; ++s) {
+        float* map = dst.data + s * g.map();
+        layer->release_image(in.data + s * g.image(), [&](int strip, const float* strip_out) {
+          for (int o = 0; o < g.O; ++o)
+            std::memcpy(map + static_cast<size_t>(o) * g.H * g.W + strip * rows, strip_out + o * rows, rows * sizeof(float));
+        });
+      }
+    } catch (const splitface::StripError& e) {
+      error = e.what();
+    }
+  }  // unpinned before any JNI call
+  if (!error.empty()) {
+    throw_java(env, "java/lang/IllegalStateException", error);
+    return nullptr;
+  }
+  return out;
+}
+
+// The weight gradients of n images given their server gradient (n, O, h, w), summed: one float[] per weight.
+extern "C" JNIEXPORT jobjectArray JNICALL Java_org_splitface_core_StripLayerTrainer_grads(
+    JNIEnv* env, jclass, jlong handle, jfloatArray images, jint n, jint h, jint w, jfloatArray grad, jobjectArray weights) {
+  splitface::StripLayer* layer = strips_of(env, handle);
+  if (layer == nullptr || !bind(env, *layer, images, n, h, w, weights)) return nullptr;
+  const splitface::Geometry& g = layer->g;
+  if (!layer->has_grad()) {
+    throw_java(env, "java/lang/IllegalStateException", "the strip layer was loaded without a gradient program");
+    return nullptr;
+  }
+  jsize length = grad == nullptr ? -1 : env->GetArrayLength(grad);
+  if (length != static_cast<jlong>(n) * g.map()) {
+    throw_java(env, "java/lang/IllegalArgumentException", "a gradient of " + std::to_string(length) + " values; " +
+               std::to_string(n) + " maps of " + std::to_string(g.map()) + " expected");
+    return nullptr;
+  }
+  std::vector<std::vector<float>> sums;
+  std::string error;
+  {
+    auto guard = thread_guard();
+    Pinned in(env, images), maps(env, grad);
+    try {
+      for (jint s = 0; s < n; ++s) layer->grad_image(in.data + s * g.image(), maps.data + s * g.map(), sums);
+    } catch (const splitface::StripError& e) {
+      error = e.what();
+    }
+  }
+  if (!error.empty()) {
+    throw_java(env, "java/lang/IllegalStateException", error);
+    return nullptr;
+  }
+  jobjectArray out = env->NewObjectArray(static_cast<jsize>(sums.size()), env->FindClass("[F"), nullptr);
+  for (size_t i = 0; i < sums.size(); ++i) {
+    jfloatArray array = env->NewFloatArray(static_cast<jsize>(sums[i].size()));
+    env->SetFloatArrayRegion(array, 0, static_cast<jsize>(sums[i].size()), sums[i].data());
+    env->SetObjectArrayElement(out, static_cast<jsize>(i), array);
+    env->DeleteLocalRef(array);
+  }
+  return out;
+}
+
+extern "C" JNIEXPORT void JNICALL Java_org_splitface_core_StripLayerTrainer_free(JNIEnv*, jclass, jlong handle) {
+  delete reinterpret_cast<splitface::StripLayer*>(handle);
 }

@@ -57,6 +57,7 @@
 
 #include "discrete_gaussian.h"
 #include "gaussian_noise.h"
+#include "strip_layer.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -74,6 +75,8 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 using executorch::aten::SizesType;
@@ -147,14 +150,6 @@ struct Noise {
 
 bool g_profile = false;  // --etdump: load every program with an ETDump event tracer
 
-std::unique_ptr<Module> load_module(const std::string& path) {
-  // Mmap: the program's constant data stays in the file's pages (the im2col programs have almost none).
-  auto m = std::make_unique<Module>(path, Module::LoadMode::Mmap,
-                                    g_profile ? std::make_unique<executorch::etdump::ETDumpGen>() : nullptr);
-  if (m->load_method("forward") != executorch::runtime::Error::Ok) fail("cannot load " + path);
-  return m;
-}
-
 // The ETDump a program's runs recorded, written to `path` (nothing without --etdump).
 void write_etdump(Module& m, const std::string& path) {
   auto* gen = static_cast<executorch::etdump::ETDumpGen*>(m.event_tracer());
@@ -197,7 +192,7 @@ NamedProgram open_named(const std::string& spec) {
   if (colon == std::string::npos) fail("a program is PATH:input,input,...; got " + spec);
   NamedProgram p;
   p.path = spec.substr(0, colon);
-  p.module = load_module(p.path);
+  p.module = splitface::load_module(p.path, g_profile);
   auto meta = p.module->method_meta("forward");
   if (!meta.ok()) fail("no forward method in " + p.path);
   p.names = split(spec.substr(colon + 1), ',');
@@ -277,17 +272,6 @@ struct Times {
   std::vector<double> compute_ms, total_ms, noise_ms;
 };
 
-// Adds a program's outputs into `sums` (the loss is a sum over samples and strips, so are the gradients).
-void accumulate(const std::vector<EValue>& outs, std::vector<std::vector<float>>& sums) {
-  sums.resize(outs.size());
-  for (size_t i = 0; i < outs.size(); ++i) {
-    const auto& g = outs[i].toTensor();
-    const float* v = g.const_data_ptr<float>();
-    sums[i].resize(g.numel(), 0.0f);
-    for (ssize_t k = 0; k < g.numel(); ++k) sums[i][k] += v[k];
-  }
-}
-
 // The release over all samples: each chunk read, run, and its release written to D/release.f32 (last run).
 void release_pass(Program& p, int samples, int out_fd, bool write, Noise& noise, Times& t) {
   double compute = 0, drawing = 0, start = now_ms();
@@ -321,7 +305,7 @@ std::vector<std::vector<float>> grad_pass(Program& p, int samples, Times& t) {
   for (size_t c = 0; c < chunks; ++c) {
     for (auto& in : p.inputs) read_chunk(in, c, c == 0, Noise{});
     double t0 = now_ms();
-    accumulate(run(p), sums);
+    splitface::accumulate(run(p), sums);
     compute += now_ms() - t0;
   }
   t.compute_ms.push_back(compute);
@@ -338,122 +322,40 @@ void pread_all(int fd, float* dst, size_t floats, size_t offset_floats, const st
   }
 }
 
-// A strip program: input 0 the padded strip (1, C, R + kh - 1, W + kw - 1); an input of the strip's output
-// shape (1, O, R, W) is that strip of a per-sample map (the server's gradient); any other is shared (read once).
-struct StripProgram {
-  std::string path;
-  std::unique_ptr<Module> module;
-  std::vector<std::string> names;
-  std::vector<std::vector<float>> buffers;
-  std::vector<TensorPtr> tensors;
-  int feature = -1;       // the input cut from a per-sample map, if any
-  int feature_fd = -1;
-};
-
-struct Geometry {
-  int C = 0, H = 0, W = 0, O = 0, R = 0, kh = 0, kw = 0;
-  size_t image() const { return static_cast<size_t>(C) * H * W; }
-  size_t map() const { return static_cast<size_t>(O) * H * W; }
-  size_t strip_in() const { return static_cast<size_t>(C) * (R + kh - 1) * (W + kw - 1); }
-};
-
-// A strip program loaded, its buffers allocated; `bind_strip` reads its files. The per-sample input, if any, is
-// the one of the strip's output shape.
-StripProgram load_strip(const std::string& spec, const std::vector<SizesType>& out_shape) {
-  NamedProgram named = open_named(spec);
-  StripProgram p;
-  p.path = named.path;
-  p.module = std::move(named.module);
-  p.names = named.names;
-  for (size_t i = 0; i < p.names.size(); ++i) {
-    p.buffers.emplace_back(named.inputs[i].nbytes / sizeof(float));
-    p.tensors.push_back(from_blob(p.buffers.back().data(), named.inputs[i].shape));
-    if (i > 0 && named.inputs[i].shape == out_shape) p.feature = static_cast<int>(i);
-  }
-  return p;
-}
-
-// The program's files in `dir`: every shared input (the weights) read now, the per-sample map's file opened. Called
-// again for each request of --serve, so that weights written between requests are the ones used.
-void bind_strip(StripProgram& p, const std::string& dir) {
-  for (size_t i = 1; i < p.names.size(); ++i) {  // input 0 is the strip, cut by the runner
-    std::string file = dir + "/" + p.names[i] + ".f32";
-    int fd = open_fd(file);
-    if (static_cast<int>(i) == p.feature) {
-      if (p.feature_fd >= 0) close(p.feature_fd);
-      p.feature_fd = fd;
-      continue;
-    }
-    size_t nbytes = p.buffers[i].size() * sizeof(float);
-    if (file_bytes(fd) != nbytes) {
-      fail(file + " holds " + std::to_string(file_bytes(fd)) + " bytes; the shared input takes " +
-           std::to_string(nbytes));
-    }
-    pread_all(fd, p.buffers[i].data(), p.buffers[i].size(), 0, file);
-    close(fd);
-  }
-}
-
-std::vector<EValue> run_strip(StripProgram& p) {
-  std::vector<EValue> args;
-  for (auto& t : p.tensors) args.emplace_back(t);
-  auto out = p.module->execute("forward", args);
-  if (!out.ok()) fail("executing " + p.path + " failed (error " + std::to_string(static_cast<int>(out.error())) + ")");
-  return std::move(*out);
-}
-
-// The image's rows with the conv's zero halo: `padded` is (C, H + kh - 1, W + kw - 1), its border stays zero.
-void pad_image(const Geometry& g, const float* image, std::vector<float>& padded) {
-  int hp = g.H + g.kh - 1, wp = g.W + g.kw - 1, top = (g.kh - 1) / 2, left = (g.kw - 1) / 2;
-  padded.resize(static_cast<size_t>(g.C) * hp * wp, 0.0f);
-  for (int c = 0; c < g.C; ++c)
-    for (int y = 0; y < g.H; ++y)
-      std::memcpy(&padded[(static_cast<size_t>(c) * hp + y + top) * wp + left], image + (static_cast<size_t>(c) * g.H + y) * g.W,
-                  g.W * sizeof(float));
-}
-
-// Strip t of the padded image into the program's first input: rows [t R, t R + R + kh - 1) of every channel.
-void cut_strip(const Geometry& g, const std::vector<float>& padded, int t, float* strip) {
-  int hp = g.H + g.kh - 1, wp = g.W + g.kw - 1, rows = g.R + g.kh - 1;
-  for (int c = 0; c < g.C; ++c)
-    std::memcpy(strip + static_cast<size_t>(c) * rows * wp, &padded[(static_cast<size_t>(c) * hp + t * g.R) * wp],
-                static_cast<size_t>(rows) * wp * sizeof(float));
-}
-
+// The runner around the in-memory strip layer (strip_layer.h): each request's images (and noise, or the
+// server's gradient) streamed in from files one sample at a time, its release or weight gradient out.
 struct StripRunner {
-  Geometry g;
-  StripProgram release, grad;
-  bool has_grad = false;
-  int image_fd = -1, samples = 0;
+  std::unique_ptr<splitface::StripLayer> layer;
+  std::vector<std::string> release_names, grad_names;  // each program's inputs' file names, from the command line
+  int image_fd = -1, grad_fd = -1, samples = 0;
   std::string noise_in;  // --noise-in NAME: the release's noise read from D/NAME.f32 (N maps), added per strip
   int noise_fd = -1;
-  std::vector<float> image, padded, map, noise_map;  // one sample's image, padded image, release or gradient
-                                                       // map, and read noise
+  std::vector<float> image, map, noise_map;  // one sample's image, release or gradient map, and read noise
   std::vector<int64_t> quantised;  // --noise-discrete: one sample's release in steps, and its int8 release
   std::vector<int8_t> integers;
+
+  const splitface::Geometry& g() const { return layer->g; }
+  bool has_grad() const { return layer->has_grad(); }
 
   // --noise-discrete: the finished map clipped, quantised and noised from `stream` (one per release, read in
   // order over the samples) into `integers`.
   void exact_noise(const Noise& noise, splitface::KeyStream& stream) {
-    quantised.resize(g.map());
-    integers.resize(g.map());
-    splitface::clip_quantise(map.data(), g.map(), noise.step, noise.bound, quantised.data());
-    splitface::add_discrete(quantised.data(), g.map(), *noise.discrete, stream, integers.data());
+    quantised.resize(g().map());
+    integers.resize(g().map());
+    splitface::clip_quantise(map.data(), g().map(), noise.step, noise.bound, quantised.data());
+    splitface::add_discrete(quantised.data(), g().map(), *noise.discrete, stream, integers.data());
   }
 
   // Sample `s`'s release into the output file: float32, or int8 with --noise-discrete.
   void write_sample(int out_fd, int s, bool exact) {
     const void* data = exact ? static_cast<const void*>(integers.data()) : map.data();
-    size_t bytes = exact ? g.map() : g.map() * sizeof(float);
+    size_t bytes = exact ? g().map() : g().map() * sizeof(float);
     if (pwrite(out_fd, data, bytes, static_cast<off_t>(s * bytes)) != static_cast<ssize_t>(bytes)) {
       fail("cannot write the release");
     }
   }
 
-  void load_image(int s) {
-    pread_all(image_fd, image.data(), g.image(), s * g.image(), "images");
-    pad_image(g, image.data(), padded);
-  }
+  void load_image(int s) { pread_all(image_fd, image.data(), g().image(), s * g().image(), "images"); }
 
   // The release of every sample, strip by strip, the noise drawn into each strip's rows as they are copied out.
   void release_pass(int out_fd, bool write, Noise& noise, Times& t) {
@@ -461,20 +363,18 @@ struct StripRunner {
     if (noise.on || noise.discrete) noise.rekey();  // one key per release
     std::optional<splitface::KeyStream> stream;
     if (noise.discrete) stream.emplace(noise.key);
+    const splitface::Geometry& geo = g();
+    size_t rows = static_cast<size_t>(geo.R) * geo.W;
     for (int s = 0; s < samples; ++s) {
       load_image(s);
-      if (noise_fd >= 0) pread_all(noise_fd, noise_map.data(), g.map(), s * g.map(), noise_in);
+      if (noise_fd >= 0) pread_all(noise_fd, noise_map.data(), geo.map(), s * geo.map(), noise_in);
       double t0 = now_ms();
-      for (int strip = 0; strip < g.H / g.R; ++strip) {
-        cut_strip(g, padded, strip, release.buffers[0].data());
-        auto outs = run_strip(release);
-        const float* out = outs.at(0).toTensor().const_data_ptr<float>();
+      layer->release_image(image.data(), [&](int strip, const float* out) {
         double t1 = now_ms();
-        size_t rows = static_cast<size_t>(g.R) * g.W;
-        for (int o = 0; o < g.O; ++o) {
-          size_t at = static_cast<size_t>(o) * g.H * g.W + strip * rows;
+        for (int o = 0; o < geo.O; ++o) {
+          size_t at = static_cast<size_t>(o) * geo.H * geo.W + strip * rows;
           if (noise.on) {
-            splitface::add_gaussian(&map[at], out + o * rows, rows, s * g.map() + at, noise.key, noise.std);
+            splitface::add_gaussian(&map[at], out + o * rows, rows, s * geo.map() + at, noise.key, noise.std);
           } else if (noise_fd >= 0) {
             for (size_t k = 0; k < rows; ++k) map[at + k] = out[o * rows + k] + noise_map[at + k];
           } else {
@@ -482,7 +382,7 @@ struct StripRunner {
           }
         }
         if (noise.on) drawing += now_ms() - t1;
-      }
+      });
       if (noise.discrete) {  // the exact noise needs the whole image's norm: drawn once its map is complete
         double t1 = now_ms();
         exact_noise(noise, *stream);
@@ -502,16 +402,9 @@ struct StripRunner {
     std::vector<std::vector<float>> sums;
     for (int s = 0; s < samples; ++s) {
       load_image(s);
-      pread_all(grad.feature_fd, map.data(), g.map(), s * g.map(), grad.names[grad.feature]);
+      pread_all(grad_fd, map.data(), g().map(), s * g().map(), grad_names[layer->grad.feature]);
       double t0 = now_ms();
-      size_t rows = static_cast<size_t>(g.R) * g.W;
-      float* feature = grad.buffers[grad.feature].data();
-      for (int strip = 0; strip < g.H / g.R; ++strip) {
-        cut_strip(g, padded, strip, grad.buffers[0].data());
-        for (int o = 0; o < g.O; ++o)
-          std::memcpy(feature + o * rows, &map[static_cast<size_t>(o) * g.H * g.W + strip * rows], rows * sizeof(float));
-        accumulate(run_strip(grad), sums);
-      }
+      layer->grad_image(image.data(), map.data(), sums);
       compute += now_ms() - t0;
     }
     t.compute_ms.push_back(compute);
@@ -520,72 +413,82 @@ struct StripRunner {
   }
 };
 
-// The strip programs loaded and their geometry read from the release program's strip input and output; the
-// files are read by `bind_strips`.
+// A program named on the command line as PATH:input,input,...: its path and one name per input.
+std::pair<std::string, std::vector<std::string>> named_path(const std::string& spec) {
+  auto colon = spec.rfind(':');
+  if (colon == std::string::npos) fail("a program is PATH:input,input,...; got " + spec);
+  return {spec.substr(0, colon), split(spec.substr(colon + 1), ',')};
+}
+
+// The strip programs loaded; the files are read by `bind_strips`.
 StripRunner load_strips(const std::string& release_spec, const std::string& grad_spec) {
   StripRunner r;
-  {
-    auto colon = release_spec.rfind(':');
-    Module probe(release_spec.substr(0, colon), Module::LoadMode::Mmap);
-    auto meta = probe.method_meta("forward");
-    if (!meta.ok()) fail("cannot read " + release_spec.substr(0, colon));
-    auto in = meta->input_tensor_meta(0);
-    auto out = meta->output_tensor_meta(0);
-    if (!in.ok() || !out.ok() || in->sizes().size() != 4 || out->sizes().size() != 4 || in->sizes()[0] != 1 ||
-        out->sizes()[0] != 1) {
-      fail("a strip program takes and returns one (1, C, rows, width) strip");
+  auto [release_path, release_names] = named_path(release_spec);
+  std::string grad_path;
+  if (!grad_spec.empty()) std::tie(grad_path, r.grad_names) = named_path(grad_spec);
+  r.release_names = release_names;
+  r.layer = std::make_unique<splitface::StripLayer>(release_path, grad_path, g_profile);
+  auto check = [](const splitface::StripProgram& p, const std::vector<std::string>& names) {
+    if (names.size() != p.buffers.size()) {
+      fail(p.path + " takes " + std::to_string(p.buffers.size()) + " inputs; " + std::to_string(names.size()) + " named");
     }
-    r.g.C = in->sizes()[1];
-    r.g.O = out->sizes()[1];
-    r.g.R = out->sizes()[2];
-    r.g.W = out->sizes()[3];
-    r.g.kh = in->sizes()[2] - r.g.R + 1;
-    r.g.kw = in->sizes()[3] - r.g.W + 1;
-    if (r.g.kh < 1 || r.g.kw < 1 || r.g.kh % 2 == 0 || r.g.kw % 2 == 0) fail("the strip's halo is not a 'same' conv's");
-  }
-  std::vector<SizesType> out_shape = {1, r.g.O, r.g.R, r.g.W};
-  r.release = load_strip(release_spec, out_shape);
-  if (r.release.feature >= 0) fail("a strip release program takes no per-sample map (the runner draws the noise)");
-  r.has_grad = !grad_spec.empty();
-  if (r.has_grad) {
-    r.grad = load_strip(grad_spec, out_shape);
-    if (r.grad.feature < 0) fail(r.grad.path + " takes no (1, O, rows, width) gradient strip");
+  };
+  check(r.layer->release, r.release_names);
+  if (r.has_grad()) {
+    check(r.layer->grad, r.grad_names);
+    for (size_t i = 0; i < r.layer->shared_count(); ++i) {
+      if (r.release_names[r.layer->release.shared[i]] != r.grad_names[r.layer->grad.shared[i]]) {
+        fail("the release and gradient programs take the same weights, in the same order");
+      }
+    }
   }
   return r;
 }
 
-// `samples` images from D/<images>.f32 (their height from its size) and the inputs of the release or of the
-// gradient program, as they are in `dir` now.
+// `samples` images from D/<images>.f32 (their height from its size), the weights as they are in `dir` now, and
+// the noise or the server's gradient opened.
 void bind_strips(StripRunner& r, const std::string& dir, int samples, bool release, bool grad) {
   r.samples = samples;
-  if (release) bind_strip(r.release, dir);
-  if (grad) bind_strip(r.grad, dir);
-  std::string file = dir + "/" + r.release.names[0] + ".f32";
+  splitface::StripLayer& layer = *r.layer;
+  for (size_t i = 0; i < layer.shared_count(); ++i) {  // the weights, re-read with every request
+    std::string file = dir + "/" + r.release_names[layer.release.shared[i]] + ".f32";
+    int fd = open_fd(file);
+    size_t nbytes = layer.shared_size(i) * sizeof(float);
+    if (file_bytes(fd) != nbytes) {
+      fail(file + " holds " + std::to_string(file_bytes(fd)) + " bytes; the shared input takes " + std::to_string(nbytes));
+    }
+    std::vector<float> weight(layer.shared_size(i));
+    pread_all(fd, weight.data(), weight.size(), 0, file);
+    close(fd);
+    layer.set_shared(i, weight.data(), weight.size());
+  }
+  std::string file = dir + "/" + r.release_names[0] + ".f32";
   if (r.image_fd >= 0) close(r.image_fd);
   r.image_fd = open_fd(file);
-  size_t per_row = static_cast<size_t>(samples) * r.g.C * r.g.W * sizeof(float);
+  const splitface::Geometry& g = layer.g;
+  size_t per_row = static_cast<size_t>(samples) * g.C * g.W * sizeof(float);
   size_t bytes = file_bytes(r.image_fd);
-  if (bytes % per_row != 0 || bytes / per_row % r.g.R != 0 || bytes == 0) {
+  if (bytes % per_row != 0 || bytes / per_row % g.R != 0 || bytes == 0) {
     fail(file + " holds " + std::to_string(bytes) + " bytes: not " + std::to_string(samples) + " images of " +
-         std::to_string(r.g.C) + " x H x " + std::to_string(r.g.W) + " with H a multiple of " + std::to_string(r.g.R));
+         std::to_string(g.C) + " x H x " + std::to_string(g.W) + " with H a multiple of " + std::to_string(g.R));
   }
-  r.g.H = static_cast<int>(bytes / per_row);
-  const size_t maps = samples * r.g.map() * sizeof(float);
-  if (grad && file_bytes(r.grad.feature_fd) != maps) {
-    fail(r.grad.names[r.grad.feature] + ".f32 holds " + std::to_string(file_bytes(r.grad.feature_fd)) +
-         " bytes; " + std::to_string(samples) + " maps of " + std::to_string(r.g.map() * sizeof(float)) + " expected");
-  }
-  if (release && !r.noise_in.empty()) {
-    if (r.noise_fd >= 0) close(r.noise_fd);
-    r.noise_fd = open_fd(dir + "/" + r.noise_in + ".f32");
-    if (file_bytes(r.noise_fd) != maps) {
-      fail(r.noise_in + ".f32 holds " + std::to_string(file_bytes(r.noise_fd)) + " bytes; " +
-           std::to_string(samples) + " maps of " + std::to_string(r.g.map() * sizeof(float)) + " expected");
+  layer.set_height(static_cast<int>(bytes / per_row));
+  const size_t maps = samples * g.map() * sizeof(float);
+  auto open_maps = [&](int& fd, const std::string& name) {
+    if (fd >= 0) close(fd);
+    fd = open_fd(dir + "/" + name + ".f32");
+    if (file_bytes(fd) != maps) {
+      fail(name + ".f32 holds " + std::to_string(file_bytes(fd)) + " bytes; " + std::to_string(samples) +
+           " maps of " + std::to_string(g.map() * sizeof(float)) + " expected");
     }
-    r.noise_map.resize(r.g.map());
+  };
+  if (grad) open_maps(r.grad_fd, r.grad_names[layer.grad.feature]);
+  if (release && !r.noise_in.empty()) {
+    open_maps(r.noise_fd, r.noise_in);
+    r.noise_map.resize(g.map());
   }
-  r.image.resize(r.g.image());
-  r.map.resize(r.g.map());
+  r.image.resize(g.image());
+  r.map.resize(g.map());
 }
 
 void write_grads(const std::string& dir, const std::vector<std::vector<float>>& sums) {
@@ -614,7 +517,7 @@ int serve(StripRunner& r, const std::string& dir, Noise& noise) {
     std::string op;
     int samples = 0;
     if (!(request >> op >> samples) || samples <= 0 || (op != "release" && op != "grad") ||
-        (op == "grad" && !r.has_grad)) {
+        (op == "grad" && !r.has_grad())) {
       fail("a request is \"release N\" or \"grad N\" (with --grad), got \"" + line + "\"");
     }
     bool release = op == "release";
@@ -630,7 +533,7 @@ int serve(StripRunner& r, const std::string& dir, Noise& noise) {
       }
       std::string out_path = release_path(dir, noise);
       int out_fd = open(out_path.c_str(), O_WRONLY | O_CREAT, 0644);  // no O_TRUNC: the pages are reused
-      size_t per_sample = noise.discrete ? r.g.map() : r.g.map() * sizeof(float);
+      size_t per_sample = noise.discrete ? r.g().map() : r.g().map() * sizeof(float);
       if (out_fd < 0 || ftruncate(out_fd, static_cast<off_t>(samples * per_sample)) != 0) {
         fail("cannot create " + out_path);
       }
@@ -641,7 +544,7 @@ int serve(StripRunner& r, const std::string& dir, Noise& noise) {
       write_grads(dir, r.grad_pass(t));
     }
     std::printf("{\"op\": \"%s\", \"samples\": %d, \"height\": %d, \"compute_ms\": %g, \"noise_ms\": %g, "
-                "\"total_ms\": %g, \"peak_kb\": %ld}\n", op.c_str(), samples, r.g.H, t.compute_ms[0],
+                "\"total_ms\": %g, \"peak_kb\": %ld}\n", op.c_str(), samples, r.g().H, t.compute_ms[0],
                 t.noise_ms.empty() ? 0.0 : t.noise_ms[0], t.total_ms[0], peak_kb());
     std::fflush(stdout);
   }
@@ -696,7 +599,7 @@ std::string json_list(const std::vector<double>& v) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run_main(int argc, char** argv) {
   std::string dir, release_spec, grad_spec, threads = "1";
   int samples = 0, runs = 3, warmup = 1;
   bool strips = false, serving = false;
@@ -798,8 +701,8 @@ int main(int argc, char** argv) {
   close(out_fd);
   long peak_end = peak_kb();
   if (g_profile) {
-    write_etdump(strips ? *striped.release.module : *release.module, etdump + ".release.etdp");
-    if (has_grad) write_etdump(strips ? *striped.grad.module : *grad.module, etdump + ".grad.etdp");
+    write_etdump(strips ? *striped.layer->release.module : *release.module, etdump + ".release.etdp");
+    if (has_grad) write_etdump(strips ? *striped.layer->grad.module : *grad.module, etdump + ".grad.etdp");
   }
   write_grads(dir, sums);
   auto drop = [&](std::vector<double> v) { return std::vector<double>(v.begin() + warmup, v.end()); };
@@ -809,11 +712,19 @@ int main(int argc, char** argv) {
       " \"peak_forward_kb\": %ld, \"peak_kb\": %ld, \"grad_outputs\": %zu,\n"
       " \"forward_compute_ms\": %s, \"forward_noise_ms\": %s, \"forward_total_ms\": %s,\n"
       " \"backward_compute_ms\": %s, \"backward_total_ms\": %s}\n",
-      samples, strips ? 1 : release.batch, strips ? striped.g.R : 0, threads.c_str(), warmup, runs,
+      samples, strips ? 1 : release.batch, strips ? striped.g().R : 0, threads.c_str(), warmup, runs,
       noise.on ? noise.std : 0.0f, rss_start, rss_loaded, peak_loaded, peak_forward, peak_end, sums.size(),
       json_list(drop(fwd.compute_ms)).c_str(), json_list(drop(fwd.noise_ms)).c_str(),
       json_list(drop(fwd.total_ms)).c_str(),
       json_list(has_grad ? drop(bwd.compute_ms) : std::vector<double>{}).c_str(),
       json_list(has_grad ? drop(bwd.total_ms) : std::vector<double>{}).c_str());
   return 0;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run_main(argc, argv);
+  } catch (const splitface::StripError& e) {  // a bad program, weight or call in the strip layer
+    fail(e.what());
+  }
 }

@@ -12,11 +12,10 @@ import java.util.Map;
 /**
  * Command-line entry points on a msgpack job file (what tests/test_android_core.py writes):
  *   parity JOB OUT   run the device layer forward and backward, write the results
- *   bench JOB reference|executorch
- *                    time the layer's forward and weight gradient ("warmup" and "runs" in the job; "threads": 1 runs
+ *   bench JOB        time the layer's forward and weight gradient ("warmup" and "runs" in the job; "threads": 1 runs
  *                    ExecuTorch on the calling thread), one JSON line with the times in ms and the JVM's peak RSS
- * A job with "programs" runs the layer on the im2col programs through ExecuTorch's C++ runtime (JNI,
- * {@link GemmLayerTrainer}) instead of the plain-Java reference layer.
+ * A job with "programs" runs the layer through ExecuTorch's C++ runtime (JNI; {@link #trainer}) instead of the
+ * plain-Java reference layer.
  *   train JOB [--ca-file PEM] [--insecure] [--max-message-bytes N]
  *                    train against the server in the job, one JSON line of metrics per batch. wss:// trusts the
  *                    CA certificates in --ca-file (else the platform's) and checks the host name; plain ws:// is
@@ -27,14 +26,14 @@ import java.util.Map;
 public final class Cli {
     private Cli() {}
 
-    static final String USAGE = "usage: parity JOB OUT | bench JOB reference|executorch | train JOB [--ca-file PEM] [--insecure] [--max-message-bytes N]";
+    static final String USAGE = "usage: parity JOB OUT | bench JOB | train JOB [--ca-file PEM] [--insecure] [--max-message-bytes N]";
 
     public static void main(String[] args) throws Exception {
         if (args.length < 2) { System.err.println(USAGE); System.exit(64); }
         @SuppressWarnings("unchecked") Map<String, Object> job = (Map<String, Object>) Wire.unpack(Files.readAllBytes(Path.of(args[1])));
         switch (args[0]) {
             case "parity": parity(job, Path.of(args[2])); break;
-            case "bench": bench(job, args.length > 2 ? args[2] : ""); break;
+            case "bench": bench(job); break;
             case "train": System.exit(train(job, Arrays.copyOfRange(args, 2, args.length))); break;
             default: System.err.println("unknown command " + args[0]); System.exit(64);
         }
@@ -61,25 +60,31 @@ public final class Cli {
     }
 
     /**
-     * The job's "programs" ({"library": libsplitface_jni, "release": release_gemm.pte, "vjp": vjp_gemm.pte}): the
-     * layer on the im2col programs through ExecuTorch's C++ runtime, with the job's weights; null without them
-     * (the plain-Java reference layer).
+     * The job's "programs": {"library": libsplitface_jni, "kind": "gemm" or "strips", "release", "vjp": the .pte
+     * files}: the layer through ExecuTorch's C++ runtime with the job's weights, on the batch im2col programs
+     * ({@link GemmLayerTrainer}) or the strip programs ({@link StripLayerTrainer}); without them the plain-Java
+     * reference layer.
      */
-    static GemmLayerTrainer programs(Map<String, Object> job, DeviceLayer layer, Sgd sgd) {
+    static LayerTrainer trainer(Map<String, Object> job, DeviceLayer layer, Sgd sgd) {
         Map<?, ?> programs = (Map<?, ?>) job.get("programs");
-        if (programs == null) return null;
+        if (programs == null) return new ReferenceLayerTrainer(layer, sgd);
         NativeProgram.loadLibrary(Path.of((String) programs.get("library")));
-        return new GemmLayerTrainer(new NativeProgram(Path.of((String) programs.get("release"))),
-                new NativeProgram(Path.of((String) programs.get("vjp"))), layer, sgd);
+        if (job.get("threads") != null) NativeProgram.singleThreaded(i(job.get("threads")) == 1);
+        Path release = Path.of((String) programs.get("release")), vjp = Path.of((String) programs.get("vjp"));
+        switch ((String) programs.get("kind")) {
+            case "gemm": return new GemmLayerTrainer(new NativeProgram(release), new NativeProgram(vjp), layer, sgd);
+            case "strips": return new StripLayerTrainer(release, vjp, layer, sgd);
+            default: throw new IllegalArgumentException("programs' kind is gemm or strips, not " + programs.get("kind"));
+        }
     }
 
     static void parity(Map<String, Object> job, Path out) throws Exception {
         DeviceLayer layer = layer(job);
         int[] shape = ints((List<?>) job.get("shape"));
         float[] images = pixels((byte[]) job.get("images")), grad = floats((byte[]) job.get("grad"));
-        GemmLayerTrainer gemm = programs(job, layer, null);
-        float[] y = gemm == null ? layer.forward(images, shape[0], shape[2], shape[3]) : gemm.forward(images, shape[0], shape[2], shape[3]);
-        float[][] g = gemm == null ? layer.backward(grad) : gemm.weightGrads(grad);
+        LayerTrainer trainer = trainer(job, layer, null);
+        float[] y = trainer.forward(images, shape[0], shape[2], shape[3]);
+        float[][] g = trainer.weightGrads(grad);
         Map<String, Object> result = new LinkedHashMap<>();
         result.put("out", bytes(y));
         result.put("grad_weight", bytes(g[0]));
@@ -87,22 +92,18 @@ public final class Cli {
         Files.write(out, Wire.pack(result));
     }
 
-    static void bench(Map<String, Object> job, String which) throws Exception {
+    static void bench(Map<String, Object> job) throws Exception {
         DeviceLayer layer = layer(job);
         int[] shape = ints((List<?>) job.get("shape"));
         float[] images = pixels((byte[]) job.get("images")), grad = floats((byte[]) job.get("grad"));
-        if (!which.equals("reference") && !which.equals("executorch")) throw new IllegalArgumentException(USAGE);
-        GemmLayerTrainer gemm = which.equals("executorch") ? programs(job, layer, null) : null;
-        if (gemm != null && job.get("threads") != null) NativeProgram.singleThreaded(i(job.get("threads")) == 1);
+        LayerTrainer trainer = trainer(job, layer, null);
         int warmup = i(job.get("warmup")), runs = i(job.get("runs"));
         StringBuilder forward = new StringBuilder(), backward = new StringBuilder();
         for (int r = 0; r < warmup + runs; r++) {
             long t0 = System.nanoTime();
-            if (gemm == null) layer.forward(images, shape[0], shape[2], shape[3]);
-            else gemm.forward(images, shape[0], shape[2], shape[3]);
+            trainer.forward(images, shape[0], shape[2], shape[3]);
             long t1 = System.nanoTime();
-            if (gemm == null) layer.backward(grad);
-            else gemm.weightGrads(grad);
+            trainer.weightGrads(grad);
             long t2 = System.nanoTime();
             if (r < warmup) continue;
             forward.append(forward.length() == 0 ? "" : ", ").append((t1 - t0) / 1e6);
@@ -111,7 +112,7 @@ public final class Cli {
         long peak = -1;
         for (String line : Files.readAllLines(Path.of("/proc/self/status")))
             if (line.startsWith("VmHWM:")) peak = Long.parseLong(line.replaceAll("[^0-9]", ""));
-        System.out.println("{\"trainer\": \"" + which + "\", \"forward_ms\": [" + forward + "], \"grad_ms\": [" + backward
+        System.out.println("{\"trainer\": \"" + trainer.getClass().getSimpleName() + "\", \"forward_ms\": [" + forward + "], \"grad_ms\": [" + backward
                 + "], \"peak_kb\": " + peak + "}");
     }
 
@@ -194,11 +195,6 @@ public final class Cli {
             System.err.println("ERROR " + e.getMessage());
             return 6;
         }
-    }
-
-    static LayerTrainer trainer(Map<String, Object> job, DeviceLayer layer, Sgd sgd) {
-        GemmLayerTrainer gemm = programs(job, layer, sgd);
-        return gemm != null ? gemm : new ReferenceLayerTrainer(layer, sgd);
     }
 
     private static String value(String[] options, int j) {

@@ -34,7 +34,7 @@ public final class GemmLayerTrainer implements LayerTrainer {
     }
 
     /** The weight and bias gradients of the last forward's images given the server's gradient. */
-    public float[][] weightGrads(float[] activationGrad) {
+    @Override public float[][] weightGrads(float[] activationGrad) {
         if (lastImages == null) throw new IllegalStateException("weightGrads before any forward");
         float[] grad = padded(activationGrad, (int) numel(vjp.inputShape(1)));
         float[][] g = vjp.forward(new float[][] {lastImages, grad, layer.weight, layer.bias});

@@ -13,6 +13,14 @@ public interface LayerTrainer {
     /** Backward of the last forward given the server's gradient, then one optimiser step. */
     void step(float[] activationGrad);
 
+    /**
+     * The weight gradients {@link #step} would apply for the last forward, without applying them (parity checks
+     * and benchmarks); a trainer whose training program applies them itself has none to give.
+     */
+    default float[][] weightGrads(float[] activationGrad) {
+        throw new UnsupportedOperationException(getClass().getSimpleName() + " applies its gradients inside its program");
+    }
+
     /** A copy of everything {@link #step} changes, for rolling back to a server checkpoint. */
     Object snapshot();
 

@@ -11,7 +11,9 @@ public final class ReferenceLayerTrainer implements LayerTrainer {
 
     @Override public float[] forward(float[] images, int n, int h, int w) { return layer.forward(images, n, h, w); }
 
-    @Override public void step(float[] activationGrad) { sgd.step(layer.backward(activationGrad)); }
+    @Override public float[][] weightGrads(float[] activationGrad) { return layer.backward(activationGrad); }
+
+    @Override public void step(float[] activationGrad) { sgd.step(weightGrads(activationGrad)); }
 
     @Override public Object snapshot() { return new Object[] {layer.state(), sgd.state()}; }
 
