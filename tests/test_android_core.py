@@ -60,28 +60,34 @@ def faces(lfw):
     return train.load(64, 160), train.labels, len(split.class_names)
 
 
-@pytest.mark.parametrize("clamp", [None, 1.0])
-def test_java_device_layer_equals_pytorch_on_real_faces(java, faces, tmp_path, clamp):
-    images = faces[0][:4]
-    layer = device_layer(clamp)
+def parity(java, layer: torch.nn.Module, images: np.ndarray, tmp_path: Path, release_atol: float, grad_rtol: float,
+           **extra) -> dict:
+    """`Cli parity` on `images` with a random server gradient, held to eager PyTorch's release and weight gradients;
+    the job it ran (with `extra`, e.g. "programs")."""
     x = to_input(images)
     out = layer(x)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
     (out * grad).sum().backward()
     job = {**java_layer_job(layer), "images": images.tobytes(), "shape": list(images.shape),
-           "grad": grad.numpy().astype("<f4").tobytes()}
+           "grad": grad.numpy().astype("<f4").tobytes(), **extra}
     (tmp_path / "job.msgpack").write_bytes(msgpack.packb(job))
     run = subprocess.run([*java, "parity", str(tmp_path / "job.msgpack"), str(tmp_path / "out.msgpack")],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     got = msgpack.unpackb((tmp_path / "out.msgpack").read_bytes())
     java_out = np.frombuffer(got["out"], "<f4").reshape(out.shape)
-    np.testing.assert_allclose(java_out, out.detach().numpy(), atol=1e-5)   # activations lie in [0, 1)
+    np.testing.assert_allclose(java_out, out.detach().numpy(), atol=release_atol)
     conv = next(m for m in layer.modules() if isinstance(m, torch.nn.Conv2d))
     for name, param in (("grad_weight", conv.weight), ("grad_bias", conv.bias)):
         want = param.grad.numpy()
         java_grad = np.frombuffer(got[name], "<f4").reshape(want.shape)
-        np.testing.assert_allclose(java_grad, want, atol=1e-4 * np.abs(want).max())
+        np.testing.assert_allclose(java_grad, want, atol=grad_rtol * np.abs(want).max())
+    return job
+
+
+@pytest.mark.parametrize("clamp", [None, 1.0])
+def test_java_device_layer_equals_pytorch_on_real_faces(java, faces, tmp_path, clamp):
+    parity(java, device_layer(clamp), faces[0][:4], tmp_path, 1e-5, 1e-4)   # activations lie in [0, 1)
 
 
 def programs(layer: torch.nn.Module, kind: str, batch: int, size: int, out: Path) -> dict:
@@ -116,24 +122,8 @@ def test_java_device_on_executorch_equals_pytorch_on_real_faces(java, faces, tmp
     batch programs' 4; images or weights that do not fit the programs are refused by name, not a crash."""
     images = faces[0][:3]
     layer = device_layer(clamp)
-    x = to_input(images)
-    out = layer(x)
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
-    (out * grad).sum().backward()
-    job = {**java_layer_job(layer), "images": images.tobytes(), "shape": list(images.shape),
-           "grad": grad.numpy().astype("<f4").tobytes(), "programs": programs(layer, kind, 4, 64, tmp_path / "programs")}
-    (tmp_path / "job.msgpack").write_bytes(msgpack.packb(job))
-    run = subprocess.run([*java, "parity", str(tmp_path / "job.msgpack"), str(tmp_path / "out.msgpack")],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    got = msgpack.unpackb((tmp_path / "out.msgpack").read_bytes())
-    java_out = np.frombuffer(got["out"], "<f4").reshape(out.shape)
-    np.testing.assert_allclose(java_out, out.detach().numpy(), atol=RELEASE_ATOL)
-    conv = next(m for m in layer.modules() if isinstance(m, torch.nn.Conv2d))
-    for name, param in (("grad_weight", conv.weight), ("grad_bias", conv.bias)):
-        want = param.grad.numpy()
-        java_grad = np.frombuffer(got[name], "<f4").reshape(want.shape)
-        np.testing.assert_allclose(java_grad, want, atol=GRAD_RTOL * np.abs(want).max())
+    job = parity(java, layer, images, tmp_path, RELEASE_ATOL, GRAD_RTOL,
+                 programs=programs(layer, kind, 4, 64, tmp_path / "programs"))
     cout = job["conv"]["cout"]
     other_layer = {"conv": {**job["conv"], "cout": cout + 1}, "weight": job["weight"] + bytes(len(job["weight"]) // cout),
                    "bias": job["bias"] + bytes(4)}  # the programs were exported for another layer

@@ -347,13 +347,21 @@ def exact_params(mechanism: DiscreteGaussianMechanism) -> tuple[str, float, int]
     return info["sigma2_steps"], info["step"], info["bound_steps"]
 
 
-def exact_engine(spec, mechanism, runtime=None):
-    """A device engine on VGG-Face's conv1 with `mechanism` (secret fixed: every engine draws the same keys)."""
+def vgg_engine(mechanism, runtime=None, layer=None):
+    """A device engine on VGG-Face's conv1 (small, 32 px) with `mechanism` (secret fixed: every engine draws the
+    same keys), holding `layer`'s weights and the LRN clamp that the runner's programs hold."""
+    import dataclasses
+
     from device_sdk.engine import DeviceEngine, PrivacyEngine
     from device_sdk.optim import TrainConfig
 
+    spec = dataclasses.replace(resolve_spec("vgg_face_small"), input_size=32)
     engine = DeviceEngine(spec, "conv1", "server", 4, TrainConfig(lr=0.5, momentum=0.0),
                           PrivacyEngine(mechanism=mechanism, secret=7))
+    if layer is not None:
+        engine.layer.load_state_dict(layer.state_dict())
+        for lrn in (m for m in engine.layer.modules() if isinstance(m, PaperLRN)):
+            lrn.input_max = 1.0
     if runtime is not None:
         engine.attach_runtime(runtime)
     return engine
@@ -366,10 +374,6 @@ def test_native_backend_exact_release_is_keyed_and_trains_like_eager(tmp_path):
     key and different under another; through the engine, a re-sent release repeats its integers and is counted
     once, the accountant's figures are the eager engine's, and the straight-through weight gradient (the layer's
     own vector-Jacobian product: the clip and the rounding pass the gradient unchanged) matches eager PyTorch's."""
-    import dataclasses
-
-    from device_sdk.models import resolve_spec
-
     layer = vgg_layer()
     runtime = NativeRuntime(layer, tmp_path, backend_manifest(layer, 2, 32))
     try:
@@ -399,12 +403,7 @@ def test_native_backend_exact_release_is_keyed_and_trains_like_eager(tmp_path):
             runtime.exact_release(images, weights, mechanism, b"short")
 
         # the engine: the native engine's release, replay, accounting and step against eager PyTorch's
-        spec = dataclasses.replace(resolve_spec("vgg_face_small"), input_size=32)
-        torch_engine, native_engine = exact_engine(spec, mechanism), exact_engine(spec, mechanism, runtime)
-        for engine in (torch_engine, native_engine):  # the runner's programs hold vgg_layer's LRN clamp
-            engine.layer.load_state_dict(layer.state_dict())
-            for lrn in (m for m in engine.layer.modules() if isinstance(m, PaperLRN)):
-                lrn.input_max = 1.0
+        torch_engine, native_engine = vgg_engine(mechanism, layer=layer), vgg_engine(mechanism, runtime, layer)
         pixels = (255 * images).to(torch.uint8).numpy()
         grad = torch.randn(2, 16, 32, 32, generator=g).numpy()
         out = {}
@@ -436,8 +435,6 @@ def test_native_backend_draws_the_engines_noise_under_the_release_key(tmp_path):
     std 0 adds nothing. Through the engine, the release's key is the engine's per-release key, a re-sent release
     is bit-identical and counted once, the accountant's figures are the eager engine's, and the step equals
     eager PyTorch's (the noise does not enter the weight gradient)."""
-    import dataclasses
-
     from device_sdk.privacy.mechanisms import NoNoise, PerActivationGaussian
 
     layer = vgg_layer()
@@ -458,14 +455,9 @@ def test_native_backend_draws_the_engines_noise_under_the_release_key(tmp_path):
         with pytest.raises(ValueError, match="32 bytes"):
             runtime.keyed_release(images, weights, 0.5, b"short")
 
-        spec = dataclasses.replace(resolve_spec("vgg_face_small"), input_size=32)
         mechanism = PerActivationGaussian(3.0, 1e-5)
-        engines = {"noiseless": exact_engine(spec, NoNoise()), "torch": exact_engine(spec, mechanism),
-                   "native": exact_engine(spec, mechanism, runtime)}
-        for engine in engines.values():  # the runner's programs hold vgg_layer's LRN clamp
-            engine.layer.load_state_dict(layer.state_dict())
-            for lrn in (m for m in engine.layer.modules() if isinstance(m, PaperLRN)):
-                lrn.input_max = 1.0
+        engines = {"noiseless": vgg_engine(NoNoise(), layer=layer), "torch": vgg_engine(mechanism, layer=layer),
+                   "native": vgg_engine(mechanism, runtime, layer)}
         pixels = (255 * images).to(torch.uint8).numpy()
         grad = torch.randn(2, 16, 32, 32, generator=g).numpy()
         out = {}
@@ -541,12 +533,8 @@ def test_simulator_with_native_exact_noise_spends_what_eager_spends(lfw, tmp_pat
 def test_exact_noise_needs_a_runtime_that_makes_the_whole_release():
     """A runtime that only adds the float noise it is given (ExecuTorch, ONNX Runtime) is refused for the exact
     option before any release, naming the backends that run it."""
-    import dataclasses
     from types import SimpleNamespace
 
-    from device_sdk.models import resolve_spec
-
-    spec = dataclasses.replace(resolve_spec("vgg_face_small"), input_size=32)
-    engine = exact_engine(spec, DiscreteGaussianMechanism(clip_norm=4.0, noise_multiplier=1.0))
+    engine = vgg_engine(DiscreteGaussianMechanism(clip_norm=4.0, noise_multiplier=1.0))
     with pytest.raises(ValueError, match="the executorch backend adds float noise .*runs on --backend native or torch"):
         engine.attach_runtime(SimpleNamespace(name="executorch", static_weights=False))

@@ -7,20 +7,17 @@ package org.splitface.core;
  * here on the weights the layer holds. The programs are exported for one batch size; a shorter last batch is
  * padded with zero images (and a zero gradient, which adds nothing) and cut again.
  */
-public final class GemmLayerTrainer implements LayerTrainer {
+public final class GemmLayerTrainer extends SgdLayerTrainer {
     private final Program release, vjp;
-    private final DeviceLayer layer;   // its weight and bias: the parameters the programs take
-    private final Sgd sgd;
     private final int batch;
     private float[] lastImages;        // padded to the programs' batch
 
     public GemmLayerTrainer(Program release, Program vjp, DeviceLayer layer, Sgd sgd) {
-        this.release = release; this.vjp = vjp; this.layer = layer; this.sgd = sgd;
+        super(layer, sgd);
+        this.release = release; this.vjp = vjp;
         this.batch = (int) release.inputShape(0)[0];
         if (layer.bias == null) throw new IllegalArgumentException("the im2col programs take a conv with a bias");
     }
-
-    @Override public int[] outputShape(int n, int h, int w) { return layer.outputShape(n, h, w); }
 
     @Override public float[] forward(float[] images, int n, int h, int w) {
         long[] shape = release.inputShape(0);
@@ -39,16 +36,6 @@ public final class GemmLayerTrainer implements LayerTrainer {
         float[] grad = padded(activationGrad, (int) numel(vjp.inputShape(1)));
         float[][] g = vjp.forward(new float[][] {lastImages, grad, layer.weight, layer.bias});
         return new float[][] {g[0], g[1]};
-    }
-
-    @Override public void step(float[] activationGrad) { sgd.step(weightGrads(activationGrad)); }
-
-    @Override public Object snapshot() { return new Object[] {layer.state(), sgd.state()}; }
-
-    @Override public void restore(Object snapshot) {
-        Object[] s = (Object[]) snapshot;
-        layer.load((float[][]) s[0]);
-        sgd.load((Object[]) s[1]);
     }
 
     private static float[] padded(float[] values, int size) {

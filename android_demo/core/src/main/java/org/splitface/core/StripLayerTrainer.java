@@ -11,25 +11,21 @@ import java.nio.file.Path;
  * take the weights as inputs, so each step's weights are the ones used. Any batch size; the image height a multiple
  * of the strip's rows and its width the programs'. Bad shapes throw {@link IllegalArgumentException} by name.
  */
-public final class StripLayerTrainer implements LayerTrainer, AutoCloseable {
+public final class StripLayerTrainer extends SgdLayerTrainer implements AutoCloseable {
     private long handle;
-    private final DeviceLayer layer;   // its weight and bias: the parameters the programs take
-    private final Sgd sgd;
     private float[] lastImages;
     private int lastN, lastH, lastW;
 
     public StripLayerTrainer(Path releasePte, Path gradPte, DeviceLayer layer, Sgd sgd) {
+        super(layer, sgd);
         for (Path p : new Path[] {releasePte, gradPte})
             if (!Files.isRegularFile(p)) throw new IllegalArgumentException("no program at " + p);
         if (layer.bias == null) throw new IllegalArgumentException("the strip programs take a conv with a bias");
-        this.layer = layer; this.sgd = sgd;
         handle = load(releasePte.toAbsolutePath().toString(), gradPte.toAbsolutePath().toString());
     }
 
     /** {C, O, rows, width, kh, kw}: the programs' channels in and out, the strip's rows, the width, the kernel. */
     public int[] geometry() { return geometry(live()); }
-
-    @Override public int[] outputShape(int n, int h, int w) { return layer.outputShape(n, h, w); }
 
     @Override public float[] forward(float[] images, int n, int h, int w) {
         float[] out = release(live(), images, n, h, w, weights());   // noise is added by the DeviceClient
@@ -41,16 +37,6 @@ public final class StripLayerTrainer implements LayerTrainer, AutoCloseable {
     @Override public float[][] weightGrads(float[] activationGrad) {
         if (lastImages == null) throw new IllegalStateException("weightGrads before any forward");
         return grads(live(), lastImages, lastN, lastH, lastW, activationGrad, weights());
-    }
-
-    @Override public void step(float[] activationGrad) { sgd.step(weightGrads(activationGrad)); }
-
-    @Override public Object snapshot() { return new Object[] {layer.state(), sgd.state()}; }
-
-    @Override public void restore(Object snapshot) {
-        Object[] s = (Object[]) snapshot;
-        layer.load((float[][]) s[0]);
-        sgd.load((Object[]) s[1]);
     }
 
     @Override public synchronized void close() {
