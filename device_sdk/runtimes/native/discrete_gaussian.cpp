@@ -19,34 +19,6 @@ constexpr uint64_t kMaxDenominator = 1ull << 56;  // keeps den * K <= 2^62, unif
   std::exit(2);
 }
 
-inline uint32_t rotl(uint32_t v, int c) { return (v << c) | (v >> (32 - c)); }
-
-inline void quarter(uint32_t* x, int a, int b, int c, int d) {
-  x[a] += x[b]; x[d] = rotl(x[d] ^ x[a], 16);
-  x[c] += x[d]; x[b] = rotl(x[b] ^ x[c], 12);
-  x[a] += x[b]; x[d] = rotl(x[d] ^ x[a], 8);
-  x[c] += x[d]; x[b] = rotl(x[b] ^ x[c], 7);
-}
-
-// RFC 8439's block function: counter in word 12 (its high half in word 13), nonce words zero.
-void chacha_block(const NoiseKey& key, uint64_t block, uint8_t out[64]) {
-  uint32_t s[16] = {0x61707865u, 0x3320646eu, 0x79622d32u, 0x6b206574u};
-  for (int i = 0; i < 8; ++i) s[4 + i] = key[i];
-  s[12] = static_cast<uint32_t>(block);
-  s[13] = static_cast<uint32_t>(block >> 32);
-  s[14] = s[15] = 0;
-  uint32_t x[16];
-  for (int i = 0; i < 16; ++i) x[i] = s[i];
-  for (int r = 0; r < 10; ++r) {
-    quarter(x, 0, 4, 8, 12); quarter(x, 1, 5, 9, 13); quarter(x, 2, 6, 10, 14); quarter(x, 3, 7, 11, 15);
-    quarter(x, 0, 5, 10, 15); quarter(x, 1, 6, 11, 12); quarter(x, 2, 7, 8, 13); quarter(x, 3, 4, 9, 14);
-  }
-  for (int i = 0; i < 16; ++i) {
-    uint32_t w = x[i] + s[i];
-    for (int b = 0; b < 4; ++b) out[4 * i + b] = static_cast<uint8_t>(w >> (8 * b));
-  }
-}
-
 // Bernoulli(exp(-num / den)) for 0 <= num <= den (Algorithm 1, gamma <= 1): K counts up while a
 // Bernoulli(num / (den K)) succeeds; the result is whether the first failure came at an odd K.
 bool bernoulli_exp_at_most_one(uint64_t num, uint64_t den, KeyStream& s) {
@@ -82,41 +54,29 @@ int64_t discrete_laplace(uint64_t t, KeyStream& s) {
 
 }  // namespace
 
-uint8_t KeyStream::byte() {
-  if (used_ == 64) {
-    chacha_block(key_, block_++, buffer_);
-    used_ = 0;
-  }
-  return buffer_[used_++];
+void KeyStream::refill() {
+  chacha20_blocks(key_, block_, buffer_);
+  block_ += kChachaLanes;
+  used_ = 0;
 }
 
-uint32_t KeyStream::word32() {
-  uint32_t w = 0;
-  for (int b = 0; b < 4; ++b) w |= static_cast<uint32_t>(byte()) << (8 * b);
-  return w;
-}
+uint64_t KeyStream::uniform_below(uint64_t bound) { return UniformBelow(bound)(*this); }
 
-uint64_t KeyStream::word64() {
-  uint64_t w = 0;
-  for (int b = 0; b < 8; ++b) w |= static_cast<uint64_t>(byte()) << (8 * b);
-  return w;
-}
-
-bool KeyStream::bit() { return (byte() >> 7) != 0; }
-
-uint64_t KeyStream::uniform_below(uint64_t bound) {
+UniformBelow::UniformBelow(uint64_t bound) : bound_(bound) {
   if (bound < 1 || bound > (1ull << 62)) die("uniform_below: bound outside [1, 2^62]");
-  if (bound < (1ull << 32)) {  // Lemire: m = u bound, m >> 32, redrawn when m mod 2^32 < 2^32 mod bound
-    const uint64_t threshold = (1ull << 32) % bound;
+  threshold_ = bound < (1ull << 32) ? (1ull << 32) % bound : (0 - bound) % bound;  // 2^32 or 2^64 mod bound
+}
+
+uint64_t UniformBelow::operator()(KeyStream& s) const {
+  if (bound_ < (1ull << 32)) {  // Lemire: m = u bound, m >> 32, redrawn when m mod 2^32 < 2^32 mod bound
     for (;;) {
-      uint64_t m = static_cast<uint64_t>(word32()) * bound;
-      if ((m & 0xffffffffull) >= threshold) return m >> 32;
+      uint64_t m = static_cast<uint64_t>(s.word32()) * bound_;
+      if ((m & 0xffffffffull) >= threshold_) return m >> 32;
     }
   }
-  const uint64_t threshold = (0 - bound) % bound;  // 2^64 mod bound
   for (;;) {
-    uint64_t u = word64();
-    if (u >= threshold) return u % bound;
+    uint64_t u = s.word64();
+    if (u >= threshold_) return u % bound_;
   }
 }
 

@@ -14,26 +14,56 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
-#include "gaussian_noise.h"
+#include "chacha20.h"
 
 namespace splitface {
 
-// ChaCha20's keystream under `key`, read byte by byte in order (little-endian words), from block 0.
+// ChaCha20's keystream under `key` from block 0, read in order: bytes, and words as little-endian bytes. The
+// blocks are made 16 at a time into a buffer (chacha20_blocks); a read that straddles two buffers takes its
+// bytes from both, so any mix of reads sees the same bytes as one pass over the stream.
 class KeyStream {
  public:
   explicit KeyStream(const NoiseKey& key) : key_(key) {}
-  uint32_t word32();
-  uint64_t word64();
-  bool bit();                               // one fair coin (one byte's top bit)
-  uint64_t uniform_below(uint64_t bound);   // exactly uniform on [0, bound), 1 <= bound <= 2^62
+  uint8_t byte() {
+    if (used_ == kChachaGroupBytes) refill();
+    return buffer_[used_++];
+  }
+  uint32_t word32() { return read<uint32_t>(); }
+  uint64_t word64() { return read<uint64_t>(); }
+  bool bit() { return (byte() >> 7) != 0; }  // one fair coin (one byte's top bit)
+  uint64_t uniform_below(uint64_t bound);     // exactly uniform on [0, bound), 1 <= bound <= 2^62
 
  private:
-  uint8_t byte();
+  void refill();
+  template <typename T>
+  T read() {
+    T w = 0;
+    if (used_ + sizeof(T) <= kChachaGroupBytes) {  // little-endian hosts only (chacha20.cpp asserts it)
+      std::memcpy(&w, buffer_ + used_, sizeof(T));
+      used_ += sizeof(T);
+    } else {
+      for (size_t b = 0; b < sizeof(T); ++b) w |= static_cast<T>(byte()) << (8 * b);
+    }
+    return w;
+  }
   NoiseKey key_;
-  uint64_t block_ = 0;
-  uint8_t buffer_[64] = {};
-  int used_ = 64;
+  uint64_t block_ = 0;  // the next group's first block
+  size_t used_ = kChachaGroupBytes;
+  alignas(64) uint8_t buffer_[kChachaGroupBytes];
+};
+
+// Uniform integers on [0, bound), 1 <= bound <= 2^62, as `NoiseStream.uniform_below` defines them: Lemire's
+// multiply-shift with rejection on 32-bit words for bounds below 2^32, else 64-bit words kept when at least
+// 2^64 mod bound, then taken mod bound. The rejection threshold is computed once, for samplers that reuse a bound.
+class UniformBelow {
+ public:
+  explicit UniformBelow(uint64_t bound);
+  uint64_t operator()(KeyStream& s) const;
+
+ private:
+  uint64_t bound_, threshold_;
 };
 
 // N_Z(0, sigma2) with sigma2 = num / den (a positive rational whose Algorithm 3 denominator 2 num den t^2 fits
