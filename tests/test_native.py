@@ -287,7 +287,8 @@ def test_native_buffered_keystream_reads_are_noise_streams_bytes(native):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sigma2", ["400", "16129/400", "9/4"])  # sigma 20 and 6.35 steps; t = 2 with q = 4
+# sigma 20 and 6.35 steps; t = 2 with q = 4; the bench's 258064/625; sigma below 1 (t = 1, U always 0)
+@pytest.mark.parametrize("sigma2", ["400", "16129/400", "9/4", "258064/625", "1/3"])
 def test_native_discrete_gaussian_follows_its_pmf(native, sigma2):
     binary, _, _, root = native
     key = bytes(range(80, 112))

@@ -75,6 +75,7 @@ class DiscreteGaussian {
 
  private:
   uint64_t p_, q_, t_, den_;
+  UniformBelow below_t_{1};  // the Laplace proposal's U on [0, t)
 };
 
 // Each of an image's n values in steps of `step`, scaled so that the integers' L2 norm is at most `bound`
