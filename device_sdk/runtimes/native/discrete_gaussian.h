@@ -4,12 +4,14 @@
 // Algorithms 1-3), clamped to int8's [-127, 127].
 //
 // The random integers come from ChaCha20's keystream (RFC 8439, block counter from 0, nonce zero: the same
-// stream as `fastnoise.NoiseStream(key)`) under a key from getrandom per release, read in order: uniform
-// integers below a bound by Lemire's multiply-shift with rejection (bounds < 2^32, 32-bit words) or rejection
-// then modulo (64-bit words), exactly as `NoiseStream.uniform_below` defines them. The samplers are scalar and
+// stream as `fastnoise.NoiseStream(key)`) under a key from getrandom per release, made 16 blocks at a time by
+// the vectorised block function (chacha20.h) and read in order: uniform integers below a bound by Lemire's
+// multiply-shift with rejection (bounds < 2^32, 32-bit words) or rejection then modulo (64-bit words), exactly
+// as `NoiseStream.uniform_below` defines them; the samplers' Bernoulli(num / den) trials compare a uniform's
+// bytes with num / den lazily (one byte a trial but for a straddle, no division). The samplers are scalar and
 // draw one value at a time, so under the same key their values are not those of the vectorised numpy sampler
-// (which draws lane by lane); the tests hold them to its law (`DiscreteGaussian.pmf`) and the uniform integers
-// to `NoiseStream.uniform_below` word for word.
+// (which draws lane by lane); the tests hold them to its law (`DiscreteGaussian.pmf`), the uniform integers to
+// `NoiseStream.uniform_below` word for word, and the buffered stream to NoiseStream's bytes.
 #pragma once
 
 #include <cstddef>
