@@ -5,8 +5,10 @@ with the float noise drawn (`--noise-std`, ChaCha20 + Box-Muller) and with the e
 (`--noise-discrete`: clip and quantise each image, CKS20 samples in integer arithmetic, int8 out), in one run.
 The mechanism is `DiscreteGaussianMechanism(clip_norm=10, noise_multiplier=0.16)`: B = 127 steps, sigma about
 20 steps, docs/device.md's figure for numpy's sampler. Prints the runner's release compute and its noise part.
+`--baseline BINARY` also times the exact option with another build of the runner (an older commit's), in the
+same run, for a before/after at the same load.
 
-    python bench/bench_native_exact.py
+    python bench/bench_native_exact.py [--baseline path/to/old/splitface_native]
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--input-size", type=int, default=224)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--baseline", type=Path, help="another build of the runner, timed on the exact option too")
     args = p.parse_args(argv)
     layer = device_layer("vgg_face", args.input_size)
     work = Path(tempfile.mkdtemp(prefix="bench-native-exact-"))
@@ -42,9 +45,13 @@ def main(argv: list[str] | None = None) -> None:
     load = os.getloadavg()[0]
     print(f"vgg_face conv1, {args.input_size} px, batch {args.samples}, one thread, 4-row strips, {args.runs} runs "
           f"after 1 warm-up; exact option: sigma^2 = {info['sigma2_steps']} steps^2, B = {info['bound_steps']}")
-    for label, options in (("float, drawn", {"noise_std": NOISE_STD}),
-                           ("exact discrete", {"exact": (info["sigma2_steps"], info["step"], info["bound_steps"])})):
-        report = run_native(binary, work, args.samples, (release, STRIP_RELEASE_INPUTS), runs=args.runs, warmup=1,
+    exact = {"exact": (info["sigma2_steps"], info["step"], info["bound_steps"])}
+    cases = [("float, drawn", binary, {"noise_std": NOISE_STD}), ("exact discrete", binary, exact)]
+    if args.baseline:
+        cases.append(("exact, baseline", args.baseline, exact))
+        print(f"  baseline: {args.baseline}")
+    for label, runner, options in cases:
+        report = run_native(runner, work, args.samples, (release, STRIP_RELEASE_INPUTS), runs=args.runs, warmup=1,
                             strips=True, **options)
         compute, noise = report["forward_compute_ms"], report["forward_noise_ms"]
         print(f"  {label:16s} release compute {statistics.mean(compute):8.1f} / {min(compute):8.1f} ms, of it noise "

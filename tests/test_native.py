@@ -268,7 +268,27 @@ def test_native_uniform_integers_are_noise_streams(native, bound):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sigma2", ["400", "16129/400", "9/4"])  # sigma 20 and 6.35 steps; t = 2 with q = 4
+def test_native_buffered_keystream_reads_are_noise_streams_bytes(native):
+    """The exact option's stream, made 16 blocks (1024 bytes) at a time, read as a mix of bits, bytes and
+    little-endian words: the same bytes as NoiseStream's in the same order, words straddling a refill included
+    (the 15-byte cycle puts a read across the buffer's end at every offset)."""
+    _, _, _, root = native
+    key = bytes(range(200, 232))
+    (root / "reads.key").write_bytes(key)
+    n = 5 * 1024  # 1024 cycles of bit, word64, word32, byte, byte: 15 buffers' worth
+    got = draw_integers(native[0], root / "reads", root / "reads.key", n, reads=True)
+    data, at, want = NoiseStream(key).random_bytes(15 * 1024), 0, []
+    for i in range(n):
+        size = (1, 8, 4, 1, 1)[i % 5]
+        value = int.from_bytes(data[at:at + size], "little")
+        want.append(value >> 7 if i % 5 == 0 else value)  # a bit is its byte's top bit
+        at += size
+    assert got.tolist() == want
+
+
+@pytest.mark.slow
+# sigma 20 and 6.35 steps; t = 2 with q = 4; the bench's 258064/625; sigma below 1 (t = 1, U always 0)
+@pytest.mark.parametrize("sigma2", ["400", "16129/400", "9/4", "258064/625", "1/3"])
 def test_native_discrete_gaussian_follows_its_pmf(native, sigma2):
     binary, _, _, root = native
     key = bytes(range(80, 112))

@@ -290,17 +290,26 @@ class StripServer:
 
 
 def draw_integers(binary: Path, workdir: Path, key: Path, n: int, sigma2: str | None = None,
-                  bound: int | None = None) -> np.ndarray:
-    """The runner's first `n` integers under `key`: discrete Gaussian samples of `sigma2` ("P/Q"), or uniform
-    integers below `bound`, as its exact option draws them (the test hooks --draw-discrete, --draw-uniform)."""
+                  bound: int | None = None, reads: bool = False) -> np.ndarray:
+    """The runner's first `n` integers under `key`: discrete Gaussian samples of `sigma2` ("P/Q"), uniform
+    integers below `bound`, as its exact option draws them, or (`reads`) its stream's first n reads cycling
+    through bit, word64, word32, byte, byte (as uint64) (the test hooks --draw-discrete, --draw-uniform,
+    --draw-reads)."""
     workdir.mkdir(parents=True, exist_ok=True)
     cmd = [str(binary), "--dir", str(workdir), "--noise-key", str(key)]
-    cmd += (["--noise-discrete", sigma2, "--draw-discrete", str(n)] if sigma2 is not None
-            else ["--draw-uniform", f"{bound},{n}"])
+    if sigma2 is not None:
+        cmd += ["--noise-discrete", sigma2, "--draw-discrete", str(n)]
+        name, dtype = "discrete.i64", np.int64
+    elif reads:
+        cmd += ["--draw-reads", str(n)]
+        name, dtype = "reads.u64", np.uint64
+    else:
+        cmd += ["--draw-uniform", f"{bound},{n}"]
+        name, dtype = "uniform.i64", np.int64
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{BINARY} failed ({proc.returncode}): {proc.stderr.strip()[-3000:]}")
-    return np.fromfile(workdir / ("discrete.i64" if sigma2 is not None else "uniform.i64"), dtype=np.int64)
+    return np.fromfile(workdir / name, dtype=dtype)
 
 
 def etdump_ops(path: Path, runs: int) -> list[tuple[str, float]]:

@@ -11,39 +11,28 @@
 namespace splitface {
 namespace {
 
+using u128 = unsigned __int128;
+
 constexpr int kMaxLoop = 64;               // Algorithm 1's K reaches k with probability <= 1/(k-1)!
-constexpr uint64_t kMaxDenominator = 1ull << 56;  // keeps den * K <= 2^62, uniform_below's range
+constexpr uint64_t kMaxDenominator = 1ull << 56;  // keeps den * K <= 2^62, so bernoulli_ratio's products fit
 
 [[noreturn]] void die(const char* why) {
   std::fprintf(stderr, "splitface_native: %s\n", why);
   std::exit(2);
 }
 
-inline uint32_t rotl(uint32_t v, int c) { return (v << c) | (v >> (32 - c)); }
-
-inline void quarter(uint32_t* x, int a, int b, int c, int d) {
-  x[a] += x[b]; x[d] = rotl(x[d] ^ x[a], 16);
-  x[c] += x[d]; x[b] = rotl(x[b] ^ x[c], 12);
-  x[a] += x[b]; x[d] = rotl(x[d] ^ x[a], 8);
-  x[c] += x[d]; x[b] = rotl(x[b] ^ x[c], 7);
-}
-
-// RFC 8439's block function: counter in word 12 (its high half in word 13), nonce words zero.
-void chacha_block(const NoiseKey& key, uint64_t block, uint8_t out[64]) {
-  uint32_t s[16] = {0x61707865u, 0x3320646eu, 0x79622d32u, 0x6b206574u};
-  for (int i = 0; i < 8; ++i) s[4 + i] = key[i];
-  s[12] = static_cast<uint32_t>(block);
-  s[13] = static_cast<uint32_t>(block >> 32);
-  s[14] = s[15] = 0;
-  uint32_t x[16];
-  for (int i = 0; i < 16; ++i) x[i] = s[i];
-  for (int r = 0; r < 10; ++r) {
-    quarter(x, 0, 4, 8, 12); quarter(x, 1, 5, 9, 13); quarter(x, 2, 6, 10, 14); quarter(x, 3, 7, 11, 15);
-    quarter(x, 0, 5, 10, 15); quarter(x, 1, 6, 11, 12); quarter(x, 2, 7, 8, 13); quarter(x, 3, 4, 9, 14);
-  }
-  for (int i = 0; i < 16; ++i) {
-    uint32_t w = x[i] + s[i];
-    for (int b = 0; b < 4; ++b) out[4 * i + b] = static_cast<uint8_t>(w >> (8 * b));
+// Bernoulli(num / den) for 0 <= num <= den <= 2^62: whether a uniform U in [0, 1) is below num / den, U's
+// binary digits read a byte at a time and only as far as they decide it. With U = (b + U') / 256, b the next
+// byte, U < num / den iff U' < (256 num - b den) / den: decided by b alone unless num / den lies in
+// [b, b + 1) / 256 (probability < 2 / 256), when the next byte compares U' with that remainder. So one byte
+// a draw on average, where uniform_below(den) >= num takes a word or two and a division.
+bool bernoulli_ratio(uint64_t num, uint64_t den, KeyStream& s) {
+  u128 n = num;
+  for (;;) {
+    const u128 scaled = n << 8, low = static_cast<u128>(s.byte()) * den;
+    if (low + den <= scaled) return true;  // (b + 1) / 256 <= num / den
+    if (low >= scaled) return false;       // b / 256 >= num / den
+    n = scaled - low;                      // in (0, den): the next byte decides U' < n / den
   }
 }
 
@@ -52,27 +41,38 @@ void chacha_block(const NoiseKey& key, uint64_t block, uint8_t out[64]) {
 bool bernoulli_exp_at_most_one(uint64_t num, uint64_t den, KeyStream& s) {
   for (uint64_t k = num == den ? 2 : 1;; ++k) {  // num == den: Bernoulli(1) at K = 1 always succeeds
     if (k > kMaxLoop) die("Bernoulli(exp(-gamma)) ran past its loop bound (probability < 1e-80)");
-    if (s.uniform_below(den * k) >= num) return k % 2 == 1;
+    if (!bernoulli_ratio(num, den * k, s)) return k % 2 == 1;
   }
 }
 
-// Bernoulli(exp(-(whole + rem / den))): `whole` Bernoulli(exp(-1)) trials, then one of exp(-rem / den), all
-// needing to succeed (Algorithm 1, gamma > 1). A saturated `whole` (a proposal far in the tail) needs 2^64
-// successes in a row, so it fails as the exact count would.
-bool bernoulli_exp(uint64_t whole, uint64_t rem, uint64_t den, KeyStream& s) {
-  for (uint64_t i = 0; i < whole; ++i) {
-    if (!bernoulli_exp_at_most_one(1, 1, s)) return false;
+bool bernoulli_exp_minus_one(KeyStream& s) { return bernoulli_exp_at_most_one(1, 1, s); }
+
+// Bernoulli(exp(-num / den)) for any num (Algorithm 1, gamma > 1): one Bernoulli(exp(-1)) per whole den in
+// num, then one of exp(-rest / den), all needing to succeed; counted down by subtraction, no division.
+bool bernoulli_exp(u128 num, uint64_t den, KeyStream& s) {
+  for (; num > den; num -= den) {
+    if (!bernoulli_exp_minus_one(s)) return false;
   }
-  return bernoulli_exp_at_most_one(rem, den, s);
+  return bernoulli_exp_at_most_one(static_cast<uint64_t>(num), den, s);
 }
 
-// The discrete Laplace with P(y) proportional to exp(-|y| / t) (Algorithm 2, s = 1).
-int64_t discrete_laplace(uint64_t t, KeyStream& s) {
+// Bernoulli(exp(-diff^2 / den)) for diff < 2^127: directly while diff^2 fits 128 bits, else (a proposal far
+// in the tail) as diff trials of exp(-diff / den), since exp(-diff^2 / den) = exp(-diff / den)^diff.
+bool bernoulli_exp_square(u128 diff, uint64_t den, KeyStream& s) {
+  if (diff < (static_cast<u128>(1) << 63)) return bernoulli_exp(diff * diff, den, s);
+  for (u128 i = 0; i < diff; ++i) {
+    if (!bernoulli_exp(diff, den, s)) return false;
+  }
+  return true;
+}
+
+// The discrete Laplace with P(y) proportional to exp(-|y| / t) (Algorithm 2, s = 1); `below_t` draws U.
+int64_t discrete_laplace(const UniformBelow& below_t, uint64_t t, KeyStream& s) {
   for (;;) {
-    uint64_t u = s.uniform_below(t);
+    uint64_t u = below_t(s);
     if (!bernoulli_exp_at_most_one(u, t, s)) continue;  // accept U with probability exp(-U / t)
     uint64_t v = 0;  // geometric: Bernoulli(exp(-1)) successes before a failure
-    while (bernoulli_exp_at_most_one(1, 1, s)) ++v;
+    while (bernoulli_exp_minus_one(s)) ++v;
     uint64_t x = u + t * v;
     bool negative = s.bit();
     if (negative && x == 0) continue;  // -0 is rejected, or 0 would be drawn twice as often
@@ -82,41 +82,29 @@ int64_t discrete_laplace(uint64_t t, KeyStream& s) {
 
 }  // namespace
 
-uint8_t KeyStream::byte() {
-  if (used_ == 64) {
-    chacha_block(key_, block_++, buffer_);
-    used_ = 0;
-  }
-  return buffer_[used_++];
+void KeyStream::refill() {
+  chacha20_blocks(key_, block_, buffer_);
+  block_ += kChachaLanes;
+  used_ = 0;
 }
 
-uint32_t KeyStream::word32() {
-  uint32_t w = 0;
-  for (int b = 0; b < 4; ++b) w |= static_cast<uint32_t>(byte()) << (8 * b);
-  return w;
-}
+uint64_t KeyStream::uniform_below(uint64_t bound) { return UniformBelow(bound)(*this); }
 
-uint64_t KeyStream::word64() {
-  uint64_t w = 0;
-  for (int b = 0; b < 8; ++b) w |= static_cast<uint64_t>(byte()) << (8 * b);
-  return w;
-}
-
-bool KeyStream::bit() { return (byte() >> 7) != 0; }
-
-uint64_t KeyStream::uniform_below(uint64_t bound) {
+UniformBelow::UniformBelow(uint64_t bound) : bound_(bound) {
   if (bound < 1 || bound > (1ull << 62)) die("uniform_below: bound outside [1, 2^62]");
-  if (bound < (1ull << 32)) {  // Lemire: m = u bound, m >> 32, redrawn when m mod 2^32 < 2^32 mod bound
-    const uint64_t threshold = (1ull << 32) % bound;
+  threshold_ = bound < (1ull << 32) ? (1ull << 32) % bound : (0 - bound) % bound;  // 2^32 or 2^64 mod bound
+}
+
+uint64_t UniformBelow::operator()(KeyStream& s) const {
+  if (bound_ < (1ull << 32)) {  // Lemire: m = u bound, m >> 32, redrawn when m mod 2^32 < 2^32 mod bound
     for (;;) {
-      uint64_t m = static_cast<uint64_t>(word32()) * bound;
-      if ((m & 0xffffffffull) >= threshold) return m >> 32;
+      uint64_t m = static_cast<uint64_t>(s.word32()) * bound_;
+      if ((m & 0xffffffffull) >= threshold_) return m >> 32;
     }
   }
-  const uint64_t threshold = (0 - bound) % bound;  // 2^64 mod bound
   for (;;) {
-    uint64_t u = word64();
-    if (u >= threshold) return u % bound;
+    uint64_t u = s.word64();
+    if (u >= threshold_) return u % bound_;
   }
 }
 
@@ -135,22 +123,16 @@ DiscreteGaussian::DiscreteGaussian(uint64_t num, uint64_t den) : p_(num), q_(den
   }
   if (d > kMaxDenominator) die(wide);
   den_ = static_cast<uint64_t>(d);
+  below_t_ = UniformBelow(t_);
 }
 
 int64_t DiscreteGaussian::sample(KeyStream& s) const {
-  const unsigned __int128 tq = static_cast<unsigned __int128>(t_) * q_;
+  const u128 tq = static_cast<u128>(t_) * q_;
   for (;;) {
-    int64_t y = discrete_laplace(t_, s);
-    unsigned __int128 a = y < 0 ? -static_cast<unsigned __int128>(y) : static_cast<unsigned __int128>(y);
-    uint64_t whole = std::numeric_limits<uint64_t>::max(), rem = 0;
-    if (a < (static_cast<unsigned __int128>(1) << 62) / tq) {  // (|y| t q - p)^2 < 2^126: exact in 128 bits
-      unsigned __int128 m = a * tq;
-      unsigned __int128 diff = m >= p_ ? m - p_ : p_ - m;
-      unsigned __int128 num = diff * diff;  // gamma = num / den = (|y| - sigma2 / t)^2 / (2 sigma2)
-      if (num / den_ <= std::numeric_limits<uint64_t>::max()) whole = static_cast<uint64_t>(num / den_);
-      rem = static_cast<uint64_t>(num % den_);
-    }
-    if (bernoulli_exp(whole, rem, den_, s)) return y;
+    int64_t y = discrete_laplace(below_t_, t_, s);
+    u128 a = y < 0 ? -static_cast<u128>(y) : static_cast<u128>(y);
+    u128 m = a * tq, diff = m >= p_ ? m - p_ : p_ - m;  // < 2^63 t q <= 2^119: exact
+    if (bernoulli_exp_square(diff, den_, s)) return y;  // gamma = (|y| - sigma2 / t)^2 / (2 sigma2)
   }
 }
 

@@ -17,13 +17,12 @@
 // without the key, but not the formal DP mechanism: docs/noise.md says which option gives which guarantee.
 #pragma once
 
-#include <array>
 #include <cstddef>
 #include <cstdint>
 
-namespace splitface {
+#include "chacha20.h"
 
-using NoiseKey = std::array<uint32_t, 8>;
+namespace splitface {
 
 // 32 bytes from the OS CSPRNG (getrandom), as ChaCha20's key words; exits with a message if none can be read.
 NoiseKey fresh_key();

@@ -29,7 +29,8 @@
 // --noise-discrete P/Q --quant-step S --clip-steps B (with --strips): the exact option instead
 // (discrete_gaussian.h): each sample's map, once complete, clipped to B steps of S and quantised, plus N_Z(0, P/Q)
 // in integer arithmetic from ChaCha20 under a fresh key per release (or --noise-key's), written as int8 to
-// D/release.i8. Test hooks: --draw-discrete N and --draw-uniform BOUND,N write the stream's first integers.
+// D/release.i8. Test hooks: --draw-discrete N, --draw-uniform BOUND,N and --draw-reads N write the stream's first
+// integers.
 // --noise-in NAME (with --strips): the release's noise read from D/NAME.f32 (N maps, the caller's) and added to
 // each strip's rows as they are copied out, instead of drawn.
 //
@@ -564,20 +565,40 @@ splitface::DiscreteGaussian parse_sigma2(const std::string& text) {
   return splitface::DiscreteGaussian(num, den);
 }
 
-// Test hooks: --draw-discrete N writes N samples of --noise-discrete's N_Z(0, sigma2) to D/discrete.i64, and
-// --draw-uniform BOUND,N N integers below BOUND to D/uniform.i64, under --noise-key's key (else a fresh one),
-// from the stream's start; a release with the same key draws the same discrete samples in the same order.
-int draw_integers(const std::string& dir, Noise& noise, long long discrete, const std::string& uniform) {
+// Test hooks: --draw-discrete N writes N samples of --noise-discrete's N_Z(0, sigma2) to D/discrete.i64,
+// --draw-uniform BOUND,N N integers below BOUND to D/uniform.i64, and --draw-reads N the stream's first N
+// reads cycling through bit, word64, word32, byte, byte to D/reads.u64 (15 bytes a cycle, so over 1024 cycles
+// a word straddles the buffer's refill at every offset), under --noise-key's key (else a fresh one), from the
+// stream's start; a release with the same key draws the same discrete samples in the same order.
+struct Draws {
+  long long discrete = 0, reads = 0;
+  std::string uniform;
+  bool any() const { return discrete > 0 || reads > 0 || !uniform.empty(); }
+};
+
+uint64_t mixed_read(splitface::KeyStream& stream, long long i) {
+  switch (i % 5) {
+    case 0: return stream.bit();
+    case 1: return stream.word64();
+    case 2: return stream.word32();
+    default: return stream.byte();
+  }
+}
+
+int draw_integers(const std::string& dir, Noise& noise, const Draws& draws) {
   noise.rekey();
   splitface::KeyStream stream(noise.key);
   std::vector<int64_t> out;
   std::string name;
-  if (discrete > 0) {
+  if (draws.discrete > 0) {
     if (!noise.discrete) fail("--draw-discrete needs --noise-discrete");
-    for (long long i = 0; i < discrete; ++i) out.push_back(noise.discrete->sample(stream));
+    for (long long i = 0; i < draws.discrete; ++i) out.push_back(noise.discrete->sample(stream));
     name = "/discrete.i64";
+  } else if (draws.reads > 0) {
+    for (long long i = 0; i < draws.reads; ++i) out.push_back(static_cast<int64_t>(mixed_read(stream, i)));
+    name = "/reads.u64";
   } else {
-    auto parts = split(uniform, ',');
+    auto parts = split(draws.uniform, ',');
     if (parts.size() != 2) fail("--draw-uniform takes BOUND,N");
     uint64_t bound = std::strtoull(parts[0].c_str(), nullptr, 10);
     long long n = std::atoll(parts[1].c_str());
@@ -603,8 +624,8 @@ int run_main(int argc, char** argv) {
   std::string dir, release_spec, grad_spec, threads = "1";
   int samples = 0, runs = 3, warmup = 1;
   bool strips = false, serving = false;
-  std::string noise_in, discrete_sigma2, draw_uniform;
-  long long draw_discrete = 0;
+  std::string noise_in, discrete_sigma2;
+  Draws draws;
   Noise noise;
   std::string etdump;
   for (int i = 1; i < argc; ++i) {
@@ -633,15 +654,16 @@ int run_main(int argc, char** argv) {
     else if (a == "--noise-discrete") discrete_sigma2 = value();
     else if (a == "--quant-step") noise.step = std::strtod(value().c_str(), nullptr);
     else if (a == "--clip-steps") noise.bound = std::atoll(value().c_str());
-    else if (a == "--draw-discrete") draw_discrete = std::atoll(value().c_str());
-    else if (a == "--draw-uniform") draw_uniform = value();
+    else if (a == "--draw-discrete") draws.discrete = std::atoll(value().c_str());
+    else if (a == "--draw-uniform") draws.uniform = value();
+    else if (a == "--draw-reads") draws.reads = std::atoll(value().c_str());
     else if (a == "--serve") serving = true;
     else if (a == "--etdump") etdump = value();
     else fail("unknown argument " + a);
   }
   if (!discrete_sigma2.empty()) noise.discrete.emplace(parse_sigma2(discrete_sigma2));
-  if (!dir.empty() && (draw_discrete > 0 || !draw_uniform.empty())) {
-    return draw_integers(dir, noise, draw_discrete, draw_uniform);
+  if (!dir.empty() && draws.any()) {
+    return draw_integers(dir, noise, draws);
   }
   if (dir.empty() || (samples <= 0 && !serving) || release_spec.empty() || runs <= 0 || warmup < 0) {
     fail("usage: splitface_native --dir D (--samples N | --serve) --release P:inputs [--grad P:inputs] [--strips] "
