@@ -205,8 +205,9 @@ class DeviceEngine:
                 return {"activations": activations, "released": privatize(self.spec, mechanism, activations, generator)}
             # dct_keep: the channel subset is drawn first, from the same keyed generator, as `privatize` does
             mask = release_mask(self.spec, len(x), self.release_shape, generator)
-            if mask is None and hasattr(self.runtime, "keyed_release"):  # the runner draws it, under the same key
-                std = mechanism.describe()["noise_std"]
+            std = mechanism.iid_gaussian_std()
+            if mask is None and std is not None and hasattr(self.runtime, "keyed_release"):
+                # the runner draws the same law under the release's key
                 released = self.runtime.keyed_release(x, params, std, self.privacy.stream_key(generator))
                 return {"noise": None, "released": released.reshape(len(x), *self.release_shape)}
             noise = mechanism.additive_noise((len(x), *self.release_shape), generator)

@@ -67,6 +67,11 @@ class Mechanism:
         """JSON-able parameters, including the noise std actually added."""
         raise NotImplementedError
 
+    def iid_gaussian_std(self) -> float | None:
+        """The std of the i.i.d. N(0, std^2) noise this mechanism adds to every value, with nothing else done to
+        them (no clip, no scaling): what a runtime may draw itself under the release's key. None otherwise."""
+        return None
+
     @property
     def adds_noise(self) -> bool:
         """Whether a release draws noise (a release made again on other values must then draw afresh)."""
@@ -98,6 +103,9 @@ class PerActivationGaussian(Mechanism):
     def additive_noise(self, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
         """The noise `privatize` adds; exported device programs take it as an input."""
         return self.std * torch.randn(shape, generator=generator)
+
+    def iid_gaussian_std(self) -> float:
+        return self.std
 
     def activation_event(self) -> dp_event.DpEvent:
         """One value on its own (what the paper's epsilon describes)."""
@@ -164,6 +172,9 @@ class NoNoise(Mechanism):
 
     def additive_noise(self, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
         return torch.zeros(shape)
+
+    def iid_gaussian_std(self) -> float:
+        return 0.0
 
     def image_event(self, numel: int) -> dp_event.DpEvent:
         return dp_event.GaussianDpEvent(0.0)

@@ -19,6 +19,7 @@ unmasked, with the image height a multiple of the strip's rows. Checked against 
 """
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,7 @@ class NativeRuntime:
         self._server = StripServer(*self._start)
         self._exact: dict[tuple[str, float, int], StripServer] = {}  # the exact option's runners, by parameters
         self._keyed: dict[float, StripServer] = {}  # the runners that draw the float noise, by its std
+        self._starting = threading.Lock()
         self.last_report: dict = {}  # the runner's answer to the last request (times in ms, peak RSS in kB)
         try:
             self.verification = self_check(layer, self)
@@ -84,8 +86,9 @@ class NativeRuntime:
         """The release plus N(0, std^2) noise the runner draws under `key` (the engine's per-release
         `PrivacyEngine.stream_key`), shaped (N, numel): the same images, weights and key give the same
         release. Its own runner process per std, started on first use; std 0 adds no noise."""
-        if std not in self._keyed:
-            self._keyed[std] = StripServer(*self._start, noise_std=std)
+        with self._starting:  # one runner per std, however many threads ask at once
+            if std not in self._keyed:
+                self._keyed[std] = StripServer(*self._start, noise_std=std)
         flat, self.last_report = self._keyed[std].keyed_release(
             {"images": images.numpy(), **self._weights(weights)}, len(images), key)
         return torch.from_numpy(flat).reshape(len(images), -1)
@@ -98,8 +101,9 @@ class NativeRuntime:
         own runner process, started on first use, keeps the mechanism's parameters."""
         info = mechanism.describe()
         params = (info["sigma2_steps"], info["step"], info["bound_steps"])
-        if params not in self._exact:
-            self._exact[params] = StripServer(*self._start, exact=params)
+        with self._starting:
+            if params not in self._exact:
+                self._exact[params] = StripServer(*self._start, exact=params)
         flat, self.last_report = self._exact[params].exact_release(
             {"images": images.numpy(), **self._weights(weights)}, len(images), key)
         return flat.reshape(len(images), -1)

@@ -20,7 +20,9 @@
 #include <cstring>
 
 #include <memory>
+#include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 using executorch::aten::ScalarType;
@@ -51,6 +53,45 @@ std::string shape_text(const std::vector<SizesType>& shape) {
   std::string s = "(";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
   return s + ")";
+}
+
+constexpr jlong kMaxJavaArray = 0x7fffffff;  // a Java array's length is a jint
+
+// Runs `body`; a C++ exception becomes a Java one and never crosses the JNI boundary (it would end the JVM).
+template <typename T, typename F>
+T guarded(JNIEnv* env, T fallback, F body) {
+  try {
+    return body();
+  } catch (const splitface::StripError& e) {
+    throw_java(env, "java/lang/IllegalStateException", e.what());
+  } catch (const std::bad_alloc&) {
+    throw_java(env, "java/lang/OutOfMemoryError", "no native memory for the device layer");
+  } catch (const std::exception& e) {
+    throw_java(env, "java/lang/IllegalStateException", e.what());
+  }
+  return fallback;
+}
+
+// One Java float[] per part, part(i) giving {data, length}; nullptr with a Java exception pending on failure.
+template <typename Part>
+jobjectArray float_arrays(JNIEnv* env, size_t count, Part part) {
+  jclass cls = env->FindClass("[F");
+  jobjectArray out = cls == nullptr ? nullptr : env->NewObjectArray(static_cast<jsize>(count), cls, nullptr);
+  if (out == nullptr) return nullptr;  // the JVM's error is pending
+  for (size_t i = 0; i < count; ++i) {
+    auto [data, n] = part(i);
+    if (static_cast<jlong>(n) > kMaxJavaArray) {
+      throw_java(env, "java/lang/IllegalStateException", "output " + std::to_string(i) + " has " + std::to_string(n) +
+                 " values, more than a Java array holds");
+      return nullptr;
+    }
+    jfloatArray array = env->NewFloatArray(static_cast<jsize>(n));
+    if (array == nullptr) return nullptr;
+    env->SetFloatArrayRegion(array, 0, static_cast<jsize>(n), data);
+    env->SetObjectArrayElement(out, static_cast<jsize>(i), array);
+    env->DeleteLocalRef(array);
+  }
+  return out;
 }
 
 // A loaded program and its inputs' shapes, from its method metadata.
@@ -108,7 +149,7 @@ extern "C" JNIEXPORT jlongArray JNICALL Java_org_splitface_core_NativeProgram_in
   const auto& shape = p->shapes[index];
   std::vector<jlong> dims(shape.begin(), shape.end());
   jlongArray out = env->NewLongArray(static_cast<jsize>(dims.size()));
-  env->SetLongArrayRegion(out, 0, static_cast<jsize>(dims.size()), dims.data());
+  if (out != nullptr) env->SetLongArrayRegion(out, 0, static_cast<jsize>(dims.size()), dims.data());
   return out;
 }
 
@@ -124,46 +165,46 @@ extern "C" JNIEXPORT jobjectArray JNICALL Java_org_splitface_core_NativeProgram_
                " inputs, got " + std::to_string(count));
     return nullptr;
   }
-  std::vector<std::vector<float>> buffers(count);
-  std::vector<TensorPtr> tensors;  // alive until the call returns: an EValue only refers to its tensor
-  std::vector<EValue> args;
-  for (jsize i = 0; i < count; ++i) {
-    auto array = static_cast<jfloatArray>(env->GetObjectArrayElement(inputs, i));
-    size_t numel = 1;
-    for (SizesType d : p->shapes[i]) numel *= static_cast<size_t>(d);
-    jsize length = array == nullptr ? -1 : env->GetArrayLength(array);
-    if (length < 0 || static_cast<size_t>(length) != numel) {
-      throw_java(env, "java/lang/IllegalArgumentException", "input " + std::to_string(i) + " has " +
-                 std::to_string(length) + " values; its shape " + shape_text(p->shapes[i]) + " takes " + std::to_string(numel));
+  return guarded(env, static_cast<jobjectArray>(nullptr), [&]() -> jobjectArray {
+    std::vector<std::vector<float>> buffers(count);
+    std::vector<TensorPtr> tensors;  // alive until the call returns: an EValue only refers to its tensor
+    std::vector<EValue> args;
+    for (jsize i = 0; i < count; ++i) {
+      auto array = static_cast<jfloatArray>(env->GetObjectArrayElement(inputs, i));
+      size_t numel = 1;
+      for (SizesType d : p->shapes[i]) numel *= static_cast<size_t>(d);
+      jsize length = array == nullptr ? -1 : env->GetArrayLength(array);
+      if (length < 0 || static_cast<size_t>(length) != numel) {
+        throw_java(env, "java/lang/IllegalArgumentException", "input " + std::to_string(i) + " has " +
+                   std::to_string(length) + " values; its shape " + shape_text(p->shapes[i]) + " takes " +
+                   std::to_string(numel));
+        return nullptr;
+      }
+      buffers[i].resize(numel);
+      env->GetFloatArrayRegion(array, 0, length, buffers[i].data());
+      env->DeleteLocalRef(array);
+      tensors.push_back(from_blob(buffers[i].data(), p->shapes[i]));
+    }
+    for (auto& t : tensors) args.emplace_back(t);
+    auto guard = thread_guard();
+    auto result = p->module->execute(kMethod, args);
+    if (!result.ok()) {
+      throw_java(env, "java/lang/IllegalStateException", "executing the program failed (error " +
+                 std::to_string(static_cast<int>(result.error())) + ")");
       return nullptr;
     }
-    buffers[i].resize(numel);
-    env->GetFloatArrayRegion(array, 0, length, buffers[i].data());
-    env->DeleteLocalRef(array);
-    tensors.push_back(from_blob(buffers[i].data(), p->shapes[i]));
-  }
-  for (auto& t : tensors) args.emplace_back(t);
-  auto guard = thread_guard();
-  auto result = p->module->execute(kMethod, args);
-  if (!result.ok()) {
-    throw_java(env, "java/lang/IllegalStateException", "executing the program failed (error " +
-               std::to_string(static_cast<int>(result.error())) + ")");
-    return nullptr;
-  }
-  jobjectArray out = env->NewObjectArray(static_cast<jsize>(result->size()), env->FindClass("[F"), nullptr);
-  for (size_t i = 0; i < result->size(); ++i) {
-    const auto& value = (*result)[i];
-    if (!value.isTensor() || value.toTensor().scalar_type() != ScalarType::Float) {
-      throw_java(env, "java/lang/IllegalStateException", "output " + std::to_string(i) + " is not a float tensor");
-      return nullptr;
+    for (size_t i = 0; i < result->size(); ++i) {
+      const auto& value = (*result)[i];
+      if (!value.isTensor() || value.toTensor().scalar_type() != ScalarType::Float) {
+        throw_java(env, "java/lang/IllegalStateException", "output " + std::to_string(i) + " is not a float tensor");
+        return nullptr;
+      }
     }
-    const auto& tensor = value.toTensor();
-    jfloatArray array = env->NewFloatArray(static_cast<jsize>(tensor.numel()));
-    env->SetFloatArrayRegion(array, 0, static_cast<jsize>(tensor.numel()), tensor.const_data_ptr<float>());
-    env->SetObjectArrayElement(out, static_cast<jsize>(i), array);
-    env->DeleteLocalRef(array);
-  }
-  return out;
+    return float_arrays(env, result->size(), [&](size_t i) {
+      const auto& tensor = (*result)[i].toTensor();
+      return std::pair<const float*, size_t>(tensor.const_data_ptr<float>(), static_cast<size_t>(tensor.numel()));
+    });
+  });
 }
 
 extern "C" JNIEXPORT void JNICALL Java_org_splitface_core_NativeProgram_free(JNIEnv*, jclass, jlong handle) {
@@ -178,17 +219,6 @@ extern "C" JNIEXPORT void JNICALL Java_org_splitface_core_NativeProgram_setSingl
 
 namespace {
 
-// A Java float[] pinned for the duration of a call (no JNI calls while it is held), released on every path.
-struct Pinned {
-  JNIEnv* env;
-  jfloatArray array;
-  float* data;
-  Pinned(JNIEnv* e, jfloatArray a) : env(e), array(a), data(static_cast<float*>(e->GetPrimitiveArrayCritical(a, nullptr))) {}
-  ~Pinned() {
-    if (data != nullptr) env->ReleasePrimitiveArrayCritical(array, data, 0);
-  }
-};
-
 splitface::StripLayer* strips_of(JNIEnv* env, jlong handle) {
   if (handle == 0) throw_java(env, "java/lang/IllegalStateException", "the strip layer is closed");
   return reinterpret_cast<splitface::StripLayer*>(handle);
@@ -198,10 +228,15 @@ splitface::StripLayer* strips_of(JNIEnv* env, jlong handle) {
 bool bind(JNIEnv* env, splitface::StripLayer& layer, jfloatArray images, jint n, jint h, jint w, jobjectArray weights) {
   const splitface::Geometry& g = layer.g;
   jsize length = images == nullptr ? -1 : env->GetArrayLength(images);
-  if (n <= 0 || w != g.W || length != static_cast<jlong>(n) * g.C * h * w) {
+  if (n <= 0 || h <= 0 || w != g.W || length != static_cast<jlong>(n) * g.C * h * w) {
     throw_java(env, "java/lang/IllegalArgumentException", std::to_string(length) + " values as " + std::to_string(n) +
                " images of " + std::to_string(h) + " x " + std::to_string(w) + "; the strip programs take images of " +
                std::to_string(g.C) + " x H x " + std::to_string(g.W));
+    return false;
+  }
+  if (static_cast<jlong>(n) * g.O * h * w > kMaxJavaArray) {
+    throw_java(env, "java/lang/IllegalArgumentException", "the release of " + std::to_string(n) + " images is " +
+               std::to_string(static_cast<jlong>(n) * g.O * h * w) + " values, more than a Java array holds");
     return false;
   }
   jsize count = weights == nullptr ? 0 : env->GetArrayLength(weights);
@@ -240,8 +275,10 @@ extern "C" JNIEXPORT jlong JNICALL Java_org_splitface_core_StripLayerTrainer_loa
     return reinterpret_cast<jlong>(new splitface::StripLayer(text(release), text(grad)));
   } catch (const splitface::StripError& e) {
     throw_java(env, "java/lang/IllegalArgumentException", e.what());
-    return 0;
+  } catch (const std::exception& e) {
+    throw_java(env, "java/lang/IllegalStateException", e.what());
   }
+  return 0;
 }
 
 extern "C" JNIEXPORT jintArray JNICALL Java_org_splitface_core_StripLayerTrainer_geometry(JNIEnv* env, jclass, jlong handle) {
@@ -250,40 +287,33 @@ extern "C" JNIEXPORT jintArray JNICALL Java_org_splitface_core_StripLayerTrainer
   const splitface::Geometry& g = layer->g;
   jint values[] = {g.C, g.O, g.R, g.W, g.kh, g.kw};
   jintArray out = env->NewIntArray(6);
-  env->SetIntArrayRegion(out, 0, 6, values);
+  if (out != nullptr) env->SetIntArrayRegion(out, 0, 6, values);
   return out;
 }
 
-// The release of n images (n, C, h, w): (n, O, h, w), no noise (the caller adds it).
+// The release of n images (n, C, h, w): (n, O, h, w), no noise (the caller adds it). Each image is copied in and
+// its release out with Get/SetFloatArrayRegion: no Java array is pinned while the programs run.
 extern "C" JNIEXPORT jfloatArray JNICALL Java_org_splitface_core_StripLayerTrainer_release(
     JNIEnv* env, jclass, jlong handle, jfloatArray images, jint n, jint h, jint w, jobjectArray weights) {
   splitface::StripLayer* layer = strips_of(env, handle);
   if (layer == nullptr || !bind(env, *layer, images, n, h, w, weights)) return nullptr;
   const splitface::Geometry& g = layer->g;
-  jfloatArray out = env->NewFloatArray(static_cast<jsize>(n * g.map()));
+  jfloatArray out = env->NewFloatArray(static_cast<jsize>(n * g.map()));  // bounded by bind
   if (out == nullptr) return nullptr;  // OutOfMemoryError is pending
-  std::string error;
-  {
+  return guarded(env, static_cast<jfloatArray>(nullptr), [&] {
     auto guard = thread_guard();
-    Pinned in(env, images), dst(env, out);
+    std::vector<float> image(g.image()), map(g.map());
     size_t rows = static_cast<size_t>(g.R) * g.W;
-    try {
-      for (jint s = 0; s < n; ++s) {
-        float* map = dst.data + s * g.map();
-        layer->release_image(in.data + s * g.image(), [&](int strip, const float* strip_out) {
-          for (int o = 0; o < g.O; ++o)
-            std::memcpy(map + static_cast<size_t>(o) * g.H * g.W + strip * rows, strip_out + o * rows, rows * sizeof(float));
-        });
-      }
-    } catch (const splitface::StripError& e) {
-      error = e.what();
+    for (jint s = 0; s < n; ++s) {
+      env->GetFloatArrayRegion(images, static_cast<jsize>(s * g.image()), static_cast<jsize>(g.image()), image.data());
+      layer->release_image(image.data(), [&](int strip, const float* strip_out) {
+        for (int o = 0; o < g.O; ++o)
+          std::memcpy(&map[static_cast<size_t>(o) * g.H * g.W + strip * rows], strip_out + o * rows, rows * sizeof(float));
+      });
+      env->SetFloatArrayRegion(out, static_cast<jsize>(s * g.map()), static_cast<jsize>(g.map()), map.data());
     }
-  }  // unpinned before any JNI call
-  if (!error.empty()) {
-    throw_java(env, "java/lang/IllegalStateException", error);
-    return nullptr;
-  }
-  return out;
+    return out;
+  });
 }
 
 // The weight gradients of n images given their server gradient (n, O, h, w), summed: one float[] per weight.
@@ -297,34 +327,24 @@ extern "C" JNIEXPORT jobjectArray JNICALL Java_org_splitface_core_StripLayerTrai
     return nullptr;
   }
   jsize length = grad == nullptr ? -1 : env->GetArrayLength(grad);
-  if (length != static_cast<jlong>(n) * g.map()) {
+  if (length != static_cast<jlong>(n) * static_cast<jlong>(g.map())) {
     throw_java(env, "java/lang/IllegalArgumentException", "a gradient of " + std::to_string(length) + " values; " +
                std::to_string(n) + " maps of " + std::to_string(g.map()) + " expected");
     return nullptr;
   }
   std::vector<std::vector<float>> sums;
-  std::string error;
-  {
+  bool ok = guarded(env, false, [&] {
     auto guard = thread_guard();
-    Pinned in(env, images), maps(env, grad);
-    try {
-      for (jint s = 0; s < n; ++s) layer->grad_image(in.data + s * g.image(), maps.data + s * g.map(), sums);
-    } catch (const splitface::StripError& e) {
-      error = e.what();
+    std::vector<float> image(g.image()), map(g.map());
+    for (jint s = 0; s < n; ++s) {
+      env->GetFloatArrayRegion(images, static_cast<jsize>(s * g.image()), static_cast<jsize>(g.image()), image.data());
+      env->GetFloatArrayRegion(grad, static_cast<jsize>(s * g.map()), static_cast<jsize>(g.map()), map.data());
+      layer->grad_image(image.data(), map.data(), sums);
     }
-  }
-  if (!error.empty()) {
-    throw_java(env, "java/lang/IllegalStateException", error);
-    return nullptr;
-  }
-  jobjectArray out = env->NewObjectArray(static_cast<jsize>(sums.size()), env->FindClass("[F"), nullptr);
-  for (size_t i = 0; i < sums.size(); ++i) {
-    jfloatArray array = env->NewFloatArray(static_cast<jsize>(sums[i].size()));
-    env->SetFloatArrayRegion(array, 0, static_cast<jsize>(sums[i].size()), sums[i].data());
-    env->SetObjectArrayElement(out, static_cast<jsize>(i), array);
-    env->DeleteLocalRef(array);
-  }
-  return out;
+    return true;
+  });
+  if (!ok) return nullptr;
+  return float_arrays(env, sums.size(), [&](size_t i) { return std::pair<const float*, size_t>(sums[i].data(), sums[i].size()); });
 }
 
 extern "C" JNIEXPORT void JNICALL Java_org_splitface_core_StripLayerTrainer_free(JNIEnv*, jclass, jlong handle) {

@@ -748,5 +748,7 @@ int main(int argc, char** argv) {
     return run_main(argc, argv);
   } catch (const splitface::StripError& e) {  // a bad program, weight or call in the strip layer
     fail(e.what());
+  } catch (const std::exception& e) {  // out of memory and the like: still a message and exit 2, not an abort
+    fail(std::string("internal error: ") + e.what());
   }
 }

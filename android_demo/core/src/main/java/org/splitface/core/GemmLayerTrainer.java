@@ -11,6 +11,7 @@ public final class GemmLayerTrainer extends SgdLayerTrainer {
     private final Program release, vjp;
     private final int batch;
     private float[] lastImages;        // padded to the programs' batch
+    private int lastN;
 
     public GemmLayerTrainer(Program release, Program vjp, DeviceLayer layer, Sgd sgd) {
         super(layer, sgd);
@@ -25,6 +26,7 @@ public final class GemmLayerTrainer extends SgdLayerTrainer {
             throw new IllegalArgumentException(images.length + " values as " + n + " images of " + h + " x " + w
                     + "; the programs take up to " + batch + " images of " + shape[1] + " x " + shape[2] + " x " + shape[3]);
         lastImages = padded(images, (int) numel(shape));
+        lastN = n;
         float[] noise = new float[(int) numel(release.inputShape(1))];   // noise is added by the DeviceClient
         float[] out = release.forward(new float[][] {lastImages, noise, layer.weight, layer.bias})[0];
         return java.util.Arrays.copyOf(out, out.length / batch * n);
@@ -33,6 +35,10 @@ public final class GemmLayerTrainer extends SgdLayerTrainer {
     /** The weight and bias gradients of the last forward's images given the server's gradient. */
     @Override public float[][] weightGrads(float[] activationGrad) {
         if (lastImages == null) throw new IllegalStateException("weightGrads before any forward");
+        long perImage = numel(vjp.inputShape(1)) / batch;
+        if (activationGrad.length != lastN * perImage)
+            throw new IllegalArgumentException("a gradient of " + activationGrad.length + " values; the last forward's "
+                    + lastN + " images take " + lastN * perImage);
         float[] grad = padded(activationGrad, (int) numel(vjp.inputShape(1)));
         float[][] g = vjp.forward(new float[][] {lastImages, grad, layer.weight, layer.bias});
         return new float[][] {g[0], g[1]};

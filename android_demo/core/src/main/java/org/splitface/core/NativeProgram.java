@@ -7,7 +7,8 @@ import java.nio.file.Path;
  * A .pte program through ExecuTorch's C++ runtime (libsplitface_jni, built from
  * device_sdk/runtimes/native/splitface_jni.cpp with the runner): XNNPACK, the optimized kernels, no Python and
  * no PyTorch in the process. Inputs are checked against the program's shapes in C++ before it runs; a mismatch
- * throws {@link IllegalArgumentException} naming the input.
+ * throws {@link IllegalArgumentException} naming the input. One call at a time (the runtime's method and its
+ * buffers are not reentrant), and {@link #close} waits for a call in progress.
  */
 public final class NativeProgram implements Program {
     private long handle;
@@ -28,11 +29,11 @@ public final class NativeProgram implements Program {
         handle = load(pte.toAbsolutePath().toString());
     }
 
-    @Override public long[] inputShape(int index) { return inputShape(live(), index); }
+    @Override public synchronized long[] inputShape(int index) { return inputShape(live(), index); }
 
-    public int inputCount() { return inputCount(live()); }
+    public synchronized int inputCount() { return inputCount(live()); }
 
-    @Override public float[][] forward(float[][] inputs) { return forward(live(), inputs); }
+    @Override public synchronized float[][] forward(float[][] inputs) { return forward(live(), inputs); }
 
     @Override public synchronized void close() {
         if (handle != 0) free(handle);

@@ -9,7 +9,8 @@ import java.nio.file.Path;
  * each image is cut into strips of a few rows whose every intermediate stays in the core's cache, so a batch never
  * holds more than one strip's activations besides its release. The weights and SGD are here, in Java; the programs
  * take the weights as inputs, so each step's weights are the ones used. Any batch size; the image height a multiple
- * of the strip's rows and its width the programs'. Bad shapes throw {@link IllegalArgumentException} by name.
+ * of the strip's rows and its width the programs'. Bad shapes throw {@link IllegalArgumentException} by name. One
+ * call at a time (the strip layer's buffers are shared), and {@link #close} waits for a call in progress.
  */
 public final class StripLayerTrainer extends SgdLayerTrainer implements AutoCloseable {
     private long handle;
@@ -25,16 +26,16 @@ public final class StripLayerTrainer extends SgdLayerTrainer implements AutoClos
     }
 
     /** {C, O, rows, width, kh, kw}: the programs' channels in and out, the strip's rows, the width, the kernel. */
-    public int[] geometry() { return geometry(live()); }
+    public synchronized int[] geometry() { return geometry(live()); }
 
-    @Override public float[] forward(float[] images, int n, int h, int w) {
+    @Override public synchronized float[] forward(float[] images, int n, int h, int w) {
         float[] out = release(live(), images, n, h, w, weights());   // noise is added by the DeviceClient
         lastImages = images; lastN = n; lastH = h; lastW = w;
         return out;
     }
 
     /** The weight and bias gradients of the last forward's images given the server's gradient. */
-    @Override public float[][] weightGrads(float[] activationGrad) {
+    @Override public synchronized float[][] weightGrads(float[] activationGrad) {
         if (lastImages == null) throw new IllegalStateException("weightGrads before any forward");
         return grads(live(), lastImages, lastN, lastH, lastW, activationGrad, weights());
     }
