@@ -22,13 +22,19 @@ same load from other processes on this shared machine. Variants:
   the echo encodes its reply with messages.encode, one copy), both ends receiving with websockets' recv();
 - protocol, + replies as parts: the echo sends its reply as messages.encode_parts' parts, as the edge server
   does with ServerSession.applied_parts;
-- protocol, + server's streamed receive (now): replies as parts, and the echo receives with transport.receive
+- protocol, + server's streamed receive: replies as parts, and the echo receives with transport.receive
   instead of recv(): fragments copied into the message's buffer as they arrive, the message placed so that its
-  tensor is aligned (decode views it instead of copying it); what the device client and the edge server do now;
+  tensor is aligned (decode views it instead of copying it);
 - protocol, + client's streamed receive too: the client receives with transport.receive as well (measured
   slower: websockets hands a client its unmasked fragments as bytearrays, which recv_streaming copies once more);
-- websockets alone: the "now" variant's transport, but neither end decodes (the echo answers every FORWARD
-  with a BACKWARD it encoded once): what the protocol would cost if its codec and checks were free;
+- protocol, + fast connections on both ends (now): both ends on protocol.fastws's connections (serve's and
+  connect's create_connection), receiving with transport.receive and sending with send_fragments: a binary
+  message's frames read into a reused buffer, unmasked in place and copied once into the message's buffer (its
+  tensor aligned); frames masked into their own buffer; what the device client and the edge server do now;
+- websockets alone: the streamed-receive variant's transport (websockets' own connections), but neither end
+  decodes (the echo answers every FORWARD with a BACKWARD it encoded once): what the protocol would cost on
+  websockets' connections if its codec and checks were free;
+- fast connections alone: the same floor on protocol.fastws's connections;
 - raw blocking sockets: a length prefix, then sendall / recv_into a buffer reused across trips (no protocol,
   no validation, no allocation): the ceiling.
 
@@ -70,6 +76,7 @@ class Setting(NamedTuple):
     server_receive: bool = False   # the echo receives with transport.receive, not websockets' recv()
     client_receive: bool = False   # the client too
     codec: bool = True             # False: neither end decodes, the echo answers a BACKWARD made in advance
+    fast: bool = False             # both ends on protocol.fastws's connections (frames straight into their buffers)
 
 
 # variant -> its setting; None: raw sockets
@@ -80,9 +87,13 @@ VARIANTS: dict[str, Setting | None] = {
     "protocol, tuned (fragments + allocator)": Setting(True, True, False),
     "protocol, zero-copy codec (tuned + views)": Setting(True, True, True),
     "protocol, + replies as parts": Setting(True, True, True, reply_parts=True),
-    "protocol, + server's streamed receive (now)": Setting(True, True, True, True, True),
+    "protocol, + server's streamed receive": Setting(True, True, True, True, True),
     "protocol, + client's streamed receive too (not adopted)": Setting(True, True, True, True, True, True),
-    "websockets alone: now, without decode or encode (a floor)": Setting(True, True, True, True, True, codec=False),
+    "protocol, + fast connections on both ends (now)": Setting(True, True, True, True, True, True, fast=True),
+    "websockets alone: streamed receive, without decode or encode (a floor)": Setting(True, True, True, True, True,
+                                                                                      codec=False),
+    "fast connections alone: now, without decode or encode (a floor)": Setting(True, True, True, True, True, True,
+                                                                               codec=False, fast=True),
     "raw blocking sockets, recv_into": None,
 }
 RAW = list(VARIANTS)[-1]
@@ -190,7 +201,11 @@ def server_main(conn, variant: str) -> None:
             phases["send"].append(time.perf_counter() - t2)
 
     async def main() -> None:
-        async with serve(echo, "127.0.0.1", 0, **ws_options("server", setting.fragments)) as server:
+        options = ws_options("server", setting.fragments)
+        if setting.fast:
+            from protocol.fastws import FastServerConnection
+            options["create_connection"] = FastServerConnection
+        async with serve(echo, "127.0.0.1", 0, **options) as server:
             conn.send(next(iter(server.sockets)).getsockname()[1])
             await asyncio.get_running_loop().run_in_executor(None, conn.recv)   # "stop"
 
@@ -287,7 +302,11 @@ async def _client_loop(conn, port: int, setting: Setting, activations: np.ndarra
     session = ClientSession("bench-device", "bench-token", {}, "conv1", "server", len(activations), 1000,
                             {"activations": "f32", "gradients": "f32"})
     trip = 0
-    async with connect(f"ws://127.0.0.1:{port}", **ws_options("client", setting.fragments)) as ws:
+    options = ws_options("client", setting.fragments)
+    if setting.fast:
+        from protocol.fastws import FastClientConnection
+        options["create_connection"] = FastClientConnection
+    async with connect(f"ws://127.0.0.1:{port}", **options) as ws:
         loop = asyncio.get_running_loop()
         while (cmd := await loop.run_in_executor(None, conn.recv)) != "stop":
             if cmd == "codec":

@@ -26,7 +26,8 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from protocol import messages as m
 from protocol.errors import ErrorCode, RemoteError
 from protocol.session import ClientSession
-from protocol.transport import CLIENT_WS_OPTIONS, Message, message_size, reuse_large_buffers, send_fragments
+from protocol.fastws import FastClientConnection
+from protocol.transport import CLIENT_WS_OPTIONS, Message, message_size, receive, reuse_large_buffers, send_fragments
 
 from .engine import DeviceEngine
 from .meter import BatchCost, EnergyCounter, Stopwatch, peak_rss_bytes
@@ -209,7 +210,8 @@ class DeviceClient:
         delay = 0.2
         while True:
             try:
-                self._ws = await connect(self.url, max_size=self.max_message_bytes, ssl=self.ssl, **CLIENT_WS_OPTIONS)
+                self._ws = await connect(self.url, max_size=self.max_message_bytes, ssl=self.ssl,
+                                         create_connection=FastClientConnection, **CLIENT_WS_OPTIONS)
                 await self._ws.send(self.session.hello())
                 welcome = self.session.accept_welcome(await self._ws.recv())
                 self._ws.protocol.max_message_size = max(self.max_message_bytes, self.session.max_message_bytes)
@@ -287,7 +289,7 @@ class DeviceClient:
             await send_fragments(self._ws, data)
             if phase:
                 self._fault("after-" + phase, batch_id)
-            reply = await self._ws.recv()   # not transport.receive: slower on a client (see its docstring)
+            reply = await receive(self._ws)   # assembled in its buffer, the tensor aligned (protocol/fastws.py)
         except (ConnectionClosed, OSError) as exc:
             raise ConnectionLost(str(exc)) from exc
         if phase and self.faults and m.decode(reply)["type"] == m.BACKWARD:
