@@ -27,14 +27,14 @@ same load from other processes on this shared machine. Variants:
   tensor is aligned (decode views it instead of copying it);
 - protocol, + client's streamed receive too: the client receives with transport.receive as well (measured
   slower: websockets hands a client its unmasked fragments as bytearrays, which recv_streaming copies once more);
-- protocol, + fast connections on both ends (now): both ends on protocol.fastws's connections (serve's and
+- protocol, + fast connections on both ends (now): both ends on device_sdk.fastws's connections (serve's and
   connect's create_connection), receiving with transport.receive and sending with send_fragments: a binary
   message's frames read into a reused buffer, unmasked in place and copied once into the message's buffer (its
   tensor aligned); frames masked into their own buffer; what the device client and the edge server do now;
 - websockets alone: the streamed-receive variant's transport (websockets' own connections), but neither end
   decodes (the echo answers every FORWARD with a BACKWARD it encoded once): what the protocol would cost on
   websockets' connections if its codec and checks were free;
-- fast connections alone: the same floor on protocol.fastws's connections;
+- fast connections alone: the same floor on device_sdk.fastws's connections;
 - raw blocking sockets: a length prefix, then sendall / recv_into a buffer reused across trips (no protocol,
   no validation, no allocation): the ceiling.
 
@@ -76,7 +76,7 @@ class Setting(NamedTuple):
     server_receive: bool = False   # the echo receives with transport.receive, not websockets' recv()
     client_receive: bool = False   # the client too
     codec: bool = True             # False: neither end decodes, the echo answers a BACKWARD made in advance
-    fast: bool = False             # both ends on protocol.fastws's connections (frames straight into their buffers)
+    fast: bool = False             # both ends on device_sdk.fastws's connections (frames straight into their buffers)
 
 
 # variant -> its setting; None: raw sockets
@@ -203,7 +203,7 @@ def server_main(conn, variant: str) -> None:
     async def main() -> None:
         options = ws_options("server", setting.fragments)
         if setting.fast:
-            from protocol.fastws import FastServerConnection
+            from device_sdk.fastws import FastServerConnection
             options["create_connection"] = FastServerConnection
         async with serve(echo, "127.0.0.1", 0, **options) as server:
             conn.send(next(iter(server.sockets)).getsockname()[1])
@@ -304,7 +304,7 @@ async def _client_loop(conn, port: int, setting: Setting, activations: np.ndarra
     trip = 0
     options = ws_options("client", setting.fragments)
     if setting.fast:
-        from protocol.fastws import FastClientConnection
+        from device_sdk.fastws import FastClientConnection
         options["create_connection"] = FastClientConnection
     async with connect(f"ws://127.0.0.1:{port}", **options) as ws:
         loop = asyncio.get_running_loop()

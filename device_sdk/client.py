@@ -26,10 +26,10 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from protocol import messages as m
 from protocol.errors import ErrorCode, RemoteError
 from protocol.session import ClientSession
-from protocol.fastws import FastClientConnection
 from protocol.transport import CLIENT_WS_OPTIONS, Message, message_size, receive, reuse_large_buffers, send_fragments
 
 from .engine import DeviceEngine
+from .fastws import FastClientConnection
 from .meter import BatchCost, EnergyCounter, Stopwatch, peak_rss_bytes
 from .privacy.state import check_server_figure, spent_epsilon
 
@@ -289,7 +289,7 @@ class DeviceClient:
             await send_fragments(self._ws, data)
             if phase:
                 self._fault("after-" + phase, batch_id)
-            reply = await receive(self._ws)   # assembled in its buffer, the tensor aligned (protocol/fastws.py)
+            reply = await receive(self._ws)   # assembled in its buffer, the tensor aligned (device_sdk/fastws.py)
         except (ConnectionClosed, OSError) as exc:
             raise ConnectionLost(str(exc)) from exc
         if phase and self.faults and m.decode(reply)["type"] == m.BACKWARD:

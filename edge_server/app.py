@@ -45,7 +45,7 @@ from protocol.session import (
 
 from protocol import messages as m
 from protocol.clusters import ClusterRelay, HeadBoard
-from protocol.fastws import FastServerConnection
+from device_sdk.fastws import FastServerConnection
 from protocol.transport import SERVER_WS_OPTIONS, Message, message_size, receive, reuse_large_buffers, send_fragments
 
 from .auth import AuthThrottle, throttled
@@ -325,7 +325,7 @@ class EdgeServer:
         # Until HELLO succeeds a connection may send only small messages; _perform raises the limit on admission.
         async with serve(self.handle, self.config.host, self.config.port, ssl=self.ssl, process_request=self._screen,
                          max_size=min(self.config.limits.pre_auth_max_bytes, self.info.max_message_bytes),
-                         close_timeout=2, create_connection=FastServerConnection,  # protocol/fastws.py
+                         close_timeout=2, create_connection=FastServerConnection,  # device_sdk/fastws.py
                          **SERVER_WS_OPTIONS) as server:  # a trickler cannot answer a close
             self.port = next(iter(server.sockets)).getsockname()[1]
             log.info("listening on %s://%s:%d", "wss" if self.ssl else "ws", self.config.host, self.port)

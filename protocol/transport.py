@@ -17,11 +17,11 @@ A third, `receive`, takes the reassembly of fragments out of websockets' hands: 
 arrives, into the message's buffer (while the sender is still sending, and from memory that is still in the
 cache), and places the message so that its tensor is aligned, which lets messages.decode view it.
 
-A fourth, protocol/fastws.py, is a pair of websockets connection classes that read a binary message's frames
+A fourth, device_sdk/fastws.py, is a pair of websockets connection classes that read a binary message's frames
 straight into the message's buffer and mask frames into their own; `send_fragments` and `receive` use their
 `send_parts` and `recv_view` when a connection has them.
 
-This module names no websocket library (protocol/fastws.py is the one module of protocol/ that imports websockets);
+This module names no websocket library (protocol/ depends on numpy and msgpack only; device_sdk/fastws.py imports websockets);
 its settings are plain keyword arguments of websockets' connect() and serve(), and it uses the connections' public
 methods.
 """
@@ -83,7 +83,7 @@ def message_size(data: Message) -> int:
 async def send_fragments(ws: Any, data: Message, size: int = FRAGMENT_BYTES) -> None:
     """Send one binary message (whole or as parts) on a websockets connection, in frames of at most `size` bytes."""
     parts = fragments(data, size)
-    send_parts = getattr(ws, "send_parts", None)    # protocol.fastws's connections: frames masked into their buffers
+    send_parts = getattr(ws, "send_parts", None)    # device_sdk.fastws's connections: frames masked into their buffers
     if send_parts is not None:
         await send_parts(parts)
     else:
@@ -103,14 +103,14 @@ async def receive(ws: Any) -> bytes | memoryview | str:
     Unlike recv(), `receive` must not be cancelled once a message has started (websockets' recv_streaming):
     the connection is then unusable, and the caller closes it (the edge server does, on a deadline).
 
-    On a connection of protocol/fastws.py (the edge server's and the device client's), the connection has already
+    On a connection of device_sdk/fastws.py (the edge server's and the device client's), the connection has already
     assembled and placed the message while it arrived: `receive` returns its `recv_view()`.
 
     On websockets' own connections it pays on a server: websockets unmasks each fragment into new `bytes`, which
     recv_streaming hands over as they are. A client's fragments are not masked and websockets keeps them as
     bytearrays, which recv_streaming copies once more: there recv() (one join at the end) measured as fast
     (bench/transport.py)."""
-    recv_view = getattr(ws, "recv_view", None)      # protocol.fastws's connections assemble and align it themselves
+    recv_view = getattr(ws, "recv_view", None)      # device_sdk.fastws's connections assemble and align it themselves
     if recv_view is not None:
         return await recv_view()
     stream = ws.recv_streaming()

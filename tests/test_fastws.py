@@ -1,4 +1,4 @@
-"""protocol/fastws.py: connections that receive binary messages straight into their buffer and mask frames into their
+"""device_sdk/fastws.py: connections that receive binary messages straight into their buffer and mask frames into their
 own behave as websockets' own connections do, on a real loopback connection: the same messages for the same bytes,
 the same close code for every hostile input (compared side by side with websockets' ServerConnection and
 ClientConnection), the same frames on the wire, and the fast path really taken."""
@@ -19,10 +19,10 @@ from websockets.exceptions import ConnectionClosed
 from websockets.frames import Frame, Opcode
 from websockets.utils import apply_mask
 
-from protocol import fastws
+from device_sdk import fastws
 from protocol import messages as m
 from protocol import transport
-from protocol.fastws import FastClientConnection, FastServerConnection, frame_header, xor_mask
+from device_sdk.fastws import FastClientConnection, FastServerConnection, frame_header, xor_mask
 from protocol.tensor import encode_tensor
 from protocol.transport import CLIENT_WS_OPTIONS, SERVER_WS_OPTIONS, receive, send_fragments
 
@@ -130,7 +130,7 @@ def test_messages_arrive_as_sent(ends, fragment):
 
 
 def test_fast_path_engages_and_aligns_the_tensor():
-    """The take-over depends on reading websockets' parser state (protocol.fastws._parser_idle): if a websockets
+    """The take-over depends on reading websockets' parser state (device_sdk.fastws._parser_idle): if a websockets
     release changes it, this test fails instead of the connections silently falling back to websockets' path."""
     async def run():
         results = []

@@ -1,5 +1,9 @@
 """websockets connections that receive a binary message straight into its buffer and mask frames into their own.
 
+The device client's and the edge server's (which imports it from here, as it imports the client's fault hooks):
+protocol/ stays numpy and msgpack only. Written against websockets 17 (pyproject pins the major version), whose
+parser state and connection attributes it reads (below); tests/test_fastws.py fails if they change.
+
 websockets (17.x) copies every byte of a received message three or four times in user space: asyncio's 256 KiB
 `recv` into a new `bytes`, its StreamReader's `bytearray +=`, the frame's slice, the server's unmasking into new
 `bytes`, then recv()'s join of the fragments (docs/transport.md has the profile). These connection classes
@@ -51,8 +55,8 @@ from websockets.frames import CloseCode, Frame, Opcode
 from websockets.protocol import OPEN, SERVER, Protocol
 from websockets.streams import StreamReader
 
-from .messages import tensor_offset
-from .transport import ALIGN
+from protocol.messages import tensor_offset
+from protocol.transport import ALIGN
 
 READ_BYTES = 256 * 1024          # the kernel's reads (asyncio's own recv size)
 HEAD_PEEK = 4096                 # bytes of a message looked at for its first tensor's offset before it is placed
