@@ -32,9 +32,14 @@ binary message's data frames:
   mask, then serialisation into `io.BytesIO`, then `getvalue()`.
 
 The take-over starts once websockets' parser is idle between frames (state OPEN, nothing buffered, waiting for a
-frame's first byte), which `_parser_idle` reads from the parser generator's `gi_yieldfrom` chain. That is a detail
-of websockets' implementation: if a release changes it, the connection simply never takes over (it stays a plain
-websockets connection), and tests/test_fastws.py fails (`test_fast_path_engages`) so that it is noticed.
+frame's first byte), which `_parser_idle` reads from the parser generator's `gi_yieldfrom` chain; a failed
+connection is recognised by its parser being websockets' `discard`. Those are details of websockets'
+implementation: if a release changes the parser, the connection never takes over (it stays a plain websockets
+connection); a renamed attribute raises. tests/test_fastws.py fails either way (`test_fast_path_engages`, the
+side-by-side tests), and pyproject pins websockets 17.
+
+Flow control: reading pauses as soon as one finished message waits unread (max_queue is (0, 0) on these
+connections), so a reader that stops reading holds one message besides the one under way.
 """
 from __future__ import annotations
 
@@ -74,6 +79,12 @@ def _parser_idle(protocol: Protocol) -> bool:
     return len(chain) >= 2 and chain[-1] is StreamReader.at_eof.__code__ and Protocol.parse.__code__ in chain
 
 
+def _discarding(protocol: Protocol) -> bool:
+    """Whether websockets' parser throws its input away: after `Protocol.fail` (a refused frame, a keepalive timeout),
+    when a failed connection delivers nothing more."""
+    return getattr(protocol.parser, "gi_code", None) is Protocol.discard.__code__
+
+
 def xor_mask(dst: memoryview, src: memoryview, key: bytes, phase: int = 0) -> None:
     """dst[i] = src[i] ^ key[(phase + i) % 4] (RFC 6455 5.3); dst may be src (in place). Same length."""
     n = len(src)
@@ -107,6 +118,10 @@ class _FastFrames:
     transport: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Flow control counts a taken-over message as one frame: reading pauses as soon as one finished message waits
+        # unread (websockets' own queue holds max_queue frames, here whole messages), so a reader that stops reading
+        # holds one message besides the one under way, as websockets with a 1 MiB-fragment queue holds a few MiB.
+        kwargs["max_queue"] = (0, 0)
         super().__init__(*args, **kwargs)
         self._scratch = memoryview(bytearray(READ_BYTES))
         self._engaged = False       # the parser below runs ahead of websockets
@@ -155,6 +170,10 @@ class _FastFrames:
                     return
                 self._engaged = True
             if self._left:
+                if _discarding(self.protocol):   # failed mid-frame: websockets throws the rest away, and so do we
+                    self._stop_taking_over()
+                    self._forward(view[pos:])
+                    return
                 k = min(self._left, n - pos)
                 chunk = view[pos:pos + k]
                 if self._key is not None:
@@ -187,7 +206,12 @@ class _FastFrames:
     def _header(self) -> None:
         head, self._head = self._head, bytearray()
         protocol = self.protocol
-        if protocol.state is not OPEN:           # closing or failed: websockets parses (and discards) the rest
+        if protocol.state is not OPEN:
+            # Closing: after our close() websockets still parses, and delivers the rest of a message under way, so
+            # the message so far goes to its assembler as a first fragment and websockets takes it from here.
+            # Failed: websockets discards everything, the message under way too.
+            if self._message is not None and not _discarding(protocol):
+                self._hand_over()
             self._stop_taking_over()
             self._forward(head)
             return
@@ -262,6 +286,9 @@ class _FastFrames:
     def _frame_done(self) -> None:
         if not self._fin:
             return
+        if _discarding(self.protocol):   # the connection failed while the frame arrived: nothing is delivered
+            self._stop_taking_over()
+            return
         message, peek, pad = self._message, self._peek, self._pad
         assert message is not None
         if peek is not None:          # a short message, or no tensor in its first bytes: no padding
@@ -272,6 +299,15 @@ class _FastFrames:
         self._pads.append(pad)
         self.fast_messages += 1
         super().process_event(Frame(Opcode.BINARY, message.getvalue(), True))  # type: ignore[misc]
+
+    def _hand_over(self) -> None:
+        """The message under way, as far as it came, to websockets' assembler as a non-final BINARY frame (without
+        its padding): websockets' parser, which saw every frame's header, goes on with the CONTINUATION frames."""
+        message, peek = self._message, self._peek
+        assert message is not None
+        data = bytes(peek) if peek is not None else message.getvalue()[self._pad:]
+        self._pads.append(0)
+        super().process_event(Frame(Opcode.BINARY, data, False))  # type: ignore[misc]
 
     def _drop_message(self) -> None:
         self._message = self._peek = None

@@ -521,3 +521,118 @@ def test_frames_on_the_wire_are_websockets_frames(server_side):
     frames = _parse_frames(fast)
     assert [f[0] for f in frames] == [2] + [0] * len(parts) + [2]
     assert all(f[2] == (not server_side) for f in frames)
+
+
+async def _fed(server_cls, chunks: list[bytes], between) -> list[Any]:
+    """A raw client's opening handshake, then `chunks` handed to the server connection's receive callbacks one by
+    one (as the kernel's reads would be), `between(ws)` awaited after each. What the handler's recv() returned."""
+    got: list[Any] = []
+    ready = asyncio.Event()
+    conn: dict[str, Any] = {}
+
+    async def handler(ws) -> None:
+        conn["ws"] = ws
+        ready.set()
+        try:
+            while True:
+                got.append(await asyncio.wait_for(ws.recv(), 2))
+        except ConnectionClosed as exc:
+            got.append(("closed", exc.sent.code if exc.sent else None))
+
+    async with serve(handler, "127.0.0.1", 0, create_connection=server_cls,
+                     **{**SERVER_WS_OPTIONS, "max_size": 1 << 20, "ping_interval": None, "close_timeout": 0.5}) as server:
+        port = next(iter(server.sockets)).getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        key = base64.b64encode(os.urandom(16)).decode()
+        writer.write((f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                      f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+        await ready.wait()
+        ws = conn["ws"]
+        for chunk in chunks:
+            if ws.transport.is_closing():
+                break
+            if isinstance(ws, FastServerConnection):
+                ws.get_buffer(-1)[:len(chunk)] = chunk
+                ws.buffer_updated(len(chunk))
+            else:
+                ws.data_received(chunk)
+            await between(ws)
+        await asyncio.sleep(0.2)
+        writer.close()
+        await asyncio.sleep(0.05)
+    return got
+
+
+def test_our_close_during_a_message_delivers_it_as_websockets_does():
+    """The server closes while a fragmented message is under way (a replaced device's old connection, shutdown):
+    websockets still delivers the message's rest, so the message taken over so far is handed to it."""
+    chunks = [_frame(0x2, b"head" * 10, fin=False), _frame(0x0, b"tail" * 10), _frame(0x8, struct.pack("!H", 1000))]
+
+    def run(server_cls) -> list[Any]:
+        closing: list[asyncio.Task] = []
+
+        async def between(ws) -> None:
+            if not closing:
+                closing.append(asyncio.create_task(ws.close()))
+            await asyncio.sleep(0.01)
+        return asyncio.run(_fed(server_cls, chunks, between))
+
+    stock = run(ServerConnection)
+    assert stock == [b"head" * 10 + b"tail" * 10, ("closed", 1000)]
+    assert run(FastServerConnection) == stock
+
+
+def test_a_connection_failed_during_a_frame_delivers_nothing():
+    """A connection that fails while a taken-over frame arrives (as keepalive's ping timeout fails it) delivers no
+    message, as websockets' own connection does: its parser discards the rest, and so does the fast path."""
+    data = _frame(0x2, os.urandom(100_000))
+
+    def run(server_cls) -> list[Any]:
+        failed: list[asyncio.Task] = []
+
+        async def between(ws) -> None:
+            async def fail() -> None:
+                async with ws.send_context():
+                    ws.protocol.fail(1011, "keepalive ping timeout")
+            if not failed:
+                failed.append(asyncio.create_task(fail()))
+            await asyncio.sleep(0.01)
+        return asyncio.run(_fed(server_cls, [data[:5000], data[5000:]], between))
+
+    stock = run(ServerConnection)
+    assert stock == [("closed", 1011)]
+    assert run(FastServerConnection) == stock
+
+
+def test_a_handler_that_stops_reading_holds_one_message():
+    """Flow control: a taken-over message is one frame in websockets' queue, so reading pauses as soon as one
+    finished message waits unread; the sender blocks instead of the server holding every message it sends."""
+    size = 4 << 20
+    held: dict[str, int] = {}
+
+    async def run() -> int:
+        async def handler(ws) -> None:
+            await asyncio.sleep(1.0)   # busy: not reading
+            held["queued"] = sum(len(f.data) for f in ws.recv_messages.frames.queue)
+            held["under_way"] = ws._size if ws._message is not None else 0
+            await ws.close()
+
+        sent = 0
+        async with serve(handler, "127.0.0.1", 0, create_connection=FastServerConnection,
+                         **{**SERVER_WS_OPTIONS, "max_size": 2 * size}) as server:
+            port = next(iter(server.sockets)).getsockname()[1]
+            async with connect(f"ws://127.0.0.1:{port}", **{**CLIENT_WS_OPTIONS, "max_size": 2 * size}) as ws:
+                async def sender() -> None:
+                    nonlocal sent
+                    for _ in range(8):
+                        await transport.send_fragments(ws, bytes(size))
+                        sent += 1
+                task = asyncio.create_task(sender())
+                await asyncio.sleep(1.3)
+                task.cancel()
+        return sent
+
+    sent = asyncio.run(run())
+    assert held["queued"] == size and held["under_way"] < size   # one message waits, the next is under way
+    assert sent < 8                                                # the rest waited for the reader
