@@ -303,6 +303,17 @@ def _close_code(data: bytes) -> int | None:
     return None
 
 
+async def _raw_handshake(server) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw TCP client to `server` past the opening handshake: what it writes next are frames, as they are."""
+    port = next(iter(server.sockets)).getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    key = base64.b64encode(os.urandom(16)).decode()
+    writer.write((f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                  f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+    assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+    return reader, writer
+
+
 async def _hostile_client(server_cls, payload: bytes, drop: bool = False, max_fragments: int | None = None):
     """A raw client: the opening handshake, then `payload` as it is. What the server's receive() returned (or the
     exception it raised) and the close code the server sent."""
@@ -318,12 +329,7 @@ async def _hostile_client(server_cls, payload: bytes, drop: bool = False, max_fr
 
     async with serve(handler, "127.0.0.1", 0, create_connection=server_cls,
                      **{**SERVER_WS_OPTIONS, "max_size": 1 << 20}) as server:
-        port = next(iter(server.sockets)).getsockname()[1]
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        key = base64.b64encode(os.urandom(16)).decode()
-        writer.write((f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                      f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
-        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+        reader, writer = await _raw_handshake(server)
         writer.write(payload)
         await writer.drain()
         if drop:
@@ -541,12 +547,7 @@ async def _fed(server_cls, chunks: list[bytes], between) -> list[Any]:
 
     async with serve(handler, "127.0.0.1", 0, create_connection=server_cls,
                      **{**SERVER_WS_OPTIONS, "max_size": 1 << 20, "ping_interval": None, "close_timeout": 0.5}) as server:
-        port = next(iter(server.sockets)).getsockname()[1]
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        key = base64.b64encode(os.urandom(16)).decode()
-        writer.write((f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                      f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
-        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+        reader, writer = await _raw_handshake(server)
         await ready.wait()
         ws = conn["ws"]
         for chunk in chunks:
