@@ -42,6 +42,7 @@ def test_wss_trains_and_untrusted_servers_fail_clearly(tmp_path, pki):
             result = await good.train_batch(1, rng.integers(0, 256, (4, 3, 64, 64), dtype=np.uint8),
                                             rng.integers(0, NUM_CLASSES, 4), np.arange(4))
             assert np.isfinite(result.loss)
+            assert good._ws.fast_messages >= 1   # the reply was taken over by device_sdk/fastws.py, over TLS too
             await good.close()
             with pytest.raises(UntrustedServer, match="certificate verify failed|unable to get local issuer"):
                 await _client(f"wss://localhost:{port}", trainer, ca_file=pki / "other-ca.pem").connect()
