@@ -129,10 +129,12 @@ def test_java_device_on_executorch_equals_pytorch_on_real_faces(java, faces, tmp
                    "bias": job["bias"] + bytes(4)}  # the programs were exported for another layer
     rows = 32 if kind == "gemm" else 30
     shorter = {"images": np.ascontiguousarray(images[:, :, :rows]).tobytes(), "shape": [3, 3, rows, 64]}
-    for wrong, why in zip((shorter, other_layer), REFUSALS[kind], strict=True):
+    not_a_program = {"programs": {**job["programs"], "release": str(tmp_path / "job.msgpack")}}  # a file, not a .pte
+    for wrong, why in zip((shorter, other_layer, not_a_program), (*REFUSALS[kind], r"cannot (load|read) .*job\.msgpack"),
+                          strict=True):
         (tmp_path / "wrong.msgpack").write_bytes(msgpack.packb({**job, **wrong}))
         run = subprocess.run([*java, "parity", str(tmp_path / "wrong.msgpack"), str(tmp_path / "out.msgpack")],
-                             capture_output=True, text=True, timeout=120)
+                             capture_output=True, text=True, errors="replace", timeout=120)  # the runtime logs bytes
         assert run.returncode != 0 and "IllegalArgumentException" in run.stderr and re.search(why, run.stderr), run.stderr
 
 

@@ -109,28 +109,32 @@ Loaded* handle_of(JNIEnv* env, jlong handle) {
 
 extern "C" JNIEXPORT jlong JNICALL Java_org_splitface_core_NativeProgram_load(JNIEnv* env, jclass, jstring path) {
   const char* chars = env->GetStringUTFChars(path, nullptr);
+  if (chars == nullptr) return 0;  // OutOfMemoryError is pending
   std::string file(chars);
   env->ReleaseStringUTFChars(path, chars);
-  auto loaded = std::make_unique<Loaded>();
-  loaded->module = std::make_unique<Module>(file, Module::LoadMode::Mmap);
-  if (loaded->module->load_method(kMethod) != executorch::runtime::Error::Ok) {
-    throw_java(env, "java/lang/IllegalArgumentException", "cannot load the forward method of " + file);
-    return 0;
-  }
-  auto meta = loaded->module->method_meta(kMethod);
-  if (!meta.ok()) {
-    throw_java(env, "java/lang/IllegalArgumentException", "no forward method metadata in " + file);
-    return 0;
-  }
-  for (size_t i = 0; i < meta->num_inputs(); ++i) {
-    auto in = meta->input_tensor_meta(i);
-    if (!in.ok() || in->scalar_type() != ScalarType::Float) {
-      throw_java(env, "java/lang/IllegalArgumentException", file + ": input " + std::to_string(i) + " is not a float tensor");
+  return guarded(env, jlong{0}, [&]() -> jlong {
+    auto loaded = std::make_unique<Loaded>();
+    loaded->module = std::make_unique<Module>(file, Module::LoadMode::Mmap);
+    if (loaded->module->load_method(kMethod) != executorch::runtime::Error::Ok) {
+      throw_java(env, "java/lang/IllegalArgumentException", "cannot load the forward method of " + file);
       return 0;
     }
-    loaded->shapes.emplace_back(in->sizes().begin(), in->sizes().end());
-  }
-  return reinterpret_cast<jlong>(loaded.release());
+    auto meta = loaded->module->method_meta(kMethod);
+    if (!meta.ok()) {
+      throw_java(env, "java/lang/IllegalArgumentException", "no forward method metadata in " + file);
+      return 0;
+    }
+    for (size_t i = 0; i < meta->num_inputs(); ++i) {
+      auto in = meta->input_tensor_meta(i);
+      if (!in.ok() || in->scalar_type() != ScalarType::Float) {
+        throw_java(env, "java/lang/IllegalArgumentException", file + ": input " + std::to_string(i) +
+                   " is not a float tensor");
+        return 0;
+      }
+      loaded->shapes.emplace_back(in->sizes().begin(), in->sizes().end());
+    }
+    return reinterpret_cast<jlong>(loaded.release());
+  });
 }
 
 extern "C" JNIEXPORT jint JNICALL Java_org_splitface_core_NativeProgram_inputCount(JNIEnv* env, jclass, jlong handle) {
@@ -267,18 +271,20 @@ extern "C" JNIEXPORT jlong JNICALL Java_org_splitface_core_StripLayerTrainer_loa
                                                                                 jstring grad) {
   auto text = [&](jstring s) {
     const char* chars = env->GetStringUTFChars(s, nullptr);
-    std::string out(chars);
-    env->ReleaseStringUTFChars(s, chars);
+    std::string out(chars == nullptr ? "" : chars);
+    if (chars != nullptr) env->ReleaseStringUTFChars(s, chars);
     return out;
   };
-  try {
-    return reinterpret_cast<jlong>(new splitface::StripLayer(text(release), text(grad)));
-  } catch (const splitface::StripError& e) {
-    throw_java(env, "java/lang/IllegalArgumentException", e.what());
-  } catch (const std::exception& e) {
-    throw_java(env, "java/lang/IllegalStateException", e.what());
-  }
-  return 0;
+  std::string release_pte = text(release), grad_pte = text(grad);
+  if (env->ExceptionCheck()) return 0;  // a string could not be read (OutOfMemoryError)
+  return guarded(env, jlong{0}, [&]() -> jlong {
+    try {
+      return reinterpret_cast<jlong>(new splitface::StripLayer(release_pte, grad_pte));
+    } catch (const splitface::StripError& e) {  // a bad program: the caller's argument
+      throw_java(env, "java/lang/IllegalArgumentException", e.what());
+      return 0;
+    }
+  });
 }
 
 extern "C" JNIEXPORT jintArray JNICALL Java_org_splitface_core_StripLayerTrainer_geometry(JNIEnv* env, jclass, jlong handle) {
