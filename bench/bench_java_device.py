@@ -68,10 +68,12 @@ def main(argv: list[str] | None = None) -> None:
     gemm = export_for_batch(layer, args.samples, args.input_size, work / "gemm")
     strips = write_strip_ptes(layer, STRIP_ROWS, args.input_size, work / "strips")
     library = str(jni_library())
-    programs = {"reference": None,
-                "gemm": {"library": library, "kind": "gemm", "release": str(gemm / RELEASE_GEMM_PTE),
-                         "vjp": str(gemm / VJP_GEMM_PTE)},
-                "strips": {"library": library, "kind": "strips", "release": str(strips[0]), "vjp": str(strips[1])}}
+    extras = {"job only": {"warmup": 0, "runs": 0},  # a JVM that reads the job and runs nothing: the baseline
+              "reference": {},
+              "gemm": {"programs": {"library": library, "kind": "gemm", "release": str(gemm / RELEASE_GEMM_PTE),
+                                    "vjp": str(gemm / VJP_GEMM_PTE)}},
+              "strips": {"programs": {"library": library, "kind": "strips", "release": str(strips[0]),
+                                      "vjp": str(strips[1])}}}
     pixels = (255 * t["images"]).round().to(torch.uint8).numpy()
     job = {**java_layer_job(layer), "images": pixels.tobytes(), "shape": list(pixels.shape),
            "grad": t["grad"].numpy().astype("<f4").tobytes(), "warmup": args.warmup, "runs": args.runs,
@@ -79,11 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     java = java_classes(work / "jvm")
     load = os.getloadavg()
     reports = {}
-    for trainer in ("job only", *TRAINERS):  # "job only": a JVM that reads the job and runs nothing
+    for trainer, extra in extras.items():
         path = work / "job.msgpack"
-        extra = {"programs": programs[trainer]} if programs.get(trainer) else {}
-        if trainer == "job only":
-            extra = {"warmup": 0, "runs": 0}
         path.write_bytes(msgpack.packb({**job, **extra}))
         run = subprocess.run([*java, "bench", str(path)], capture_output=True, text=True)
         if run.returncode != 0:

@@ -179,6 +179,13 @@ struct InputMeta {
   size_t nbytes = 0;
 };
 
+// A program named on the command line as PATH:input,input,...: its path and one name per input.
+std::pair<std::string, std::vector<std::string>> named_path(const std::string& spec) {
+  auto colon = spec.rfind(':');
+  if (colon == std::string::npos) fail("a program is PATH:input,input,...; got " + spec);
+  return {spec.substr(0, colon), split(spec.substr(colon + 1), ',')};
+}
+
 // A program named on the command line as PATH:input,input,...: loaded, with one name for each input of its
 // forward method, every input a float tensor.
 struct NamedProgram {
@@ -189,14 +196,11 @@ struct NamedProgram {
 };
 
 NamedProgram open_named(const std::string& spec) {
-  auto colon = spec.rfind(':');
-  if (colon == std::string::npos) fail("a program is PATH:input,input,...; got " + spec);
   NamedProgram p;
-  p.path = spec.substr(0, colon);
+  std::tie(p.path, p.names) = named_path(spec);
   p.module = splitface::load_module(p.path, g_profile);
   auto meta = p.module->method_meta("forward");
   if (!meta.ok()) fail("no forward method in " + p.path);
-  p.names = split(spec.substr(colon + 1), ',');
   if (p.names.size() != meta->num_inputs()) {
     fail(p.path + " takes " + std::to_string(meta->num_inputs()) + " inputs; " + std::to_string(p.names.size()) +
          " named");
@@ -413,13 +417,6 @@ struct StripRunner {
     return sums;
   }
 };
-
-// A program named on the command line as PATH:input,input,...: its path and one name per input.
-std::pair<std::string, std::vector<std::string>> named_path(const std::string& spec) {
-  auto colon = spec.rfind(':');
-  if (colon == std::string::npos) fail("a program is PATH:input,input,...; got " + spec);
-  return {spec.substr(0, colon), split(spec.substr(colon + 1), ',')};
-}
 
 // The strip programs loaded; the files are read by `bind_strips`.
 StripRunner load_strips(const std::string& release_spec, const std::string& grad_spec) {
