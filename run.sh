@@ -11,4 +11,9 @@ DEFAULT_RELEASE=(--release dct --split layer2 --dct-drop 4 --mechanism per-image
 # The wire: int8 with a scale per image and channel both ways, a quarter of float32's bytes at no measured accuracy
 # cost (docs/wire.md); a function of the audited release, so the audit's figures bound what it leaks.
 DEFAULT_WIRE=(--activation-encoding i8c --gradient-encoding i8c)
-exec .venv/bin/python -m edge_server.demo "${DEFAULT_RELEASE[@]}" "${DEFAULT_WIRE[@]}" "$@"
+# The start: splitface's backbone distilled from dlib's public recognizer on public LFW faces (none of LFW-158's
+# people, none of View 1's test pairs), noise-aware for the release above; built on first use (about 40 minutes on
+# 2 cores, with progress bars), then reused from ~/.cache/splitface (docs/pretrain.md). `--init scratch` starts
+# from seeded weights instead.
+DEFAULT_START=(--init distilled)
+exec .venv/bin/python -m edge_server.demo "${DEFAULT_START[@]}" "${DEFAULT_RELEASE[@]}" "${DEFAULT_WIRE[@]}" "$@"

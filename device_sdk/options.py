@@ -20,7 +20,7 @@ from .models import DEFAULT_SPLIT, PRESETS, RELEASE_KEYS, ModelSpec, resolve_spe
 from .optim import TrainConfig
 from .privacy.discrete import DiscreteGaussianMechanism
 from .privacy.engine import LAYER_TRAINING, PrivacyEngine
-from .privacy.mechanisms import MECHANISMS, build_mechanism
+from .privacy.mechanisms import MECHANISMS, Mechanism, build_mechanism
 from .privacy.planner import plan_per_image
 from .transforms import RELEASES
 
@@ -231,21 +231,27 @@ def discrete_mechanism(args: argparse.Namespace) -> DiscreteGaussianMechanism:
     return DiscreteGaussianMechanism(args.clip_norm, args.noise_multiplier, args.quant_step)
 
 
+def release_mechanism(args: argparse.Namespace, releases_per_image: int | None = None) -> Mechanism:
+    """The mechanism of `add_privacy_args`; --target-epsilon is planned over `releases_per_image` releases (a
+    caller that cannot know them, such as a noise-aware pre-training, passes None and gets an error instead)."""
+    noise_multiplier = args.noise_multiplier
+    try:
+        if args.mechanism == "per-image" and args.target_epsilon is not None:
+            if releases_per_image is None:
+                raise ValueError("--target-epsilon plans the noise over a run's releases; give --noise-multiplier")
+            noise_multiplier = plan_per_image(args.target_epsilon, args.delta, releases_per_image)
+        if args.noise == "discrete":
+            return discrete_mechanism(args)
+        return build_mechanism(args.mechanism, epsilon=args.epsilon, delta=args.delta, clip_norm=args.clip_norm,
+                               noise_multiplier=noise_multiplier, frequency_gamma=args.frequency_gamma)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+
+
 def privacy_engines(args: argparse.Namespace, releases_per_image: int) -> Callable[[], PrivacyEngine]:
     """A factory of the options of `add_privacy_args`: every device gets the same settings and its own secret
     (from the OS CSPRNG, or from its state file)."""
-    noise_multiplier = args.noise_multiplier
-    if args.mechanism == "per-image" and args.target_epsilon is not None:
-        noise_multiplier = plan_per_image(args.target_epsilon, args.delta, releases_per_image)
-    try:
-        if args.noise == "discrete":
-            mechanism = discrete_mechanism(args)
-        else:
-            mechanism = build_mechanism(args.mechanism, epsilon=args.epsilon, delta=args.delta,
-                                        clip_norm=args.clip_norm, noise_multiplier=noise_multiplier,
-                                        frequency_gamma=args.frequency_gamma)
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from exc
+    mechanism = release_mechanism(args, releases_per_image)
     return lambda: PrivacyEngine(mechanism, delta=args.delta, budget_epsilon=args.budget_epsilon,
                                  budget_level=args.budget_level, layer_training=args.layer_training,
                                  dpsgd_clip=args.dpsgd_clip, dpsgd_noise=args.dpsgd_noise,

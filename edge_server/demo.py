@@ -21,18 +21,25 @@ from typing import Callable, TextIO
 
 from device_sdk.cli import load_data
 from device_sdk.models import ModelSpec
-from device_sdk.options import (add_data_args, add_devices_args, add_model_args, add_training_args, data_argv,
-                                model_argv)
+from device_sdk.options import (add_data_args, add_devices_args, add_model_args, add_privacy_args, add_training_args,
+                                data_argv, model_argv, model_spec, release_mechanism)
 
 from .auth import issue_tokens
 from .cli import add_tail_args
+from .distill import distilled_start
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="splitface-demo", description=__doc__)
     add_data_args(p)
     add_model_args(p, model="iresnet_small")
-    p.add_argument("--server-init", type=Path, default=None, help="start the server's tail from this saved backbone")
+    p.add_argument("--init", default="scratch",
+                   help="where the model starts: scratch (seeded weights), distilled (the public start distilled from "
+                        "dlib's recognizer for this model, cut and release: built on first use, then cached; "
+                        "splitface-pretrain distill), or a backbone file; the server's tail and the devices' layer "
+                        "start from it")
+    p.add_argument("--server-init", type=Path, default=None,
+                   help="start only the server's tail from this saved backbone (the devices' weights are set apart)")
     add_tail_args(p)
     add_devices_args(p)
     add_training_args(p, epochs=3, batch_size=64, lr=0.05, lr_help="the server's learning rate")
@@ -46,6 +53,13 @@ def main(argv: list[str] | None = None) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
 
     data = load_data(args)  # fails early, with instructions, if there is no data
+    init = initial_weights(args, extra)
+    if init is not None:
+        if args.server_init is not None:
+            p.error("--init and --server-init both set where the server starts: give one")
+        args.server_init = init
+        if "--device-weights" not in extra:
+            extra = [*extra, "--device-weights", str(init)]
     device_ids = [f"device-{i}" for i in range(args.devices)]
     tokens = issue_tokens(run_dir / "server" / "tokens.json", device_ids)
     token_file = run_dir / "device_tokens.json"
@@ -96,6 +110,23 @@ def main(argv: list[str] | None = None) -> None:
             copier.join(10)
         server_log.close()
     _report(run_dir, data)
+
+
+def initial_weights(args: argparse.Namespace, extra: list[str]) -> Path | None:
+    """The backbone file that --init names: None from scratch; with `distilled`, the distilled start for this
+    model, cut, release and the devices' noise (their privacy options in `extra`), built on first use."""
+    if args.init == "scratch":
+        return None
+    if args.init != "distilled":
+        path = Path(args.init)
+        if not path.is_file():
+            raise SystemExit(f"--init: {path} is not a file (give scratch, distilled or a backbone file)")
+        return path
+    privacy = argparse.ArgumentParser(add_help=False)
+    add_privacy_args(privacy)
+    known, _ = privacy.parse_known_args(extra)
+    return distilled_start(model_spec(args), args.split, release_mechanism(known), args.data,
+                           progress="--no-progress" not in extra)
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)

@@ -1,0 +1,149 @@
+"""The distilled public start (edge_server/distill.py) on a few real public LFW faces: the public set keeps out
+View 1's test people and LFW-158, the teacher's embeddings are cached by content, the distillation loss falls, an
+interrupted run resumes to the same weights, a noise-aware start builds on the plain one, `--init distilled`
+finds its files in the cache, and a split run from a distilled file starts where the file says and is audited."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from device_sdk.data import FaceSet
+from device_sdk.models import PRESETS, build_backbone, split_backbone
+from device_sdk.models.weights import load_into
+from device_sdk.privacy.mechanisms import NoNoise, PerImageGaussian
+from edge_server.audit.cli import headline
+from edge_server.audit.recognizer import DlibResNet
+from edge_server.distill import (CROP, LFW158_MIN_IMAGES, TEACHER_SIZE, Recipe, TeacherCache, distill,
+                                 distilled_start, public_faces)
+from edge_server.checkpoint import load_checkpoint
+from edge_server.evaluation.verification import view1_pairs
+from tests.conftest import ROOT
+
+LIMIT = 48
+SPEC = PRESETS["iresnet_small"]
+TINY = Recipe(epochs=4, batch_size=16, lr=0.1)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, lfw):
+    """The teacher's embeddings of the first LIMIT public faces, made once for this file's tests."""
+    folder = tmp_path_factory.mktemp("teacher")
+    faces, _ = public_faces(lfw, LIMIT)
+    TeacherCache(folder).embed(faces.paths, workers=2, progress=False)
+    return folder
+
+
+def test_public_faces_are_neither_view1_test_people_nor_lfw158(lfw):
+    faces, manifest = public_faces(lfw)
+    people = set(faces.class_names)
+    assert not people & view1_pairs(lfw, "test").people
+    counts = np.bincount(faces.labels)
+    assert counts.max() < LFW158_MIN_IMAGES and counts.min() >= 1
+    assert manifest["images"] == len(faces) == sum(manifest["per_person"].values())
+    assert manifest["people"] == len(people) == len(manifest["per_person"])
+    # LFW deep-funneled: 13,233 images of 5,749 people, less the 963 people of DevTest's pairs and LFW-158's 158
+    assert (manifest["people"], manifest["images"]) == (4671, 7153)
+    assert len(manifest["content_sha256"]) == 64
+
+
+def test_the_teacher_cache_is_keyed_by_each_images_bytes(tmp_path, lfw, cache):
+    faces, _ = public_faces(lfw, 2)
+    copy = tmp_path / "renamed.jpg"
+    shutil.copy(faces.paths[0], copy)
+    teacher = TeacherCache(cache)
+    cached = teacher.embed([faces.paths[0], copy], progress=False)
+    assert teacher.computed == 0 and np.array_equal(cached[0], cached[1])   # same bytes, another name: a hit
+    # the cached vector is dlib's embedding of that image as the teacher sees it (same code, same input: equal)
+    direct = DlibResNet(TEACHER_SIZE).embed(FaceSet([faces.paths[0]], [0], ["x"]).load(TEACHER_SIZE, CROP) / 255.0)
+    np.testing.assert_allclose(cached[0], direct[0], rtol=0, atol=1e-6)
+    edited = tmp_path / "edited.png"
+    with Image.open(faces.paths[1]) as im:
+        im.transpose(Image.FLIP_LEFT_RIGHT).save(edited)
+    teacher.embed([edited], workers=1, progress=False)
+    assert teacher.computed == 1   # other bytes: computed, then kept
+    assert TeacherCache(cache).embed([edited], progress=False).shape == (1, 128)
+
+
+def test_distillation_loss_falls_and_an_interrupted_run_resumes_to_the_same_weights(tmp_path, lfw, cache):
+    torch.set_num_threads(1)   # one thread: the same sums in the same order in both runs
+    whole = distill(SPEC, "conv1", NoNoise(), lfw, tmp_path / "whole.pt", TINY, cache, limit=LIMIT, progress=False,
+                    evaluate=False)
+    assert whole["teacher"]["computed_now"] == 0   # the module's cache: the teacher never ran again
+    losses = [h["cosine"] for h in whole["history"]]
+    # from a seeded net (cosine loss ~1: no relation to the teacher) the student moves towards the teacher
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert whole["public_faces"]["images"] == LIMIT and whole["recipe"]["epochs"] == 4
+
+    out = tmp_path / "interrupted.pt"
+    partial = distill(SPEC, "conv1", NoNoise(), lfw, out, TINY, cache, limit=LIMIT, progress=False, evaluate=False,
+                      stop_after=1)
+    assert len(partial["history"]) == 1 and not out.exists() and out.with_suffix(".partial.pt").exists()
+    resumed = distill(SPEC, "conv1", NoNoise(), lfw, out, TINY, cache, limit=LIMIT, progress=False, evaluate=False)
+    assert [h["loss"] for h in resumed["history"]] == [h["loss"] for h in whole["history"]]
+    assert not out.with_suffix(".partial.pt").exists()
+    a, b = (torch.load(p, weights_only=True)["state"] for p in (tmp_path / "whole.pt", out))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_noise_aware_start_builds_on_the_plain_student_and_the_cache_serves_it_again(tmp_path, lfw, cache):
+    """`--init distilled` for the main job's release (DCT at layer2, per-image noise): the plain student first,
+    then the transform's stages and the tail trained on noisy releases from it; asked again, both come from
+    the cache without training."""
+    spec = replace(SPEC, release="dct", dct_drop=4)
+    mechanism = PerImageGaussian(12.0, 0.005, 2.0)
+    tiny = (Recipe(epochs=1, batch_size=16), Recipe(epochs=1, batch_size=16, lr=0.02))
+    shutil.copytree(cache, tmp_path / "cache")
+    path = distilled_start(spec, "layer2", mechanism, lfw, tmp_path / "cache", progress=False, recipes=tiny,
+                           limit=LIMIT)
+    built = sorted((tmp_path / "cache" / "distilled").glob("*.pt"))
+    assert len(built) == 2 and path in built
+    saved = torch.load(path, weights_only=True)
+    assert any(k.startswith("stages.dct_server.") for k in saved["state"])   # the transform's trained stage
+    assert saved["meta"]["student"]["release_mechanism"]["noise_multiplier"] == 0.005
+    assert saved["meta"]["student"]["init"] in map(str, built)
+    torch.manual_seed(0)
+    _, server = split_backbone(build_backbone(spec), "layer2")
+    load_into(server, path, spec)   # the server's tail (with dct_server) loads it
+    stamps = [p.stat().st_mtime_ns for p in built]
+    again = distilled_start(spec, "layer2", mechanism, lfw, tmp_path / "cache", progress=False, recipes=tiny,
+                            limit=LIMIT)
+    assert again == path and [p.stat().st_mtime_ns for p in built] == stamps
+
+
+@pytest.mark.slow
+def test_a_split_run_starts_from_a_distilled_file_and_is_audited(tmp_path, lfw, cache):
+    """splitface-demo --init FILE: the server's tail and the device's layer start from the file (with both
+    learning rates 0 their weights stay the file's), and the audit attacks the run end to end."""
+    start = tmp_path / "start.pt"
+    distill(SPEC, "conv1", NoNoise(), lfw, start, Recipe(epochs=1, batch_size=16), cache, limit=LIMIT,
+            progress=False, evaluate=False)
+    run = tmp_path / "run"
+    demo = subprocess.run(
+        [sys.executable, "-m", "edge_server.demo", "--data", str(lfw), "--init", str(start), "--run-dir", str(run),
+         "--epochs", "1", "--max-identities", "3", "--devices", "1", "--batch-size", "8", "--lr", "0",
+         "--device-lr", "0", "--record-max", "8", "--threads", "1", "--no-progress"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    file_state = torch.load(start, weights_only=True)["state"]
+    tail = load_checkpoint(run / "server" / "checkpoint.pt")["trainer"]["tail"]
+    conv = "stages.layer1.0.conv1.weight"
+    assert torch.equal(tail[conv], file_state[conv])
+    layer = torch.load(run / "device_layers" / "device-0.pt", weights_only=True)
+    assert torch.equal(layer["stages.conv1.0.weight"], file_state["stages.conv1.0.weight"])
+    audit = subprocess.run(
+        [sys.executable, "-m", "edge_server.audit.cli", str(run), "--data", str(lfw), "--out", str(tmp_path / "audit"),
+         "--recognizers", "eigenfaces", "--public-images", "64", "--decoder-epochs", "1", "--matcher-epochs", "1",
+         "--cache", str(tmp_path / "audit-cache")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    figures = headline(json.loads((tmp_path / "audit" / "run.json").read_text()))
+    assert 0 <= figures["identity_r1"] <= 1 and 0 < figures["identity_r1_chance"] < 1
+    assert 0 <= figures["linkage_pixels"] <= 1
