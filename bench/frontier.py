@@ -175,8 +175,9 @@ def run_point(name: str, demo_args: list[str], args: argparse.Namespace, seed: i
     """Train (or read back) the point at `seed` and score it on View 1; seed 0's run is the one audited, the
     others (runs/<point>-seed<k>) only add accuracy replicates."""
     run_dir = args.out / "runs" / (name if seed == 0 else f"{name}-seed{seed}")
+    start = ["--init", "distilled"] if args.start == "distilled" else []
     results = run_recorded(run_dir, ["--data", str(args.data), "--model", args.model, "--epochs", str(args.epochs),
-                                     "--people", "devtrain", "--record-max", str(args.record_max), *demo_args,
+                                     "--people", "devtrain", "--record-max", str(args.record_max), *start, *demo_args,
                                      *args.demo_args.split(), *(["--seed", str(seed)] if seed else [])], args.force)
     view1 = run_dir / "view1.json"
     pairs = args.view1_limit or 1000
@@ -231,7 +232,8 @@ def relative(point: dict[int, tuple[float, float]], reference: dict[int, tuple[f
 
 
 def row(transform: str, params: dict, outcome: dict, attack: dict, reference: str,
-        seeds: dict[int, tuple[float, float]], reference_seeds: dict[int, tuple[float, float]]) -> dict:
+        seeds: dict[int, tuple[float, float]], reference_seeds: dict[int, tuple[float, float]],
+        start: str = "scratch") -> dict:
     """One point of the frontier, with the keys the issue names. Accuracies are means over `seeds` (seed 0 is the
     audited run); the privacy figures, costs and View 1's 10-fold std (`view1_std`) are seed 0's."""
     results, view1 = outcome["results"], outcome["view1"]
@@ -239,7 +241,7 @@ def row(transform: str, params: dict, outcome: dict, attack: dict, reference: st
     config = results["config"]
     samples = config["train_images"]   # training releases per epoch: bytes_sent counts those
     relative_test, relative_view1 = relative(seeds, reference_seeds)
-    return {"transform": transform, "params": params, "run": attack["run"], "reference": reference,
+    return {"transform": transform, "params": params, "run": attack["run"], "reference": reference, "start": start,
             "seeds": sorted(seeds), "test_accuracy_seeds": [seeds[s][0] for s in sorted(seeds)],
             "view1_accuracy_seeds": [seeds[s][1] for s in sorted(seeds)],
             "test_accuracy": sum(a for a, _ in seeds.values()) / len(seeds), "relative_accuracy": relative_test,
@@ -250,6 +252,8 @@ def row(transform: str, params: dict, outcome: dict, attack: dict, reference: st
             "identity_r1": attack["identity_r1"], "identity_r1_chance": attack["identity_r1_chance"],
             "recognizer_clean_r1": attack["recognizer_clean_r1"], "informative": attack["informative"],
             "attack": attack["identity_attack"], "identity_matching_r1": attack["identity_matching_r1"],
+            **{k: attack[k] for k in ("reconstruction_identity_r1", "reconstruction_identity_r1_chance",
+                                      "model_identity_r1", "model_identity_r1_chance")},
             "per_image_epsilon": None if math.isinf(last["epsilon_image_max"]) else last["epsilon_image_max"],
             "guarantee_void": results["devices"][0]["privacy"].get("guarantee_void", False),
             "device_ms": 1e3 * last["device_s_per_batch"], "device_batch_size": config["batch_size"],
@@ -285,6 +289,18 @@ def device_macs(config: dict) -> int:
     return counter.get_total_flops() // 2
 
 
+START_TEXT = {"scratch": "seeded weights (from scratch)",
+              "distilled": "the public start distilled from dlib's recognizer (edge_server/distill.py), noise-aware for "
+                           "each point's release"}
+
+
+def kind(r: dict, which: str) -> str:
+    """One half of the split identity figure, with its chance ('-' in rows audited before the split)."""
+    if f"{which}_identity_r1" not in r:
+        return "-"
+    return f"{r[f'{which}_identity_r1']:.3f} ({r[f'{which}_identity_r1_chance']:.3f})"
+
+
 def table(rows: list[dict], config: dict) -> str:
     pairs = rows[0]["view1_pairs"]
     lines = [f"Configuration: {config['model']['family']} (width {config['model']['width']}, depth "
@@ -296,12 +312,15 @@ def table(rows: list[dict], config: dict) -> str:
              "accuracies are against the undefended run, except for points marked *, which start from a public "
              f"pre-training (edge_server/ressfl.py) and are compared with {PRETRAINED_REFERENCE}: the same pre-trained "
              "model without noise or adversary. Accuracies are means over the seeds listed, relative to the "
-             "reference's mean over the same seeds; the privacy figures and costs are seed 0's run, the one audited.",
+             "reference's mean over the same seeds; the privacy figures and costs are seed 0's run, the one audited. "
+             f"Start: {START_TEXT[rows[0].get('start', 'scratch')]}. The identity figure split by what it means: "
+             "seen = dlib on the best reconstructions (what a curious server can see); recognised = the best of a "
+             "matcher trained on releases and the server's own model (what it can recognise: the task itself).",
              "",
              "| transform | params | seeds | test acc (rel.) | View 1 acc (rel.) | pixel linkage (chance) | identity R@1 "
-             "(chance) | x chance | strongest attack | dlib clean R@1 | per-image eps | device MMAC/image | "
-             "device ms/batch | bytes up/image |",
-             "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+             "(chance) | x chance | strongest attack | seen: R@1 (chance) | recognised: R@1 (chance) | dlib clean R@1 | "
+             "per-image eps | device MMAC/image | device ms/batch | bytes up/image |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         eps = "-" if r["per_image_epsilon"] is None else f"{r['per_image_epsilon']:.3g}" + (
             " (void: layer trained without DP)" if r["guarantee_void"] else "")
@@ -310,7 +329,8 @@ def table(rows: list[dict], config: dict) -> str:
             f"{','.join(map(str, r.get('seeds', [0])))} | {r['test_accuracy']:.3f} ({r['relative_accuracy']:.2f}) | "
             f"{r['view1_accuracy']:.3f} ({r['relative_view1_accuracy']:.2f}) | {r['pixel_linkage']:.3f} "
             f"({r['pixel_linkage_chance']:.3f}) | {r['identity_r1']:.3f} ({r['identity_r1_chance']:.3f}) | "
-            f"{r['identity_r1'] / r['identity_r1_chance']:.1f} | {r['attack']} | {r['recognizer_clean_r1']:.3f} | {eps} | "
+            f"{r['identity_r1'] / r['identity_r1_chance']:.1f} | {r['attack']} | {kind(r, 'reconstruction')} | "
+            f"{kind(r, 'model')} | {r['recognizer_clean_r1']:.3f} | {eps} | "
             f"{r['device_macs'] / 1e6:.1f} | {r['device_ms']:.0f} | {r['wire_bytes']:,.0f} |")
     for r in rows:
         if "retrieval_risk" in r:
@@ -372,6 +392,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--only", nargs="*", default=None,
                    help="run only these points (names as in summary.json); the other rows of summary.json are kept")
     p.add_argument("--force", action="store_true", help="re-train, re-evaluate and re-audit every point")
+    p.add_argument("--start", choices=("scratch", "distilled"), default="scratch",
+                   help="distilled: every point starts from the public start distilled from dlib's recognizer, "
+                        "noise-aware for its release (splitface-demo --init distilled; the undefended point is the "
+                        "plain student, the reference of relative accuracy); points with a pre-training of their own "
+                        "({pretrained}, {facemae}) are left out")
     p.add_argument("--accuracy-seeds", type=int, default=3,
                    help="train and score each point run now at seeds 0..K-1 (seed 0's run is the one audited): its "
                         "accuracies are the means, relative to the reference's mean over the same seeds")
@@ -384,6 +409,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     wanted = set(args.only or [point_name(t, params) for t, params, _ in POINTS])
+    if args.start == "distilled":
+        wanted -= {point_name(t, params) for t, params, a in POINTS if any(x in PRETRAININGS for x in a)}
     if any("{pretrained}" in a for t, params, a in POINTS if point_name(t, params) in wanted):
         wanted.add(PRETRAINED_REFERENCE)
     points = [(t, params, a) for t, params, a in POINTS if point_name(t, params) in wanted or (t, params) == POINTS[0][:2]]
@@ -393,7 +420,8 @@ def main(argv: list[str] | None = None) -> None:
     attacks = audit(names, args)
     seeds = {n: accuracies({0: o, **{s: run_point(n, a, args, s) for s in range(1, args.accuracy_seeds)}})
              for n, a, o in zip(names, demo_args, outcomes)}
-    rows = [row(t, params, o, attacks[n], reference_of(a, names[0]), seeds[n], seeds[reference_of(a, names[0])])
+    rows = [row(t, params, o, attacks[n], reference_of(a, names[0]), seeds[n], seeds[reference_of(a, names[0])],
+                args.start)
             for (t, params, a), n, o in zip(points, names, outcomes)]
     risks = retrieval_risks(names, [t for t, _, _ in points], args)
     for r in rows:

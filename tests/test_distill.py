@@ -147,3 +147,19 @@ def test_a_split_run_starts_from_a_distilled_file_and_is_audited(tmp_path, lfw, 
     figures = headline(json.loads((tmp_path / "audit" / "run.json").read_text()))
     assert 0 <= figures["identity_r1"] <= 1 and 0 < figures["identity_r1_chance"] < 1
     assert 0 <= figures["linkage_pixels"] <= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["iresnet50", "vgg_face"])
+def test_the_full_size_command_runs(tmp_path, lfw, cache, model):
+    """The documented full-size distillation (docs/pretrain.md) for one step on 4 faces: IResNet-50 at 112 px
+    (512-d, as the teacher's 128-d after a projection that is not saved) and VGG-Face at 224 px."""
+    out = tmp_path / f"{model}.pt"
+    run = subprocess.run(
+        [sys.executable, "-m", "edge_server.distill", "distill", "--data", str(lfw), "--model", model, "--out", str(out),
+         "--limit", "4", "--epochs", "1", "--batch-size", "4", "--view1-limit", "20", "--cache", str(cache),
+         "--no-progress", "--threads", "2"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    saved = torch.load(out, weights_only=True)
+    assert saved["spec"] == PRESETS[model].to_dict() and not any(k.startswith("project") for k in saved["state"])
+    assert saved["meta"]["view1"]["pairs"] == 20 and saved["meta"]["public_faces"]["images"] == 4

@@ -135,10 +135,25 @@ def strongest(report: dict) -> tuple[str, str, dict]:
                 for rec, r in a["recognizers"].items()), key=lambda t: t[2]["risk@1"])
 
 
+def identity_kinds(report: dict) -> dict:
+    """The identity figure split by what it means (docs/privacy.md): `reconstruction_identity_r1`, the strong
+    recognizer on the best reconstructions (what a curious server can *see*), and `model_identity_r1`, the best
+    of a matcher trained on releases and the server's own model (what it can *recognise*: a release from which
+    the server can learn a recognizer lets it recognise people, which is the task itself). Each with its chance."""
+    strong = report["strong_recognizer"]["name"]
+    seen = max((a["recognizers"][strong] for name, a in report["attacks"].items()
+                if name.startswith("reconstruction") and strong in a["recognizers"]), key=lambda r: r["risk@1"])
+    models = (report["attacks"]["identity_matching"], report["attacks"]["server_model_linkage"])
+    known = max(models, key=lambda r: r["risk@1"] - r["risk@1_chance"])
+    return {"reconstruction_identity_r1": seen["risk@1"], "reconstruction_identity_r1_chance": seen["risk@1_chance"],
+            "model_identity_r1": known["risk@1"], "model_identity_r1_chance": known["risk@1_chance"]}
+
+
 def headline(report: dict) -> dict:
     """The figures the summary and the chart use. `identity_r1`: the strongest of every attack that
     ranks identities (reconstructions x recognizers, identity matching, the server's model), judged
-    against the strong recognizer's R@1 on clean photos: below INFORMATIVE the figures say little."""
+    against the strong recognizer's R@1 on clean photos: below INFORMATIVE the figures say little;
+    `identity_kinds` splits it into what the server sees and what it recognises."""
     best = strongest(report)
     attack, top = max(identity_attacks(report), key=lambda t: t[1]["risk@1"] - t[1]["risk@1_chance"])
     linkage = report["attacks"]["server_model_linkage"]
@@ -156,7 +171,8 @@ def headline(report: dict) -> dict:
             "identity_matching_r1": report["attacks"]["identity_matching"]["risk@1"],
             "server_model_risk@1": linkage["risk@1"],
             "membership_auc": report["attacks"]["membership_inference"].get("auc"),
-            "label_direction_auc": report["attacks"]["label_leakage"].get("direction_auc")}
+            "label_direction_auc": report["attacks"]["label_leakage"].get("direction_auc"),
+            **identity_kinds(report)}
 
 
 def table(reports: list[dict]) -> str:
