@@ -58,13 +58,13 @@ def privatize(spec: ModelSpec, mechanism: Mechanism, outputs: torch.Tensor, gene
     then the mechanism. Both draw from `generator`, in that order, so a re-sent batch repeats both; an
     auditor or evaluator that simulates the device passes a generator of its own."""
     mask = release_mask(spec, len(outputs), tuple(outputs.shape[1:]), generator)
-    masked = outputs if mask is None else outputs * mask
+    masked = outputs if mask is None else outputs * mask.to(outputs.device)
     gamma = getattr(mechanism, "frequency_gamma", 0.0)
     if not gamma:
         return mechanism.privatize(masked, generator)
     if spec.release != "dct":
         raise ValueError(f"frequency-shaped noise (--frequency-gamma) needs the dct release, not {spec.release!r}")
-    weights = frequency_weights(spec.dct_drop, gamma)   # noise per frequency: z C / w (mechanisms.PerImageGaussian)
+    weights = frequency_weights(spec.dct_drop, gamma).to(outputs.device)   # noise per frequency: z C / w
     return mechanism.privatize(masked * weights, generator) / weights
 
 

@@ -234,38 +234,49 @@ def _report(run_dir: Path, data) -> None:
     print(audit_line(results))
 
 
-FRONTIER = Path(__file__).resolve().parents[1] / "results" / "frontier"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+# the privacy frontiers, from scratch and from the distilled start (bench/frontier.py --start distilled)
+FRONTIERS = (RESULTS / "frontier", RESULTS / "frontier-distilled")
 
 
-def audited_point(results: dict, frontier: Path = FRONTIER) -> dict | None:
-    """The privacy frontier's row for this run's release (same model, split, head, device weights, layer
-    training and mechanism), if measured."""
-    summary = frontier / "summary.json"
-    if not summary.exists():
-        return None
+def audited_point(results: dict, frontiers: tuple[Path, ...] = FRONTIERS) -> tuple[Path, dict] | None:
+    """(frontier, its row) for this run's release (same model, split, head, device weights, layer training and
+    mechanism), if measured. Device weights compare by file name: a distilled start's name holds the hash of
+    everything it was made from, wherever its cache is."""
     def release(r: dict) -> tuple:
         privacy = r["devices"][0]["privacy"]
         # a run recorded before a ModelSpec field existed holds that field's default
         model = ModelSpec.from_dict(r["config"]["model"]).to_dict()
-        return (model, r["config"]["split"], r["config"]["head"], r["config"].get("device_weights"),
+        weights = r["config"].get("device_weights")
+        return (model, r["config"]["split"], r["config"]["head"], Path(weights).name if weights else None,
                 privacy["mechanism"], privacy["layer_training"])
 
-    for row in json.loads(summary.read_text()):
-        measured = frontier / "runs" / row["run"] / "results.json"
-        if measured.exists() and release(json.loads(measured.read_text())) == release(results):
-            return row
+    for frontier in frontiers:
+        summary = frontier / "summary.json"
+        if not summary.exists():
+            continue
+        for row in json.loads(summary.read_text()):
+            measured = frontier / "runs" / row["run"] / "results.json"
+            if measured.exists() and release(json.loads(measured.read_text())) == release(results):
+                return frontier, row
     return None
 
 
 def audit_line(results: dict) -> str:
     """What the audit measured for this release: the figures, not a promise."""
-    row = audited_point(results)
-    if row is None:
+    found = audited_point(results)
+    if found is None:
         return "privacy: this release setting has not been audited (bench/frontier.py, docs/audit.md)"
-    return (f"privacy of this release, as audited ({FRONTIER.name}/{row['run']}: a curious server with dlib's recognizer "
+    frontier, row = found
+    split = ""
+    if "reconstruction_identity_r1" in row:
+        split = (f"; what it can see: dlib names {row['reconstruction_identity_r1']:.3f} from reconstructions (chance "
+                 f"{row['reconstruction_identity_r1_chance']:.3f}); what it can recognise: {row['model_identity_r1']:.3f} "
+                 f"from its models of releases (chance {row['model_identity_r1_chance']:.3f})")
+    return (f"privacy of this release, as audited ({frontier.name}/{row['run']}: a curious server with dlib's recognizer "
             f"and attackers trained on this release): identity R@1 {row['identity_r1']:.3f} against chance "
             f"{row['identity_r1_chance']:.3f} ({row['attack']}; dlib finds {row['recognizer_clean_r1']:.0%} on clean "
-            f"photos), pixel linkage {row['pixel_linkage']:.3f} (chance {row['pixel_linkage_chance']:.3f})")
+            f"photos){split}, pixel linkage {row['pixel_linkage']:.3f} (chance {row['pixel_linkage_chance']:.3f})")
 
 
 if __name__ == "__main__":

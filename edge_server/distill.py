@@ -243,7 +243,8 @@ def checkpoint_key(spec: ModelSpec, split: str, mechanism: Mechanism, recipe: Re
 def distill(spec: ModelSpec, split: str, mechanism: Mechanism, lfw_root: str | Path | None, out: Path,
             recipe: Recipe = Recipe(), cache_dir: Path | None = None, init: Path | None = None,
             limit: int | None = None, workers: int = 2, progress: bool = True,
-            evaluate: bool = True, view1_limit: int | None = None, stop_after: int | None = None) -> dict[str, Any]:
+            evaluate: bool = True, view1_limit: int | None = None, stop_after: int | None = None,
+            device: str = "cpu") -> dict[str, Any]:
     """Train the student, write it to `out` (a splitface backbone file, with the transform's stages when it has
     one) and return its metadata (manifest, recipe, history, View 1 of the student). `stop_after`: train at most
     that many epochs now and leave the partial checkpoint, as an interrupted run does (returns the partial meta)."""
@@ -265,7 +266,8 @@ def distill(spec: ModelSpec, split: str, mechanism: Mechanism, lfw_root: str | P
     key = checkpoint_key(spec, split, mechanism, recipe, manifest, init)
 
     torch.manual_seed(recipe.seed)
-    student = Student(spec, split, mechanism, teacher.shape[1], init)
+    student = Student(spec, split, mechanism, teacher.shape[1], init).to(device)
+    teacher = teacher.to(device)
     params = [p for p in dict.fromkeys(student.parameters()) if p.requires_grad]
     steps_per_epoch = -(-len(images) // recipe.batch_size)
     optimizer = torch.optim.SGD(params, lr=recipe.lr, momentum=0.9, nesterov=True, weight_decay=recipe.weight_decay)
@@ -276,13 +278,13 @@ def distill(spec: ModelSpec, split: str, mechanism: Mechanism, lfw_root: str | P
     history: list[dict[str, float]] = []
     first = 0
     if partial.exists():
-        saved = torch.load(partial, map_location="cpu", weights_only=False)
+        saved = torch.load(partial, map_location=device, weights_only=False)
         if saved["key"] == key:
             student.load_state_dict(saved["student"])
             optimizer.load_state_dict(saved["optimizer"])
             scheduler.load_state_dict(saved["scheduler"])
-            augment_rng.set_state(saved["augment_rng"])
-            noise.set_state(saved["noise_rng"])
+            augment_rng.set_state(saved["augment_rng"].cpu())
+            noise.set_state(saved["noise_rng"].cpu())
             history, first = saved["history"], saved["epoch"]
             print(f"resuming {out.name} after epoch {first} of {recipe.epochs}", flush=True)
     order_rng = np.random.default_rng([recipe.seed, 7])
@@ -300,7 +302,7 @@ def distill(spec: ModelSpec, split: str, mechanism: Mechanism, lfw_root: str | P
             idx = order[i:i + recipe.batch_size]
             if len(idx) < 2:   # batch norm needs two images
                 continue
-            x = augment(to_input(images[idx]), recipe, augment_rng)
+            x = augment(to_input(images[idx]), recipe, augment_rng).to(device)
             s = student(x, noise)
             loss, parts = distillation_loss(s, student.project(s), teacher[idx], recipe.relational)
             optimizer.zero_grad()
@@ -338,6 +340,7 @@ def distill(spec: ModelSpec, split: str, mechanism: Mechanism, lfw_root: str | P
             "seconds": round(time.time() - started, 1)}
     if evaluate:
         meta["view1"] = evaluate_student(student, lfw_root, view1_limit)
+    student.cpu()
     save_backbone(out, spec, student.backbone, meta, student.release_stages() or None)
     partial.unlink(missing_ok=True)
     return meta
@@ -348,7 +351,8 @@ def evaluate_student(student: Student, lfw_root: str | Path | None, limit: int |
     """View 1 (DevTest pairs) of the student's embedding of each image as a device would release it."""
     student.eval()
     noise = torch.Generator().manual_seed(EVALUATION_SEED)
-    return evaluate_embedder(lambda x: student(torch.from_numpy(x), noise).numpy(), lfw_root,
+    device = next(student.parameters()).device
+    return evaluate_embedder(lambda x: student(torch.from_numpy(x).to(device), noise).cpu().numpy(), lfw_root,
                              student.spec.input_size, CROP, limit)
 
 
@@ -450,12 +454,14 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--limit", type=int, default=None, help="only the first N public images (smoke tests)")
     d.add_argument("--view1-limit", type=int, default=None, help="only this many View 1 pairs (smoke tests)")
     d.add_argument("--no-progress", action="store_true")
+    d.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device of the student (default: cuda if available, else cpu)")
     add_threads_arg(d)
     args = p.parse_args(argv)
     apply_threads(args)
     meta = distill(model_spec(args), args.split, release_mechanism(args), args.data, args.out, recipe_of(args),
                    args.cache, args.init, args.limit, args.workers, not args.no_progress,
-                   view1_limit=args.view1_limit)
+                   view1_limit=args.view1_limit, device=args.device)
     print(json.dumps({"out": str(args.out), "view1": meta.get("view1"), "last_epoch": meta["history"][-1],
                       "seconds": meta["seconds"]}, indent=2))
 

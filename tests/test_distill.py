@@ -72,6 +72,7 @@ def test_the_teacher_cache_is_keyed_by_each_images_bytes(tmp_path, lfw, cache):
     assert TeacherCache(cache).embed([edited], progress=False).shape == (1, 128)
 
 
+@pytest.mark.slow
 def test_distillation_loss_falls_and_an_interrupted_run_resumes_to_the_same_weights(tmp_path, lfw, cache):
     torch.set_num_threads(1)   # one thread: the same sums in the same order in both runs
     whole = distill(SPEC, "conv1", NoNoise(), lfw, tmp_path / "whole.pt", TINY, cache, limit=LIMIT, progress=False,
@@ -93,6 +94,7 @@ def test_distillation_loss_falls_and_an_interrupted_run_resumes_to_the_same_weig
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_a_noise_aware_start_builds_on_the_plain_student_and_the_cache_serves_it_again(tmp_path, lfw, cache):
     """`--init distilled` for the main job's release (DCT at layer2, per-image noise): the plain student first,
     then the transform's stages and the tail trained on noisy releases from it; asked again, both come from

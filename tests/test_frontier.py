@@ -85,9 +85,20 @@ def test_the_main_job_finds_its_audited_point_whatever_spec_fields_were_added_si
     measured = json.loads((ROOT / "results" / "frontier" / "runs" / "dct-drop4" / "results.json").read_text())
     now = json.loads(json.dumps(measured))
     now["config"]["model"] = ModelSpec.from_dict(now["config"]["model"]).to_dict()   # every field, as runs write today
-    assert audited_point(now)["run"] == "dct-drop4"
+    frontier, row = audited_point(now)
+    assert (frontier.name, row["run"]) == ("frontier", "dct-drop4")
     now["config"]["model"]["dct_drop"] = 2
     assert audited_point(now) is None
+
+
+def test_a_run_from_a_distilled_start_is_not_the_scratch_runs_audited_point():
+    """The same release from another start is another model: the audit of the run from seeded weights does not
+    speak for it (the distilled frontier's rows do, matched by the start file's name, wherever its cache is)."""
+    measured = json.loads((ROOT / "results" / "frontier" / "runs" / "dct-drop4" / "results.json").read_text())
+    distilled = json.loads(json.dumps(measured))
+    distilled["config"]["device_weights"] = "/home/someone/.cache/splitface/distilled/iresnet18-w16-64px-0123.pt"
+    found = audited_point(distilled)
+    assert found is None or found[0].name == "frontier-distilled"
 
 
 def test_accuracies_are_seed_means_relative_to_the_references_mean_on_the_same_seeds():
