@@ -28,7 +28,7 @@ from torch import nn
 from .models import ModelSpec, activation_shape, build_classifier, build_device_part, to_input
 from .models.lrn import PaperLRN
 from .models.weights import load_into
-from .optim import TrainConfig, exponential_decay, make_sgd
+from .optim import TrainConfig, exponential_decay, sgd_with_head
 from .privacy.dpsgd import clipped_noisy_grad, dpsgd_event, per_sample_grads
 from .privacy.discrete import DiscreteGaussianMechanism
 from .privacy.engine import LAYER_TRAINING, PrivacyEngine, Release, release_key
@@ -121,14 +121,15 @@ class DeviceEngine:
             raise ValueError(f"NoPeek trains the device part, and the part up to {split!r} of this release has no "
                              f"parameters: drop --nopeek-weight")
         self.classifier = build_classifier(spec, num_classes) if head == "device" else None
-        params = list(self.classifier.parameters()) if self.classifier else []
+        head_params = list(self.classifier.parameters()) if self.classifier else []
+        params = head_params
         if frozen:
             self.layer.requires_grad_(False)
         else:
             params = list(self.layer.parameters()) + params
         self.optimizer = self.scheduler = None
         if params:
-            self.optimizer = make_sgd(params, self.config.lr, self.config.momentum, self.config.weight_decay)
+            self.optimizer = sgd_with_head(params, head_params, self.config)
             self.scheduler = exponential_decay(self.optimizer, self.config.lr_decay, self.config.decay_steps)
         self.release_shape = tuple(activation_shape(spec, split))
         self.runtime: LayerRuntime | None = None  # None: eager PyTorch

@@ -16,6 +16,22 @@ class TrainConfig:
     lr_decay: float = 0.1
     decay_steps: int = 1000
     seed: int = 0
+    # the classifier's lr over the body's: a fresh head on a pre-trained body (a distilled start) learns at the
+    # usual fine-tuning ratio instead of at the body's small rate; 1 keeps one parameter group
+    head_lr_scale: float = 1.0
+
+
+def sgd_with_head(params: Iterable[torch.nn.Parameter], head: Iterable[torch.nn.Parameter],
+                  config: TrainConfig) -> torch.optim.SGD:
+    """SGD over `params` (every trained parameter, in the caller's order), those of `head` (the classifier) at
+    `config.head_lr_scale` times the lr."""
+    params, head_ids = list(params), {id(p) for p in head}
+    if config.head_lr_scale == 1.0:
+        return make_sgd(params, config.lr, config.momentum, config.weight_decay)
+    groups = [{"params": [p for p in params if id(p) not in head_ids]},
+              {"params": [p for p in params if id(p) in head_ids], "lr": config.lr * config.head_lr_scale}]
+    return torch.optim.SGD([g for g in groups if g["params"]], lr=config.lr, momentum=config.momentum,
+                           weight_decay=config.weight_decay)
 
 
 def make_sgd(params: Iterable[torch.nn.Parameter], lr: float = 0.01, momentum: float = 0.9,

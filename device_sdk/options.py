@@ -157,11 +157,14 @@ def add_optimizer_args(p: argparse.ArgumentParser, *, decay_steps: int = 0,
     p.add_argument("--lr-decay", type=float, default=defaults.lr_decay,
                    help="lr is multiplied by this over --decay-steps steps")
     p.add_argument("--decay-steps", type=int, default=decay_steps, help=decay_help)
+    p.add_argument("--head-lr-scale", type=float, default=defaults.head_lr_scale,
+                   help="the classifier's lr over the rest's (fine-tuning a pre-trained start: e.g. 10)")
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
     """The TrainConfig of `add_training_args` + `add_optimizer_args` + --seed."""
-    return TrainConfig(args.lr, args.momentum, args.weight_decay, args.lr_decay, args.decay_steps, args.seed)
+    return TrainConfig(args.lr, args.momentum, args.weight_decay, args.lr_decay, args.decay_steps, args.seed,
+                       args.head_lr_scale)
 
 
 def add_threads_arg(p: argparse.ArgumentParser, default: int = 0,

@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device-lr", type=float, default=0.005,
                    help="the devices' learning rate for their own layer; kept small so that the devices' layers "
                         "stay close to their shared start (see README: batch norm in the server tail)")
+    p.add_argument("--head-lr-scale", type=float, default=1.0,
+                   help="the classifier's lr over the rest's, on the server (server head) or the devices (device "
+                        "head): a fresh head on a distilled start learns at the usual fine-tuning ratio (e.g. 10)")
     p.add_argument("--run-dir", type=Path, default=None, help="default: runs/demo-<time>")
     p.add_argument("--port", type=int, default=0)
     args, extra = p.parse_known_args(argv)
@@ -74,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
                   "--tokens", str(run_dir / "server" / "tokens.json"), "--port", str(args.port),
                   "--run-dir", str(run_dir / "server"), "--lr", str(args.lr), "--decay-steps", str(decay_steps),
                   "--max-batch", str(args.batch_size), "--seed", str(args.seed), "--train-only", args.train_only,
-                  "--record-max", str(args.record_max), "--gradient-rounding", args.gradient_rounding]
+                  "--record-max", str(args.record_max), "--gradient-rounding", args.gradient_rounding,
+                  "--head-lr-scale", str(args.head_lr_scale)]
     if args.server_init:
         server_cmd += ["--init", str(args.server_init)]
     server_log = open(run_dir / "server.log", "w")
@@ -91,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                    *common, *data_args, "--head", args.head, *(["--pipeline"] if args.pipeline else []),
                    "--devices", str(args.devices), "--epochs", str(args.epochs),
                    "--batch-size", str(args.batch_size), "--lr", str(args.device_lr), "--results", str(run_dir / "results.json"),
+                   "--head-lr-scale", str(args.head_lr_scale),
                    *extra]
         sim = subprocess.Popen(sim_cmd)
         if sim.wait() != 0:

@@ -212,7 +212,7 @@ def distillation_loss(student: torch.Tensor, projected: torch.Tensor, teacher: t
     t = F.normalize(teacher, dim=1)
     regression = (1 - F.cosine_similarity(projected, t, dim=1)).mean()
     s = F.normalize(student, dim=1)
-    off = ~torch.eye(len(s), dtype=torch.bool)
+    off = ~torch.eye(len(s), dtype=torch.bool, device=s.device)
     rel = ((s @ s.T - t @ t.T)[off] ** 2).mean() if len(s) > 1 else regression * 0
     return regression + relational * rel, {"cosine": float(regression.detach()), "relational": float(rel.detach())}
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from device_sdk.models import ModelSpec, build_backbone, build_classifier, split_backbone
 from device_sdk.models.weights import load_into
-from device_sdk.optim import TrainConfig, exponential_decay, make_sgd
+from device_sdk.optim import TrainConfig, exponential_decay, sgd_with_head
 from protocol.errors import ErrorCode
 
 
@@ -70,7 +70,7 @@ class ServerTrainer:
             trained += list(self.tail.parameters())
         else:
             self.tail.requires_grad_(False)
-        self.optimizer = make_sgd(trained, self.config.lr, self.config.momentum, self.config.weight_decay)
+        self.optimizer = sgd_with_head(trained, self.classifier.parameters(), self.config)
         self.scheduler = exponential_decay(self.optimizer, self.config.lr_decay, self.config.decay_steps)
         self.steps = 0
         self._trained = trained

@@ -15,6 +15,7 @@ from device_sdk.client import DeviceClient
 from device_sdk.engine import DeviceEngine, to_input
 from device_sdk.models import build_backbone, build_classifier, resolve_spec, split_backbone
 from device_sdk.optim import TrainConfig, exponential_decay, make_sgd
+from edge_server.trainer import ServerTrainer
 from tests.conftest import TOKENS, serve_in_thread, small_trainer
 
 TOL = 1e-5
@@ -92,3 +93,18 @@ def test_split_step_equals_unsplit_step(tmp_path, model, head, n):
         start = init["backbone"]["stages.features.features.running_mean"]
         assert torch.equal(features.running_mean, start) == (n == 1)
         assert features.bias.grad is not None and features.bias.grad.abs().sum() > 0
+
+
+def test_a_head_lr_scale_trains_the_classifier_at_that_multiple_on_both_sides():
+    """--head-lr-scale: the server's classifier (server head) and the device's (device head) get lr x scale, the
+    rest lr; at 1 there is one parameter group, as before the option existed (old checkpoints' optimizer state
+    still loads)."""
+    spec, config = resolve_spec("iresnet_small"), TrainConfig(lr=0.01, head_lr_scale=10.0)
+    trainer = ServerTrainer(spec, "conv1", NUM_CLASSES, config)
+    lrs = {len(g["params"]): g["lr"] for g in trainer.optimizer.param_groups}
+    assert sorted(lrs.values()) == [0.01, 0.1] and lrs[len(list(trainer.classifier.parameters()))] == 0.1
+    engine = DeviceEngine(spec, "conv1", "device", NUM_CLASSES, config)
+    assert [g["lr"] for g in engine.optimizer.param_groups] == [0.01, 0.1]
+    assert engine.optimizer.param_groups[1]["params"] == list(engine.classifier.parameters())
+    plain = ServerTrainer(spec, "conv1", NUM_CLASSES, TrainConfig(lr=0.01))
+    assert len(plain.optimizer.param_groups) == 1
