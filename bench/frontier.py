@@ -27,6 +27,12 @@ configuration is the same command with --model iresnet50 (112 px) and more epoch
         --demo-args "--batch-size 128" --audit-args "--public-images 3000"
 
 (tests/test_frontier.py runs a few steps of it on the CPU.)
+
+From the distilled public start (docs/pretrain.md; every point from the start made noise-aware for its release,
+the undefended point from the plain student), beside the rows from scratch:
+
+    python bench/frontier.py --data LFW --start distilled --out results/frontier-distilled \
+        --demo-args "--threads 1 --head-lr-scale 10"
 """
 from __future__ import annotations
 

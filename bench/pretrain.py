@@ -90,6 +90,8 @@ def finetune_row(name: str, demo_args: list[str], args: argparse.Namespace) -> d
     config, last = results["config"], results["epochs"][-1]
     device = results["devices"][0]
     start = demo_args[demo_args.index("--init") + 1] if "--init" in demo_args else "scratch"
+    if "--head-lr-scale" in demo_args:
+        start += f", head lr x{demo_args[demo_args.index('--head-lr-scale') + 1]}"
     return {"role": "split-finetune", "run": name, "model": f"{config['model']['family']}-{config['model']['depth']} "
             f"width {config['model']['width']}", "start": start,
             "release": release_name(config["model"], config["split"], device["privacy"]["mechanism"]),
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--force", action="store_true", help="train and evaluate every fine-tuning run again")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    release, wire = run_sh_array("DEFAULT_RELEASE"), run_sh_array("DEFAULT_WIRE")
+    start, release, wire = run_sh_array("DEFAULT_START"), run_sh_array("DEFAULT_RELEASE"), run_sh_array("DEFAULT_WIRE")
     extra = args.demo_args.split()
 
     rows = [teacher_row(args.data, 64, args.cache), teacher_row(args.data, 150, args.cache)]
@@ -135,10 +137,12 @@ def main(argv: list[str] | None = None) -> None:
         known, _ = privacy.parse_known_args(["--model", args.model, *flags])
         path = distilled_start(model_spec(known), known.split, release_mechanism(known), args.data, args.cache)
         rows.append(student_row(path))
-    runs = [("distilled-main-release-server-head", ["--init", "distilled", *release, *wire]),
-            ("distilled-main-release-device-head", ["--init", "distilled", "--head", "device", *release, *wire]),
+    # the main job (run.sh's start, release and wire), its device-head twin, the old start from seeded weights with
+    # the old recipe, and the distilled start with the paper's conv1 release
+    runs = [("distilled-main-release-server-head", [*start, *release, *wire]),
+            ("distilled-main-release-device-head", [*start, "--head", "device", *release, *wire]),
             ("scratch-main-release-server-head", [*release, *wire]),
-            ("distilled-conv1-server-head", ["--init", "distilled", *wire])]
+            ("distilled-conv1-server-head", [*start, *wire])]
     rows += [finetune_row(name, [*demo_args, *extra], args) for name, demo_args in runs]
     spec = resolve_spec(args.model)
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
