@@ -46,6 +46,15 @@ def load_data(args: argparse.Namespace) -> DataSplit:
     return load_selection(args.data, data_selection(args))
 
 
+def device_range(text: str) -> tuple[int, int]:
+    """START:STOP, as --only-devices takes it."""
+    try:
+        start, stop = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give START:STOP (two integers), not {text!r}") from None
+    return start, stop
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="splitface-sim", description=__doc__)
     p.add_argument("--server", default="ws://127.0.0.1:8765")
@@ -79,6 +88,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="exported device programs for --backend (default: <results dir>/artifacts, exported there "
                         "and verified on first use)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--only-devices", type=device_range, default=None, metavar="START:STOP",
+                   help="run only devices START..STOP-1 of --devices here, each with the share and seeds it has in a "
+                        "run of all of them; the others run in other processes (splitface-demo --device-processes)")
     add_privacy_args(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
@@ -93,7 +105,12 @@ def main(argv: list[str] | None = None) -> None:
         reconnect_timeout_s=args.reconnect_timeout, ca_file=args.ca_file, insecure=args.insecure,
         privacy=privacy_engines(args, releases_per_image=args.epochs),
         state_dir=args.state_dir or args.results.parent / STATE_DIR, device_weights=args.device_weights,
-        backend=args.backend, pipeline=args.pipeline, artifacts=args.artifacts or args.results.parent / "artifacts", data=data_selection(args))
+        backend=args.backend, pipeline=args.pipeline, artifacts=args.artifacts or args.results.parent / "artifacts", data=data_selection(args),
+        only_devices=args.only_devices)
+    try:
+        config.devices_here()
+    except ValueError as exc:
+        p.error(f"--only-devices: {exc}")
     tokens = json.loads(args.tokens.read_text())
     print(f"{len(data.class_names)} identities, {len(data.train)} train / {len(data.test)} test images; "
           f"{args.devices} devices, {args.head} head, {spec.family} {spec.input_size}px; "

@@ -58,6 +58,17 @@ class SimConfig:
     artifacts: Path | None = None          # exported programs for the backend (exported here if empty)
     pipeline: bool = False                 # make batch n+1's release while batch n is at the server
     data: dict[str, Any] = field(default_factory=dict)  # how the data was selected: lets an audit find each batch's images
+    # run only devices [start, stop) of the num_devices here (each keeps its index, share and seeds): the others run
+    # in other processes (splitface-demo --device-processes); None: all of them
+    only_devices: tuple[int, int] | None = None
+
+    def devices_here(self) -> range:
+        if self.only_devices is None:
+            return range(self.num_devices)
+        start, stop = self.only_devices
+        if not 0 <= start < stop <= self.num_devices:
+            raise ValueError(f"only_devices {start}:{stop} is not a non-empty range of the {self.num_devices} devices")
+        return range(start, stop)
 
 
 class DeviceData:
@@ -111,6 +122,7 @@ class SimulatedDevice:
         self.client = DeviceClient(config.url, device_id, token, engine, config.batch_size, config.encodings,
                                    config.reconnect_timeout_s, ca_file=config.ca_file, insecure=config.insecure)
         self.batches: dict[int, Any] = {}      # batch id -> BatchResult (replays overwrite)
+        self.finished: dict[int, float] = {}   # batch id -> wall time its gradient was applied here
         self.epochs: dict[int, dict[str, Any]] = {}
         self.stopped: str | None = None
 
@@ -155,6 +167,7 @@ class SimulatedDevice:
                     result = await self.client.commit_batch(prepared, await at_server)
                     prepared = upcoming
                     self.batches[batch_id] = result
+                    self.finished[batch_id] = time.time()
                     bar.n = engine.committed
                     bar.set_postfix(epoch=epoch + 1, loss=f"{result.loss:.3f}")
                     if batch_id % per_epoch == 0:
@@ -167,6 +180,7 @@ class SimulatedDevice:
                     engine.drop_uncommitted()
                     bar.write(f"{self.client.device_id}: {rb}")
                     self.batches = {k: v for k, v in self.batches.items() if k <= rb.batch_id}
+                    self.finished = {k: v for k, v in self.finished.items() if k <= rb.batch_id}
                     bar.n = engine.committed
                 except BudgetExceeded as exc:
                     self.stopped = str(exc)
@@ -176,8 +190,11 @@ class SimulatedDevice:
             bar.close()
             await self.client.close()
         return {"device_id": self.client.device_id, "train_samples": n, "test_samples": len(data.test_labels),
-                "reconnects": self.client.traffic.reconnects, "stopped": self.stopped,
-                "privacy": engine.privacy_report(), "epochs": [self.epochs[e] for e in sorted(self.epochs)]}
+                "reconnects": self.client.traffic.reconnects, "stopped": self.stopped, "committed": engine.committed,
+                "privacy": engine.privacy_report(), "epochs": [self.epochs[e] for e in sorted(self.epochs)],
+                "batches": [{"batch_id": k, "n": r.n, "loss": r.loss, "n_correct": r.n_correct,
+                             "device_s": r.device_s, "round_trip_s": r.round_trip_s, "finished": self.finished[k]}
+                            for k, r in sorted(self.batches.items())]}
 
     async def _epoch_summary(self, epoch: int, per_epoch: int, started: float) -> dict[str, Any]:
         ids = range(epoch * per_epoch + 1, (epoch + 1) * per_epoch + 1)
@@ -248,14 +265,15 @@ async def simulate(config: SimConfig, data: DataSplit, tokens: dict[str, str]) -
     device_ids = sorted(tokens)[:config.num_devices]
     if len(device_ids) < config.num_devices:
         raise ValueError(f"{config.num_devices} devices but tokens for only {len(device_ids)}")
+    here = config.devices_here()
     ids = {str(p): i for i, p in enumerate([*data.train.paths, *data.test.paths])}
-    shares = []
-    for i in range(config.num_devices):
+    shares = {}
+    for i in here:
         train = partition(data.train, config.num_devices, i, config.partition, config.seed)
         test = partition(data.test, config.num_devices, i, config.partition, config.seed)
-        shares.append(await asyncio.to_thread(DeviceData, train, test, config.spec.input_size, config.crop, ids))
-    devices = [SimulatedDevice(i, d, tokens[d], shares[i], len(data.class_names), config)
-               for i, d in enumerate(device_ids)]
+        shares[i] = await asyncio.to_thread(DeviceData, train, test, config.spec.input_size, config.crop, ids)
+    devices = [SimulatedDevice(i, device_ids[i], tokens[device_ids[i]], shares[i], len(data.class_names), config)
+               for i in here]
     started = time.time()
     per_device = await asyncio.gather(*(d.run() for d in devices))
     results = {
@@ -267,7 +285,8 @@ async def simulate(config: SimConfig, data: DataSplit, tokens: dict[str, str]) -
                    "test_images": len(data.test), "seed": config.seed,
                    "device_weights": str(config.device_weights) if config.device_weights else None,
                    "crop": config.crop, "data": config.data,
-                   "state_dir": str(config.state_dir) if config.state_dir else None},
+                   "state_dir": str(config.state_dir) if config.state_dir else None,
+                   "only_devices": list(config.only_devices) if config.only_devices else None},
         "wall_s": time.time() - started,
         "epochs": summarize(list(per_device)),
         "devices": list(per_device),

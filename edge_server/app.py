@@ -341,12 +341,16 @@ class EdgeServer:
                 exporter.shutdown()
                 exporter.server_close()
         await self.checkpoint()
-        self.metrics.write(self.config.metrics_path)
+        self.metrics.write(self.config.metrics_path, self._hardware())
         log.info("stopped: %s", self.metrics.line())
         self.executor.shutdown()
 
     def stop(self) -> None:
         self._stop.set()
+
+    def _hardware(self) -> dict[str, Any]:
+        """What metrics.json says of where the model runs (none for a federated-only server)."""
+        return {"accelerator": self.trainer.accelerator()} if self.trainer is not None else {}
 
     def _start_exporter(self) -> Any:
         """The Prometheus endpoint (HTTP, in its own thread), or None when no --metrics-port is given."""
@@ -370,7 +374,7 @@ class EdgeServer:
                 last_ckpt = now
             if now - last_log >= self.config.log_every_s:
                 log.info("%s", self.metrics.line())
-                self.metrics.write(self.config.metrics_path)
+                self.metrics.write(self.config.metrics_path, self._hardware())
                 last_log = now
 
     async def _admit(self, device_id: str, ws: ServerConnection, done: asyncio.Event) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -49,9 +50,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--head-lr-scale", type=float, default=1.0,
                    help="the classifier's lr over the rest's, on the server (server head) or the devices (device "
                         "head): a fresh head on a distilled start learns at the usual fine-tuning ratio (e.g. 10)")
+    p.add_argument("--device-processes", type=int, default=1,
+                   help="run the devices in this many simulator processes (devices dealt in contiguous ranges, "
+                        "each process with the CPU cores / this many torch threads unless --threads is given); "
+                        "their results are merged into one results.json")
     p.add_argument("--run-dir", type=Path, default=None, help="default: runs/demo-<time>")
     p.add_argument("--port", type=int, default=0)
     args, extra = p.parse_known_args(argv)
+    if not 1 <= args.device_processes <= args.devices:
+        p.error(f"--device-processes must be between 1 and --devices ({args.devices})")
     run_dir = args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -84,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     server_log = open(run_dir / "server.log", "w")
     previous = _stop_on_signals()
     server = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    copier, sim = None, None
+    copier, sims = None, []
     try:
         port = _wait_ready(server, server_log)
         # Keep draining the server's output: a full pipe would block the server.
@@ -94,19 +101,29 @@ def main(argv: list[str] | None = None) -> None:
         sim_cmd = [sys.executable, "-m", "device_sdk", "--server", f"ws://127.0.0.1:{port}", "--tokens", str(token_file),
                    *common, *data_args, "--head", args.head, *(["--pipeline"] if args.pipeline else []),
                    "--devices", str(args.devices), "--epochs", str(args.epochs),
-                   "--batch-size", str(args.batch_size), "--lr", str(args.device_lr), "--results", str(run_dir / "results.json"),
-                   "--head-lr-scale", str(args.head_lr_scale),
-                   *extra]
-        sim = subprocess.Popen(sim_cmd)
-        if sim.wait() != 0:
-            raise SystemExit(f"the device simulator failed (exit {sim.returncode}); server log: {run_dir / 'server.log'}")
+                   "--batch-size", str(args.batch_size), "--lr", str(args.device_lr),
+                   "--head-lr-scale", str(args.head_lr_scale), *extra]
+        parts = device_ranges(args.devices, args.device_processes)
+        if len(parts) == 1:
+            sims = [subprocess.Popen([*sim_cmd, "--results", str(run_dir / "results.json")])]
+        else:
+            threads = [] if "--threads" in extra else ["--threads", str(max(1, (os.cpu_count() or 1) // len(parts)))]
+            sims = [subprocess.Popen([*sim_cmd, *threads, "--only-devices", f"{start}:{stop}",
+                                      "--results", str(part_results(run_dir, k))])
+                    for k, (start, stop) in enumerate(parts)]
+        failed = _wait_all(sims)
+        if failed is not None:
+            raise SystemExit(f"the device simulator failed (exit {failed}); server log: {run_dir / 'server.log'}")
+        if len(parts) > 1:
+            merged = merge_results([json.loads(part_results(run_dir, k).read_text()) for k in range(len(parts))])
+            (run_dir / "results.json").write_text(json.dumps(merged, indent=2))
     except Stopped as stop:
         print(f"splitface-demo: {stop.name}: stopping the devices and the edge server", file=sys.stderr, flush=True)
         raise SystemExit(128 + stop.signum) from None
     finally:
         for sig in previous:  # a second signal must not cut the stopping short
             signal.signal(sig, signal.SIG_IGN)
-        if sim is not None:
+        for sim in sims:
             _stop(sim, signal.SIGTERM, timeout=30)
         _stop(server, signal.SIGINT, timeout=120)  # SIGINT: the server checkpoints on its way out
         for sig, handler in previous.items():
@@ -115,6 +132,39 @@ def main(argv: list[str] | None = None) -> None:
             copier.join(10)
         server_log.close()
     _report(run_dir, data)
+
+
+def device_ranges(devices: int, processes: int) -> list[tuple[int, int]]:
+    """The devices [start, stop) each simulator process runs: contiguous, sizes differing by at most one."""
+    bounds = [k * devices // processes for k in range(processes + 1)]
+    return [(bounds[k], bounds[k + 1]) for k in range(processes)]
+
+
+def part_results(run_dir: Path, k: int) -> Path:
+    """Simulator process k's results (beside results.json, so that the device layers and privacy states of every
+    process land in the run's one device_layers/ and privacy_state/)."""
+    return run_dir / f"results.part-{k}.json"
+
+
+def merge_results(parts: list[dict]) -> dict:
+    """One results.json from the simulator processes' own: every device, the per-epoch totals over all of them."""
+    from device_sdk.simulator import summarize
+
+    devices = [d for part in parts for d in part["devices"]]
+    return {"config": {**parts[0]["config"], "only_devices": None, "processes": len(parts)},
+            "wall_s": max(part["wall_s"] for part in parts), "epochs": summarize(devices), "devices": devices}
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> int | None:
+    """Wait for every process; at the first that fails, return its exit status (the caller stops the others)."""
+    while True:
+        codes = [proc.poll() for proc in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            return failed[0]
+        if all(c == 0 for c in codes):
+            return None
+        time.sleep(0.2)
 
 
 def initial_weights(args: argparse.Namespace, extra: list[str]) -> Path | None:

@@ -103,11 +103,12 @@ class Metrics:
                 "errors": dict(sorted(self.errors.items())), "closes": dict(sorted(self.closes.items())),
                 "sessions": self.sessions, "epsilon": dict(sorted(self.epsilon.items()))}
 
-    def write(self, path: Path) -> None:
+    def write(self, path: Path, extra: dict[str, Any] | None = None) -> None:
+        """metrics.json: the snapshot, and `extra` beside it (the server adds its accelerator's figures)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.snapshot(), indent=2))
+        tmp.write_text(json.dumps({**self.snapshot(), **(extra or {})}, indent=2))
         tmp.replace(path)
 
     def line(self) -> str:

@@ -76,6 +76,16 @@ class ServerTrainer:
         self._trained = trained
         self._pending: tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]] | None = None
 
+    def accelerator(self) -> dict[str, Any]:
+        """Where the model runs and, on a GPU, its memory peaks since the start (torch's allocator, this process)."""
+        out: dict[str, Any] = {"device": str(self.device), "autocast": "bf16" if self.device.type == "cuda" else None}
+        if self.device.type == "cuda":
+            out |= {"name": torch.cuda.get_device_name(self.device),
+                    "memory_peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
+                    "memory_peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
+                    "memory_total_bytes": torch.cuda.get_device_properties(self.device).total_memory}
+        return out
+
     def _autocast(self):
         # bf16 on a GPU for throughput; exact fp32 on the CPU.
         return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
