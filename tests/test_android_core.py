@@ -24,9 +24,8 @@ from device_sdk.models.lrn import PaperLRN
 from device_sdk.privacy.planner import release_schedule
 from edge_server.checkpoint import load_checkpoint
 from export.java_layer import java_layer_job
-from export.verify import GRAD_RTOL, RELEASE_ATOL
 from tests.conftest import TOKENS, recording_trainer, serve_in_thread, small_trainer
-from tests.steps import check_trajectory, lr_at
+from tests.steps import Float64Layer, check_grads, check_release, check_trajectory, lr_at
 from tests.test_integration import NUM_CLASSES, _setup, _start_server, _stop
 
 pytestmark = pytest.mark.slow  # real processes or real-face training: the full tier
@@ -61,14 +60,14 @@ def faces(lfw):
     return train.load(64, 160), train.labels, len(split.class_names)
 
 
-def parity(java, layer: torch.nn.Module, images: np.ndarray, tmp_path: Path, release_atol: float, grad_rtol: float,
-           **extra) -> dict:
-    """`Cli parity` on `images` with a random server gradient, held to eager PyTorch's release and weight gradients;
-    the job it ran (with `extra`, e.g. "programs")."""
+def parity(java, layer: torch.nn.Module, images: np.ndarray, tmp_path: Path, **extra) -> dict:
+    """`Cli parity` on `images` with a random server gradient, held to float64 eager PyTorch: the release within
+    its a-priori float32 bound, the weight gradients within GRAD_RTOL (tests/steps.py); the job it ran (with
+    `extra`, e.g. "programs")."""
     x = to_input(images)
-    out = layer(x)
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
-    (out * grad).sum().backward()
+    f64 = Float64Layer(layer)
+    weights = [p.detach() for p in layer.parameters()]
+    grad = torch.randn(f64.release(weights, x).shape, generator=torch.Generator().manual_seed(3)).float()
     job = {**java_layer_job(layer), "images": images.tobytes(), "shape": list(images.shape),
            "grad": grad.numpy().astype("<f4").tobytes(), **extra}
     (tmp_path / "job.msgpack").write_bytes(msgpack.packb(job))
@@ -76,19 +75,16 @@ def parity(java, layer: torch.nn.Module, images: np.ndarray, tmp_path: Path, rel
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     got = msgpack.unpackb((tmp_path / "out.msgpack").read_bytes())
-    java_out = np.frombuffer(got["out"], "<f4").reshape(out.shape)
-    np.testing.assert_allclose(java_out, out.detach().numpy(), atol=release_atol)
-    conv = next(m for m in layer.modules() if isinstance(m, torch.nn.Conv2d))
-    for name, param in (("grad_weight", conv.weight), ("grad_bias", conv.bias)):
-        want = param.grad.numpy()
-        java_grad = np.frombuffer(got[name], "<f4").reshape(want.shape)
-        np.testing.assert_allclose(java_grad, want, atol=grad_rtol * np.abs(want).max())
+    check_release(f64, weights, x, np.frombuffer(got["out"], "<f4"), "the Java device's release")
+    java_grads = [torch.from_numpy(np.frombuffer(got[name], "<f4").copy()).reshape(w.shape)
+                  for name, w in zip(("grad_weight", "grad_bias"), weights)]
+    check_grads(f64.grads(weights, x, grad), java_grads, "the Java device")
     return job
 
 
 @pytest.mark.parametrize("clamp", [None, 1.0])
 def test_java_device_layer_equals_pytorch_on_real_faces(java, faces, tmp_path, clamp):
-    parity(java, device_layer(clamp), faces[0][:4], tmp_path, 1e-5, 1e-4)   # activations lie in [0, 1)
+    parity(java, device_layer(clamp), faces[0][:4], tmp_path)
 
 
 def programs(layer: torch.nn.Module, kind: str, batch: int, size: int, out: Path) -> dict:
@@ -123,8 +119,7 @@ def test_java_device_on_executorch_equals_pytorch_on_real_faces(java, faces, tmp
     batch programs' 4; images or weights that do not fit the programs are refused by name, not a crash."""
     images = faces[0][:3]
     layer = device_layer(clamp)
-    job = parity(java, layer, images, tmp_path, RELEASE_ATOL, GRAD_RTOL,
-                 programs=programs(layer, kind, 4, 64, tmp_path / "programs"))
+    job = parity(java, layer, images, tmp_path, programs=programs(layer, kind, 4, 64, tmp_path / "programs"))
     cout = job["conv"]["cout"]
     other_layer = {"conv": {**job["conv"], "cout": cout + 1}, "weight": job["weight"] + bytes(len(job["weight"]) // cout),
                    "bias": job["bias"] + bytes(4)}  # the programs were exported for another layer
@@ -177,7 +172,7 @@ def check_java_steps(job: dict, faces, received: list, weights_out: Path) -> Non
         start = k % per_epoch * batch
         x = to_input(images[start:start + batch])
         lr = lr_at(job["lr"], job["lr_decay"], per_epoch * job["epochs"], k)   # Sgd: decay over the whole run
-        steps.append((x, activations, grad, lr, after))
+        steps.append((x, activations, None, grad, lr, after))
     check_trajectory(layer, weights, steps, job["momentum"], "the Java device")
 
 

@@ -54,7 +54,7 @@ def record_steps(monkeypatch) -> list[dict]:
         # the release's keyed noise, drawn again: what `privatize` (torch) and the programs' noise input add
         noise = privacy.mechanism.additive_noise(pending["released"].shape,
                                                  privacy.generator(pending["release"], privacy.attempt(pending["release"])))
-        steps.append({"engine": self, "x": pending["x"], "before": before, "lr": lr,
+        steps.append({"engine": self, "x": pending["x"], "before": before, "lr": lr, "noise": noise.numpy(),
                       "release": pending["released"].detach().double() - noise.double(),
                       "grad": np.array(activation_grad, np.float32),
                       "after": [p.detach().clone() for p in self.layer.parameters()]})
@@ -70,7 +70,7 @@ def check_steps(steps: list[dict], n: int, what: str) -> None:
     engine = steps[0]["engine"]
     assert engine.config.weight_decay == 0.0   # what SgdReplay models
     check_trajectory(engine.layer, steps[0]["before"],
-                     [(s["x"], s["release"].numpy(), s["grad"], s["lr"], s["after"]) for s in steps],
+                     [(s["x"], s["release"].numpy(), s["noise"], s["grad"], s["lr"], s["after"]) for s in steps],
                      engine.config.momentum, what)
 
 
