@@ -49,7 +49,8 @@ def record_steps(monkeypatch) -> list[dict]:
     def recorded(self, batch_id, activation_grad):
         pending, privacy = self._pending[batch_id], self.privacy
         before = [p.detach().clone() for p in self.layer.parameters()]
-        lr = self.optimizer.param_groups[0]["lr"]
+        first = next(self.layer.parameters())
+        lr = next(g["lr"] for g in self.optimizer.param_groups if any(p is first for p in g["params"]))
         commit(self, batch_id, activation_grad)
         # the release's keyed noise, drawn again: what `privatize` (torch) and the programs' noise input add
         noise = privacy.mechanism.additive_noise(pending["released"].shape,
