@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import msgpack
+import torch
 from prometheus_client import CollectorRegistry, start_http_server
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
@@ -202,7 +203,10 @@ class EdgeServer:
         self.metrics = Metrics()
         self.recorder = Recorder(config.recordings_dir, config.record_max) if config.record_max > 0 else None
         self.model_lock = asyncio.Lock()
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="compute")
+        # OpenMP's thread count is a per-thread setting: a new thread starts at every core, and torch applies its
+        # own (torch.set_num_threads, e.g. a test worker's 1) there only at its first parallel op, after any oneDNN
+        # convolution that came first (a VGG tail's first op) ran on every core. Asking for it applies it at once.
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="compute", initializer=torch.get_num_threads)
         self.connections: dict[str, tuple[ServerConnection, asyncio.Event]] = {}
         self.away_since: dict[str, float] = {}   # device id -> monotonic time its last connection closed
         self.open_by_address: Counter[str] = Counter()

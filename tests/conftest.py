@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import trustme
 
@@ -61,6 +62,24 @@ def serve_in_thread(trainer: ServerTrainer, run_dir: Path, max_batch: int = 64, 
 
 def small_trainer(num_classes: int = 5, model: str = "vgg_face_small", **kw) -> ServerTrainer:
     return ServerTrainer(resolve_spec(model), "conv1", num_classes, TrainConfig(**kw))
+
+
+class RecordingTrainer(ServerTrainer):
+    """A real ServerTrainer (server head) that also keeps, for every step it applies, the activations it received
+    and the gradient it sent back, as float32 copies: what a device's own step was taken from (tests/steps.py)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.received: list[tuple[np.ndarray, np.ndarray]] = []   # (activations, gradient), one per applied step
+
+    def train_server_head(self, activations, labels):
+        grad, loss, n_correct = super().train_server_head(activations, labels)
+        self.received.append((np.array(activations, np.float32), np.array(grad, np.float32)))
+        return grad, loss, n_correct
+
+
+def recording_trainer(num_classes: int, model: str, **kw) -> RecordingTrainer:
+    return RecordingTrainer(resolve_spec(model), "conv1", num_classes, TrainConfig(**kw))
 
 
 # No silent skips: a skipped test fails the run (its reason is printed by -rs), unless SPLITFACE_ALLOW_SKIPS=1.

@@ -24,8 +24,8 @@ from device_sdk.models.lrn import PaperLRN
 from device_sdk.privacy.planner import release_schedule
 from edge_server.checkpoint import load_checkpoint
 from export.java_layer import java_layer_job
-from export.verify import GRAD_RTOL, RELEASE_ATOL
-from tests.conftest import TOKENS, serve_in_thread, small_trainer
+from tests.conftest import TOKENS, recording_trainer, serve_in_thread, small_trainer
+from tests.steps import Float64Layer, check_grads, check_release, check_trajectory, lr_at
 from tests.test_integration import NUM_CLASSES, _setup, _start_server, _stop
 
 pytestmark = pytest.mark.slow  # real processes or real-face training: the full tier
@@ -60,14 +60,14 @@ def faces(lfw):
     return train.load(64, 160), train.labels, len(split.class_names)
 
 
-def parity(java, layer: torch.nn.Module, images: np.ndarray, tmp_path: Path, release_atol: float, grad_rtol: float,
-           **extra) -> dict:
-    """`Cli parity` on `images` with a random server gradient, held to eager PyTorch's release and weight gradients;
-    the job it ran (with `extra`, e.g. "programs")."""
+def parity(java, layer: torch.nn.Module, images: np.ndarray, tmp_path: Path, **extra) -> dict:
+    """`Cli parity` on `images` with a random server gradient, held to float64 eager PyTorch: the release within
+    its a-priori float32 bound, the weight gradients within GRAD_RTOL (tests/steps.py); the job it ran (with
+    `extra`, e.g. "programs")."""
     x = to_input(images)
-    out = layer(x)
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
-    (out * grad).sum().backward()
+    f64 = Float64Layer(layer)
+    weights = [p.detach() for p in layer.parameters()]
+    grad = torch.randn(f64.release(weights, x).shape, generator=torch.Generator().manual_seed(3)).float()
     job = {**java_layer_job(layer), "images": images.tobytes(), "shape": list(images.shape),
            "grad": grad.numpy().astype("<f4").tobytes(), **extra}
     (tmp_path / "job.msgpack").write_bytes(msgpack.packb(job))
@@ -75,19 +75,16 @@ def parity(java, layer: torch.nn.Module, images: np.ndarray, tmp_path: Path, rel
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     got = msgpack.unpackb((tmp_path / "out.msgpack").read_bytes())
-    java_out = np.frombuffer(got["out"], "<f4").reshape(out.shape)
-    np.testing.assert_allclose(java_out, out.detach().numpy(), atol=release_atol)
-    conv = next(m for m in layer.modules() if isinstance(m, torch.nn.Conv2d))
-    for name, param in (("grad_weight", conv.weight), ("grad_bias", conv.bias)):
-        want = param.grad.numpy()
-        java_grad = np.frombuffer(got[name], "<f4").reshape(want.shape)
-        np.testing.assert_allclose(java_grad, want, atol=grad_rtol * np.abs(want).max())
+    check_release(f64, weights, x, np.frombuffer(got["out"], "<f4"), "the Java device's release")
+    java_grads = [torch.from_numpy(np.frombuffer(got[name], "<f4").copy()).reshape(w.shape)
+                  for name, w in zip(("grad_weight", "grad_bias"), weights)]
+    check_grads(f64.grads(weights, x, grad), java_grads, "the Java device")
     return job
 
 
 @pytest.mark.parametrize("clamp", [None, 1.0])
 def test_java_device_layer_equals_pytorch_on_real_faces(java, faces, tmp_path, clamp):
-    parity(java, device_layer(clamp), faces[0][:4], tmp_path, 1e-5, 1e-4)   # activations lie in [0, 1)
+    parity(java, device_layer(clamp), faces[0][:4], tmp_path)
 
 
 def programs(layer: torch.nn.Module, kind: str, batch: int, size: int, out: Path) -> dict:
@@ -122,8 +119,7 @@ def test_java_device_on_executorch_equals_pytorch_on_real_faces(java, faces, tmp
     batch programs' 4; images or weights that do not fit the programs are refused by name, not a crash."""
     images = faces[0][:3]
     layer = device_layer(clamp)
-    job = parity(java, layer, images, tmp_path, RELEASE_ATOL, GRAD_RTOL,
-                 programs=programs(layer, kind, 4, 64, tmp_path / "programs"))
+    job = parity(java, layer, images, tmp_path, programs=programs(layer, kind, 4, 64, tmp_path / "programs"))
     cout = job["conv"]["cout"]
     other_layer = {"conv": {**job["conv"], "cout": cout + 1}, "weight": job["weight"] + bytes(len(job["weight"]) // cout),
                    "bias": job["bias"] + bytes(4)}  # the programs were exported for another layer
@@ -153,35 +149,62 @@ def run_java(java, job: dict, tmp_path: Path, *options: str) -> subprocess.Compl
     return subprocess.run([*java, "train", str(path), *options], capture_output=True, text=True, timeout=300)
 
 
+def check_java_steps(job: dict, faces, received: list, weights_out: Path) -> None:
+    """Every step of a Java run (`train_job` with "weights_out") held to float64 eager PyTorch along the run's own
+    trajectory (tests/steps.py): its releases at its weights before each step, and each SGD step from them with
+    the gradient the server sent back (`received`: the RecordingTrainer's, one per step)."""
+    images, _, _ = faces
+    assert job["weight_decay"] == 0.0 and job["lrn"]["input_max"] is None   # what Float64Layer and SgdReplay model
+    layer = device_layer(None)
+    weights = [p.detach().clone() for p in layer.parameters()]
+    batch, per_epoch = job["batch_size"], -(-len(images) // job["batch_size"])
+    record = 8 + 4 * sum(w.numel() for w in weights)   # batch id (int64), weight and bias (float32)
+    trace = weights_out.read_bytes()
+    assert len(trace) == record * len(received), f"{len(trace)} bytes for {len(received)} steps"
+    steps = []
+    for k, (activations, grad) in enumerate(received):
+        blob = trace[k * record:(k + 1) * record]
+        assert int.from_bytes(blob[:8], "little") == k + 1   # one record per batch, in order: none applied twice
+        values, after = np.frombuffer(blob[8:], "<f4"), []
+        for w in weights:
+            after.append(torch.from_numpy(values[:w.numel()].copy()).reshape(w.shape))
+            values = values[w.numel():]
+        start = k % per_epoch * batch
+        x = to_input(images[start:start + batch])
+        lr = lr_at(job["lr"], job["lr_decay"], per_epoch * job["epochs"], k)   # Sgd: decay over the whole run
+        steps.append((x, activations, None, grad, lr, after))
+    check_trajectory(layer, weights, steps, job["momentum"], "the Java device")
+
+
 def test_java_device_on_executorch_trains_against_the_python_server(java, faces, tmp_path):
     """Two epochs of the Java device with its layer through ExecuTorch's C++ runtime (JNI), on the batch im2col
-    programs and on the strip programs: every batch is applied once, and the steps move the layer as the
-    plain-Java reference layer's do (the server's losses of the runs, which see the same batches, agree)."""
+    programs and on the strip programs: every batch is applied once, and every step is eager PyTorch's (float64)
+    along the run's own trajectory: the release the server got, and the SGD step with the gradient it sent back.
+    Not the runs' losses against a reference run's: see tests/steps.py for why those are not comparable."""
     layer = device_layer(None)
-    runs = {}
-    for name in ("reference", "gemm", "strips"):
-        extra = {} if name == "reference" else {"programs": programs(layer, name, 16, 64, tmp_path / name)}
-        with serve_in_thread(small_trainer(faces[2], MODEL, lr=0.05), tmp_path / f"server-{name}") as server:
-            run = run_java(java, train_job(server.url, faces, TOKENS["device-0"], epochs=2, **extra), tmp_path)
-            steps = server.trainer.steps
+    for name in ("gemm", "strips"):
+        job = train_job("", faces, TOKENS["device-0"], epochs=2, weights_out=str(tmp_path / f"{name}.weights"),
+                        programs=programs(layer, name, 16, 64, tmp_path / name))
+        with serve_in_thread(recording_trainer(faces[2], MODEL, lr=0.05), tmp_path / f"server-{name}") as server:
+            run = run_java(java, {**job, "url": server.url}, tmp_path)
+            steps, received = server.trainer.steps, server.trainer.received
         assert run.returncode == 0, run.stderr
         batches = [json.loads(line) for line in run.stdout.splitlines()]
         assert [b["batch_id"] for b in batches] == list(range(1, 9)) and steps == 8
-        runs[name] = [b["loss"] for b in batches]
-    # every loss after the first depends on the steps before it; float32 sums in another order drift apart
-    # over training (momentum, the server learning from the releases), so epoch 1 is held tighter than epoch 2
-    for name in ("gemm", "strips"):
-        np.testing.assert_allclose(runs[name][:4], runs["reference"][:4], rtol=1e-4)
-        np.testing.assert_allclose(runs[name], runs["reference"], rtol=3e-2)
+        check_java_steps(job, faces, received, tmp_path / f"{name}.weights")
 
 
 def test_java_device_trains_against_the_python_server(java, faces, tmp_path):
-    with serve_in_thread(small_trainer(faces[2], MODEL, lr=0.05), tmp_path / "server") as server:
-        run = run_java(java, train_job(server.url, faces, TOKENS["device-0"], epochs=5), tmp_path)
-        steps = server.trainer.steps
+    """Five epochs of the plain-Java device: it learns (the last epoch's losses below the first's), every step is
+    eager PyTorch's (float64) along its trajectory, and it reports its costs."""
+    job = train_job("", faces, TOKENS["device-0"], epochs=5, weights_out=str(tmp_path / "weights"))
+    with serve_in_thread(recording_trainer(faces[2], MODEL, lr=0.05), tmp_path / "server") as server:
+        run = run_java(java, {**job, "url": server.url}, tmp_path)
+        steps, received = server.trainer.steps, server.trainer.received
     assert run.returncode == 0, run.stderr
     batches = [json.loads(line) for line in run.stdout.splitlines()]
     assert [b["batch_id"] for b in batches] == list(range(1, 21)) and steps == 20
+    check_java_steps(job, faces, received, tmp_path / "weights")
     losses = [b["loss"] for b in batches]  # the server's loss, from its BACKWARD replies
     assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.3, losses  # the same 4 batches, epoch 5 vs epoch 1
     first = batches[0]

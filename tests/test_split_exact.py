@@ -1,10 +1,17 @@
 """The split is exact: two SGD steps through device + protocol + real websocket server equal
-two steps of the unsplit model in one process (loss, gradients, updated weights; 1e-5), in both
-heads, for batches of six and of one image (the protocol allows N >= 1; IResNet's batch norm then
-normalises with its running statistics and leaves them unchanged)."""
+two steps of the unsplit model in one process bit for bit (loss, gradients, updated weights, batch norm
+statistics), in both heads, for batches of six and of one image (the protocol allows N >= 1; IResNet's batch
+norm then normalises with its running statistics and leaves them unchanged).
+
+Bit for bit, not within a tolerance: both sides run the same float32 kernels on the same values (the wire's
+float32 is lossless) with the same thread count (torch.set_num_threads reaches the server's compute thread before
+its first op, edge_server/app.py), so every sum is taken in the same order; on AVX2 or AVX-512, with 1 or 2
+threads alike. A difference in the last bit is a difference in what was computed."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +25,6 @@ from device_sdk.optim import TrainConfig, exponential_decay, make_sgd
 from edge_server.trainer import ServerTrainer
 from tests.conftest import TOKENS, serve_in_thread, small_trainer
 
-TOL = 1e-5
 NUM_CLASSES = 5
 LR, DECAY_STEPS = 0.05, 4
 
@@ -77,16 +83,16 @@ def test_split_step_equals_unsplit_step(tmp_path, model, head, n):
             return results
         results = asyncio.run(run())
 
-    assert [r.loss for r in results] == pytest.approx(ref_losses, abs=TOL)
+    assert [r.loss for r in results] == ref_losses
     classifier = trainer.classifier if head == "server" else engine.classifier
     pairs = [(engine.layer, ref_device), (trainer.tail, ref_tail), (classifier, ref_classifier)]
     for split_part, ref_part in pairs:
-        for (name, p), (_, q) in zip(split_part.named_parameters(), ref_part.named_parameters()):
-            assert torch.allclose(p, q, atol=TOL), f"{name} weights differ"
+        for (name, p), (_, q) in zip(split_part.named_parameters(), ref_part.named_parameters(), strict=True):
+            assert torch.equal(p, q), f"{name} weights differ by {float((p - q).abs().max()):.3g}"
             if q.grad is not None:
-                assert torch.allclose(p.grad, q.grad, atol=TOL), f"{name} gradients differ"
-        for (name, b), (_, c) in zip(split_part.named_buffers(), ref_part.named_buffers()):
-            assert torch.allclose(b.float(), c.float(), atol=TOL), f"buffer {name} differs"
+                assert torch.equal(p.grad, q.grad), f"{name} gradients differ by {float((p.grad - q.grad).abs().max()):.3g}"
+        for (name, b), (_, c) in zip(split_part.named_buffers(), ref_part.named_buffers(), strict=True):
+            assert torch.equal(b, c), f"buffer {name} differs"
     if model.startswith("iresnet"):
         # The embedding's batch norm trained in both steps; with one image its running statistics stay as they were.
         features = trainer.tail.stages["features"].features
@@ -108,3 +114,20 @@ def test_a_head_lr_scale_trains_the_classifier_at_that_multiple_on_both_sides():
     assert engine.optimizer.param_groups[1]["params"] == list(engine.classifier.parameters())
     plain = ServerTrainer(spec, "conv1", NUM_CLASSES, TrainConfig(lr=0.01))
     assert len(plain.optimizer.param_groups) == 1
+
+
+def test_the_servers_compute_thread_takes_torchs_thread_count(tmp_path):
+    """OpenMP's thread count is a per-thread setting: a new thread starts at every core, and torch applies
+    torch.set_num_threads there only at its first parallel op, after any oneDNN convolution that came first ran
+    on every core (another summation order than the same convolution elsewhere in the process). The server's
+    compute thread has torch's count before its first op."""
+    found = sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
+    assert found, f"no libgomp in {Path(torch.__file__).parent / 'lib'}: this check reads OpenMP's setting there"
+    gomp = ctypes.CDLL(str(found[0]))   # the copy torch loaded
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # a new thread's default is every core
+    try:
+        with serve_in_thread(small_trainer(), tmp_path) as server:
+            assert server.server.executor.submit(gomp.omp_get_max_threads).result() == 1
+    finally:
+        torch.set_num_threads(threads)

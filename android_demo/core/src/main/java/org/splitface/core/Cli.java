@@ -21,7 +21,9 @@ import java.util.Map;
  *                    CA certificates in --ca-file (else the platform's) and checks the host name; plain ws:// is
  *                    refused off loopback unless --insecure (the token would travel in clear). Exit status: 0 done,
  *                    2 refused by the server, 3 privacy budget spent, 4 connection lost, 5 server certificate
- *                    not accepted, 64 usage (a refused URL included).
+ *                    not accepted, 64 usage (a refused URL included). A job with "weights_out" (a path) appends
+ *                    each committed batch's layer after its step there: the batch id (int64) then the weight and
+ *                    the bias if any (float32), little-endian; the tests replay every step from it.
  */
 public final class Cli {
     private Cli() {}
@@ -160,6 +162,8 @@ public final class Cli {
             return 6;
         }
         int plane = shape[1] * shape[2] * shape[3];
+        Path weightsOut = job.get("weights_out") == null ? null : Path.of((String) job.get("weights_out"));
+        if (weightsOut != null) Files.write(weightsOut, new byte[0]);
         try (DeviceClient client = new DeviceClient((String) job.get("url"), JdkWebSocketTransport.factory(tls), session,
                 trainer(job, layer, sgd), noise, guard, 120_000, 30, maxMessageBytes)) {
             client.connect();
@@ -174,6 +178,7 @@ public final class Cli {
                 for (int j = 0; j < n; j++) { y[j] = labels[start + j]; ids[j] = start + j; }
                 try {
                     System.out.println(client.trainBatch(id, x, new int[] {n, shape[1], shape[2], shape[3]}, y, ids).toJson());
+                    if (weightsOut != null) appendWeights(weightsOut, id, layer);
                 } catch (DeviceClient.Rollback rb) {
                     System.err.println(rb.getMessage());
                 }
@@ -195,6 +200,16 @@ public final class Cli {
             System.err.println("ERROR " + e.getMessage());
             return 6;
         }
+    }
+
+    /** The layer after batch `id`'s step: what the SGD of every trainer here updates (their weights live in Java). */
+    static void appendWeights(Path out, long id, DeviceLayer layer) throws java.io.IOException {
+        float[] bias = layer.bias == null ? new float[0] : layer.bias;
+        ByteBuffer buf = ByteBuffer.allocate(8 + 4 * (layer.weight.length + bias.length)).order(ByteOrder.LITTLE_ENDIAN);
+        buf.putLong(id);
+        for (float v : layer.weight) buf.putFloat(v);
+        for (float v : bias) buf.putFloat(v);
+        Files.write(out, buf.array(), java.nio.file.StandardOpenOption.APPEND);
     }
 
     private static String value(String[] options, int j) {
