@@ -49,9 +49,11 @@ from device_sdk.data import FaceSet, find_lfw_root
 from device_sdk.engine import bound_for, privatize
 from device_sdk.models import DEFAULT_SPLIT, RELEASE_KEYS, ModelSpec, build_backbone, split_backbone, to_input
 from device_sdk.models.weights import load_into, save_backbone
+from device_sdk.options import (add_data_root_arg, add_model_args, add_privacy_args, add_threads_arg, apply_threads,
+                                model_spec, release_mechanism)
 from device_sdk.privacy.mechanisms import Mechanism, NoNoise
 
-from .audit.recognizer import DlibResNet, dlib_models_dir
+from .audit.recognizer import DlibResNet, dlib_models_dir, load_vectors, save_vectors
 from .evaluation.verification import evaluate_embedder, view1_pairs
 from .ressfl import release_stage_state
 
@@ -114,10 +116,7 @@ class TeacherCache:
         self.size = size
         self.fingerprint = f"dlib-resnet-v1-{weights}-chip150-pad0.25-in{size}c{CROP}"
         self.file = Path(cache_dir) / f"teacher-{self.fingerprint}.npz" if cache_dir else None
-        self.known: dict[str, np.ndarray] = {}
-        if self.file is not None and self.file.exists():
-            with np.load(self.file) as saved:
-                self.known = dict(zip(saved["keys"].tolist(), saved["vectors"]))
+        self.known = load_vectors(self.file)
         self.computed = 0
 
     def embed(self, paths: list[Path], workers: int = 2, progress: bool = True) -> np.ndarray:
@@ -141,12 +140,8 @@ class TeacherCache:
         return np.stack([self.known[k] for k in keys]).astype(np.float32) if keys else np.empty((0, 128), np.float32)
 
     def _save(self) -> None:
-        if self.file is None:
-            return
-        self.file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.file.with_suffix(f".{os.getpid()}.tmp.npz")
-        np.savez(tmp, keys=np.array(list(self.known)), vectors=np.stack(list(self.known.values())))
-        tmp.replace(self.file)
+        if self.file is not None:
+            save_vectors(self.file, self.known)
 
 
 _TEACHER: DlibResNet | None = None
@@ -434,9 +429,6 @@ def estimate_minutes(images: int, missing: int, recipe: Recipe, spec: ModelSpec)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from device_sdk.options import (add_data_root_arg, add_model_args, add_privacy_args, add_threads_arg,
-                                    apply_threads, model_spec, release_mechanism)
-
     p = argparse.ArgumentParser(prog="splitface-pretrain", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)

@@ -133,10 +133,7 @@ class CachedFaces:
     def __init__(self, recognizer: Recognizer, name: str, cache_dir: Path | None):
         self.recognizer, self.name = recognizer, name
         self.file = Path(cache_dir) / f"{name}.npz" if cache_dir else None
-        self.known: dict[str, np.ndarray] = {}
-        if self.file is not None and self.file.exists():
-            with np.load(self.file) as saved:
-                self.known = dict(zip(saved["keys"].tolist(), saved["vectors"]))
+        self.known = load_vectors(self.file)
 
     def embed_faces(self, faces, size: int, crop: int | None, images: np.ndarray | None = None) -> np.ndarray:
         """`faces`: a FaceSet; `images`: the same faces already decoded to [0, 1] (else decoded here)."""
@@ -153,9 +150,21 @@ class CachedFaces:
         return np.stack([self.known[k] for k in keys]) if keys else np.empty((0, 0), np.float32)
 
     def _save(self) -> None:
-        if self.file is None:
-            return
-        self.file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.file.with_suffix(f".{os.getpid()}.tmp.npz")
-        np.savez(tmp, keys=np.array(list(self.known)), vectors=np.stack(list(self.known.values())))
-        tmp.replace(self.file)
+        if self.file is not None:
+            save_vectors(self.file, self.known)
+
+
+def load_vectors(file: Path | None) -> dict[str, np.ndarray]:
+    """A key -> vector store written by `save_vectors` ({} if there is none yet)."""
+    if file is None or not Path(file).exists():
+        return {}
+    with np.load(file) as saved:
+        return dict(zip(saved["keys"].tolist(), saved["vectors"]))
+
+
+def save_vectors(file: Path, known: dict[str, np.ndarray]) -> None:
+    """Atomically: a killed process leaves the previous store, never half of one."""
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_suffix(f".{os.getpid()}.tmp.npz")
+    np.savez(tmp, keys=np.array(list(known)), vectors=np.stack(list(known.values())))
+    tmp.replace(file)
