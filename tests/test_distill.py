@@ -74,7 +74,15 @@ def test_the_teacher_cache_is_keyed_by_each_images_bytes(tmp_path, lfw, cache):
 
 @pytest.mark.slow
 def test_distillation_loss_falls_and_an_interrupted_run_resumes_to_the_same_weights(tmp_path, lfw, cache):
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)   # one thread: the same sums in the same order in both runs
+    try:
+        _distill_twice(tmp_path, lfw, cache)
+    finally:
+        torch.set_num_threads(threads)   # later tests in this process keep their own setting
+
+
+def _distill_twice(tmp_path, lfw, cache) -> None:
     whole = distill(SPEC, "conv1", NoNoise(), lfw, tmp_path / "whole.pt", TINY, cache, limit=LIMIT, progress=False,
                     evaluate=False)
     assert whole["teacher"]["computed_now"] == 0   # the module's cache: the teacher never ran again
