@@ -37,6 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import cmake_flags, describe, record  # noqa: E402
 from bench_device import minimal_rss  # noqa: E402  (the Python binding's process, same programs)
 
 from device_sdk.models import build_device_part, resolve_spec  # noqa: E402
@@ -218,7 +219,7 @@ def table(saved: dict) -> str:
     n = saved["samples"]
     lines = [f"The device layer through ExecuTorch's C++ runtime (`splitface_native`, no Python, no libtorch), "
              f"{saved['model']} conv1 + ReLU + LRN at {saved['input_size']} px, {n} images per batch, one "
-             f"thread, on {saved['machine']}. Not a phone: compare the rows with each other. Times in ms as mean / "
+             f"thread, on {describe(saved['record']) if 'record' in saved else saved['machine']}. Not a phone: compare the rows with each other. Times in ms as mean / "
              f"min over {saved['rounds']} rounds of {saved['runs']} runs, each round a fresh process per row after "
              f"{saved['warmup']} warm-up run, the rows taking turns (so a change of the machine's load hits them "
              "all); 'compute' is the programs' execute "
@@ -312,6 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     warm = binding_times(b8, tensors, args.runs, args.warmup) if binding else None
     saved = {"model": args.model, "input_size": args.input_size, "samples": args.samples, "runs": args.runs,
              "warmup": args.warmup, "rounds": args.rounds, "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
+             "record": {**record(cmake_flags(args.build_dir, "splitface_native")), "load_avg": list(load_before)},
              "noise_std": NOISE_STD, "native": native, "profiles": profiles, "python_binding": python_binding, "python_binding_warm": warm,
              "load_before": load_before, "load_after": os.getloadavg()}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -31,8 +31,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import cmake_flags, describe, record  # noqa: E402
 from bench_native import device_layer, inputs  # noqa: E402
 from device_sdk.privacy.fastnoise import fresh_key  # noqa: E402
+from device_sdk.runtimes.native import cache_dir  # noqa: E402
 from device_sdk.runtimes.native_runtime import NativeRuntime  # noqa: E402
 from export.artifacts import example_inputs, manifest_of  # noqa: E402
 
@@ -96,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
              f"{args.noise_std:g}, {args.runs} runs after 1 warm-up, the three calls in turn; load {load:.1f} before, "
              f"{os.getloadavg()[0]:.1f} after; ms per batch, mean / min"]
     lines += [f"  {name:60s} {statistics.mean(values):8.1f} / {min(values):8.1f}" for name, values in rows.items()]
+    lines.append(f"  machine: {describe({**record(cmake_flags(cache_dir(), 'splitface_native')), 'load_avg': [load]})}")
     text = "\n".join(lines) + "\n"
     print(text, end="")
     args.out.write_text(text)

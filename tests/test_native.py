@@ -173,6 +173,25 @@ def test_native_noise_is_keyed_chacha20_box_muller_and_fresh_per_release(native)
     assert abs(np.corrcoef(a, b)[0, 1]) < 0.03
 
 
+@pytest.mark.slow  # six small g++ builds
+def test_every_vector_path_draws_the_reference_normals(tmp_path):
+    """The noise generator's lane width differs per ISA (16 AVX-512, 8 AVX2, 4 SSE2; chacha20_lanes.h) and the
+    multiversioned build picks one at load time: every path this CPU can run, the old 16-lane ones included,
+    gives the key's normals, equal to the float64 reference from `cryptography`'s ChaCha20 keystream (within
+    the float32 polynomials' error, as the runner's own test), and the paths differ from each other by at most
+    that much (baseline x86-64 has no FMA, so its roundings may differ in the last bits)."""
+    from bench import noise_isa
+    n = 3 * 256 + 37  # whole groups and a part of one
+    want = reference_normals(noise_isa.KEY, n)
+    paths = noise_isa.runnable(noise_isa.cpu()["isa"])
+    assert [p[0] for p in paths][-1] == "shipped build (multiversions)" and len(paths) >= 3
+    for i, (label, march, width, _) in enumerate(paths):
+        binary = noise_isa.build(march, width, tmp_path / f"noise-{i}")
+        noise_isa.run(binary, n, 1, tmp_path / f"z-{i}")
+        z = np.fromfile(tmp_path / f"z-{i}", dtype=np.float32)
+        assert z.size == n and np.abs(z - want).max() < 2e-5, label
+
+
 @pytest.mark.slow
 def test_strip_runner_refuses_bad_inputs_by_name(native):
     binary, layer, programs, root = native

@@ -1,52 +1,63 @@
-// ChaCha20 on 16 lanes at once (16 blocks side by side) with GCC/Clang vector extensions, shared by the float
-// noise (gaussian_noise.cpp, which turns the lanes into normals in registers) and the keystream buffer
-// (chacha20.cpp). Callers mark their outer function SPLITFACE_CLONES: AVX-512, AVX2 or SSE2 picked at run time
-// on x86 (target_clones), NEON on arm64 at build time; these always_inline helpers compile into each clone.
-// Included only by .cpp files built with -Wno-psabi (the vector types are 64 bytes by design).
+// ChaCha20 on W lanes at once (W blocks side by side) with GCC/Clang vector extensions, shared by the float noise
+// (gaussian_noise.cpp, which turns the lanes into normals in registers) and the keystream buffer (chacha20.cpp).
+//
+// The lane width follows the register file, because ChaCha's state is 16 vectors that must stay in registers
+// through the 20 rounds: with W lanes of 32 bits a vector is 4W bytes, and 16 of them fit
+//   AVX-512 (32 zmm of 64 bytes) at W = 16, AVX2 (16 ymm of 32 bytes) at W = 8, SSE2 (16 xmm) and NEON (32 q of
+//   16 bytes) at W = 4.
+// A 16-lane state on AVX2 needs 32 ymm registers, twice what there is: GCC spilled it to the stack on every round
+// and drawing ran 4-7x slower than on AVX-512 (docs/device.md). Callers write each ISA's function once as a
+// template over W and pick it with SPLITFACE_ISA_VERSIONS below; the output of 16 blocks (kChachaLanes) is the
+// same whatever W computed it.
+// Included only by .cpp files built with -Wno-psabi (the vector types are up to 64 bytes wide by design).
 #pragma once
 
 #include <cstdint>
 
 #include "chacha20.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define SPLITFACE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define SPLITFACE_CLONES
-#endif
-
 namespace splitface {
 namespace lanes {
 
 constexpr int kRounds = 20;  // ChaCha20
 
-// 16 lanes as one value: the compiler maps it onto AVX-512, AVX2 or NEON.
-typedef uint32_t u32v __attribute__((vector_size(4 * kChachaLanes)));
+// W lanes as one value: the compiler maps it onto one AVX-512, AVX2, SSE2 or NEON register.
+template <int W>
+struct Vec {
+  typedef uint32_t u32 __attribute__((vector_size(4 * W)));
+  typedef int32_t i32 __attribute__((vector_size(4 * W)));
+  typedef float f32 __attribute__((vector_size(4 * W)));
+};
 
-__attribute__((always_inline)) inline u32v rotl(u32v v, int c) { return (v << c) | (v >> (32 - c)); }
+template <typename V>
+__attribute__((always_inline)) inline V rotl(V v, int c) { return (v << c) | (v >> (32 - c)); }
 
-__attribute__((always_inline)) inline void quarter(u32v& a, u32v& b, u32v& c, u32v& d) {
+template <typename V>
+__attribute__((always_inline)) inline void quarter(V& a, V& b, V& c, V& d) {
   a += b; d = rotl(d ^ a, 16);
   c += d; b = rotl(b ^ c, 12);
   a += b; d = rotl(d ^ a, 8);
   c += d; b = rotl(b ^ c, 7);
 }
 
-// x[j][l] = word j of keystream block `block + l`.
-__attribute__((always_inline)) inline void chacha20_lanes(const NoiseKey& key, uint64_t block, u32v x[16]) {
+// x[j][l] = word j of keystream block `block + l`, l < W.
+template <int W>
+__attribute__((always_inline)) inline void chacha20_lanes(const NoiseKey& key, uint64_t block,
+                                                          typename Vec<W>::u32 x[16]) {
+  using V = typename Vec<W>::u32;
   const uint32_t in[12] = {0x61707865u, 0x3320646eu, 0x79622d32u, 0x6b206574u,
                            key[0], key[1], key[2], key[3], key[4], key[5], key[6], key[7]};
-  u32v lo, hi;
-  for (int l = 0; l < kChachaLanes; ++l) {
+  V lo, hi;
+  for (int l = 0; l < W; ++l) {
     uint64_t b = block + static_cast<uint64_t>(l);
     lo[l] = static_cast<uint32_t>(b);
     hi[l] = static_cast<uint32_t>(b >> 32);
   }
   // the state as 16 named values, not an array, so that it stays in registers through the rounds
-  u32v x0 = u32v{} + in[0], x1 = u32v{} + in[1], x2 = u32v{} + in[2], x3 = u32v{} + in[3];
-  u32v x4 = u32v{} + in[4], x5 = u32v{} + in[5], x6 = u32v{} + in[6], x7 = u32v{} + in[7];
-  u32v x8 = u32v{} + in[8], x9 = u32v{} + in[9], x10 = u32v{} + in[10], x11 = u32v{} + in[11];
-  u32v x12 = lo, x13 = hi, x14 = u32v{}, x15 = u32v{};
+  V x0 = V{} + in[0], x1 = V{} + in[1], x2 = V{} + in[2], x3 = V{} + in[3];
+  V x4 = V{} + in[4], x5 = V{} + in[5], x6 = V{} + in[6], x7 = V{} + in[7];
+  V x8 = V{} + in[8], x9 = V{} + in[9], x10 = V{} + in[10], x11 = V{} + in[11];
+  V x12 = lo, x13 = hi, x14 = V{}, x15 = V{};
   for (int round = 0; round < kRounds / 2; ++round) {  // column + diagonal double rounds
     quarter(x0, x4, x8, x12); quarter(x1, x5, x9, x13); quarter(x2, x6, x10, x14); quarter(x3, x7, x11, x15);
     quarter(x0, x5, x10, x15); quarter(x1, x6, x11, x12); quarter(x2, x7, x8, x13); quarter(x3, x4, x9, x14);
@@ -59,3 +70,23 @@ __attribute__((always_inline)) inline void chacha20_lanes(const NoiseKey& key, u
 
 }  // namespace lanes
 }  // namespace splitface
+
+// SPLITFACE_ISA_VERSIONS(ret, name, params, call): defines `ret name params` once per ISA, each version's body
+// calling `call(W)` with that ISA's lane width. A build for a baseline x86-64 target with GCC gets C++ function
+// multiversions (AVX-512, AVX2, the baseline), picked once at load time by the CPU's features (ifunc). A build
+// for a named target (-march=native, -march=x86-64-v3, arm64) decides at compile time: the multiversions could
+// not inline code already compiled for more features than theirs.
+#if defined(SPLITFACE_FORCE_LANES)  // one width for every CPU: the benchmarks' side-by-side of the ISA paths
+#define SPLITFACE_ISA_VERSIONS(ret, name, params, call) ret name params { call(SPLITFACE_FORCE_LANES); }
+#elif defined(__AVX512F__)
+#define SPLITFACE_ISA_VERSIONS(ret, name, params, call) ret name params { call(16); }
+#elif defined(__AVX2__)
+#define SPLITFACE_ISA_VERSIONS(ret, name, params, call) ret name params { call(8); }
+#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SPLITFACE_ISA_VERSIONS(ret, name, params, call)                    \
+  __attribute__((target("arch=x86-64-v4"))) ret name params { call(16); } \
+  __attribute__((target("arch=x86-64-v3"))) ret name params { call(8); }  \
+  __attribute__((target("default"))) ret name params { call(4); }
+#else  // SSE2 without GCC's multiversions, NEON on arm64 (32 registers of 16 bytes)
+#define SPLITFACE_ISA_VERSIONS(ret, name, params, call) ret name params { call(4); }
+#endif

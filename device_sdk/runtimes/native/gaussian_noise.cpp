@@ -1,6 +1,6 @@
-// ChaCha20 + Box-Muller on 16 lanes at once (16 ChaCha blocks side by side, chacha20_lanes.h) with GCC/Clang
-// vector extensions: AVX-512, AVX2 or SSE2 picked at run time on x86 (target_clones), NEON on arm64 at build
-// time; the lanes go from ChaCha's registers straight into Box-Muller. log, sin and cos are Cephes' float
+// ChaCha20 + Box-Muller on W lanes at once (W ChaCha blocks side by side, chacha20_lanes.h) with GCC/Clang
+// vector extensions: 16 lanes on AVX-512, 8 on AVX2, 4 on SSE2, picked at load time on x86 (function
+// multiversions), 4 on NEON at build time; the lanes go from ChaCha's registers straight into Box-Muller. log, sin and cos are Cephes' float
 // polynomials (about 1 ulp on their reduced ranges), branch-free so that they vectorise too. See
 // gaussian_noise.h for the mapping from keystream words to normals.
 #include "gaussian_noise.h"
@@ -21,18 +21,18 @@ namespace {
 constexpr int kLanes = kChachaLanes;       // ChaCha blocks per group
 constexpr int kGroup = kLanes * 16;        // values per group
 
-using lanes::u32v;
-
 [[noreturn]] void die(const char* why) {
   std::fprintf(stderr, "splitface_native: %s\n", why);
   std::exit(2);
 }
 
-typedef int32_t i32v __attribute__((vector_size(4 * kLanes)));
-typedef float f32v __attribute__((vector_size(4 * kLanes)));
-
-// Box-Muller on 16 lanes: words w0 (radius) and w1 (angle) to z0 = r cos theta, z1 = r sin theta, branch-free.
-__attribute__((always_inline)) inline void box_muller(u32v w0, u32v w1, f32v& z0, f32v& z1) {
+// Box-Muller on W lanes: words w0 (radius) and w1 (angle) to z0 = r cos theta, z1 = r sin theta, branch-free.
+template <int W>
+__attribute__((always_inline)) inline void box_muller(typename lanes::Vec<W>::u32 w0, typename lanes::Vec<W>::u32 w1,
+                                                      typename lanes::Vec<W>::f32& z0, typename lanes::Vec<W>::f32& z1) {
+  using u32v = typename lanes::Vec<W>::u32;
+  using i32v = typename lanes::Vec<W>::i32;
+  using f32v = typename lanes::Vec<W>::f32;
   // ln U for U = k / 2^24, k in [1, 2^24]: k is exact in float; ln k = ln m + e ln 2, m in [sqrt(1/2), sqrt(2))
   f32v k = __builtin_convertvector((w0 >> 8) + 1u, f32v);
   u32v bits = (u32v)k;
@@ -54,7 +54,7 @@ __attribute__((always_inline)) inline void box_muller(u32v w0, u32v w1, f32v& z0
   f32v r2 = -2.0f * ln;
   r2 = r2 > 0.0f ? r2 : 0.0f;
   f32v r;
-  for (int l = 0; l < kLanes; ++l) r[l] = std::sqrt(r2[l]);  // one vsqrtps
+  for (int l = 0; l < W; ++l) r[l] = std::sqrt(r2[l]);  // one vsqrtps
   // theta = (pi / 2) (q + f): the quadrant q from the top bits, f in [-1/2, 1/2) exactly from the rest
   u32v v = w1 >> 8;
   u32v half = (v >> 21) & 1u;
@@ -74,18 +74,24 @@ __attribute__((always_inline)) inline void box_muller(u32v w0, u32v w1, f32v& z0
   z1 = r * (f32v)sin_b;
 }
 
-// out[16 j + l]: normal j of block `block + l` (lane l of vector j, stored as they are: no transpose).
-SPLITFACE_CLONES
-void group_normals(const NoiseKey& key, uint64_t block, float* out) {
-  u32v x[16];
-  lanes::chacha20_lanes(key, block, x);
-  f32v z0, z1;
-  for (int p = 0; p < 8; ++p) {
-    box_muller(x[2 * p], x[2 * p + 1], z0, z1);
-    std::memcpy(out + 16 * (2 * p), &z0, sizeof(z0));
-    std::memcpy(out + 16 * (2 * p + 1), &z1, sizeof(z1));
+// out[16 j + l]: normal j of block `block + l` (lane l of vector j, stored as they are: no transpose), the 16
+// blocks W at a time.
+template <int W>
+__attribute__((always_inline)) inline void group_normals_w(const NoiseKey& key, uint64_t block, float* out) {
+  for (int h = 0; h < kLanes; h += W) {
+    typename lanes::Vec<W>::u32 x[16];
+    lanes::chacha20_lanes<W>(key, block + static_cast<uint64_t>(h), x);
+    typename lanes::Vec<W>::f32 z0, z1;
+    for (int p = 0; p < 8; ++p) {
+      box_muller<W>(x[2 * p], x[2 * p + 1], z0, z1);
+      std::memcpy(out + 16 * (2 * p) + h, &z0, sizeof(z0));
+      std::memcpy(out + 16 * (2 * p + 1) + h, &z1, sizeof(z1));
+    }
   }
 }
+
+#define SPLITFACE_GROUP_NORMALS(W) group_normals_w<W>(key, block, out)
+SPLITFACE_ISA_VERSIONS(void, group_normals, (const NoiseKey& key, uint64_t block, float* out), SPLITFACE_GROUP_NORMALS)
 
 }  // namespace
 

@@ -1,0 +1,67 @@
+"""What a benchmark figure was measured on: the CPU (model, the vector extensions that decide which code runs),
+the compiler and the load. Every native benchmark stores `record()` beside its figures, so that a figure from
+another machine can be told apart from a regression (issue 30: AVX2 machines drew noise 6-7x slower)."""
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+# the flags that choose a code path in the native runner, XNNPACK or oneDNN (x86: /proc/cpuinfo names; arm64: asimd)
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "amx_tile", "asimd", "asimdhp", "sve")
+
+
+def cpu() -> dict:
+    """Model name and the ISA flags that the kernel reports (the first processor's)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "Model") and model in ("", platform.machine(), platform.processor()):
+                model = value.strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"model": model, "arch": platform.machine(), "cores": os.cpu_count(),
+            "isa": [f for f in ISA_FLAGS if f in flags]}
+
+
+def compiler(cxx: str = "c++") -> str:
+    """The C++ compiler's first version line (what built the native code), or why there is none."""
+    if shutil.which(cxx) is None:
+        return f"{cxx}: not found"
+    return subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+
+
+def cmake_flags(build_dir: Path, target: str) -> str:
+    """The flags CMake compiled `target` with (its flags.make: the common CXX_FLAGS and each file's own)."""
+    flags = Path(build_dir) / "CMakeFiles" / f"{target}.dir" / "flags.make"
+    if not flags.exists():
+        return f"unknown ({flags} not found)"
+    out = []
+    for line in flags.read_text().splitlines():
+        if line.startswith("CXX_FLAGS"):
+            out.append(line.partition("=")[2].strip())
+        elif line.startswith("# Custom options:"):  # "...dir/<file>.o_OPTIONS = a;b"
+            name, _, opts = line.partition(":")[2].partition("=")
+            out.append(f"{Path(name.strip()).name.removesuffix('.o_OPTIONS')}: {opts.strip().replace(';', ' ')}")
+    return "; ".join(out)
+
+
+def record(build_flags: str | list[str] | None = None, cxx: str = "c++") -> dict:
+    """The record a benchmark stores with its figures; call it again at the end for the load after."""
+    return {"cpu": cpu(), "compiler": compiler(cxx), "build_flags": build_flags, "load_avg": list(os.getloadavg()),
+            "platform": platform.platform()}
+
+
+def describe(rec: dict) -> str:
+    """One line for a table's header."""
+    c = rec["cpu"]
+    flags = f"; build flags {rec['build_flags']}" if rec.get("build_flags") else ""
+    return (f"{c['model']} ({c['arch']}, {c['cores']} cores; {' '.join(c['isa']) or 'no listed vector extensions'}); "
+            f"{rec['compiler']}{flags}; load {rec['load_avg'][0]:.1f}")

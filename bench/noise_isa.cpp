@@ -1,0 +1,40 @@
+// Times the native runner's noise generator (device_sdk/runtimes/native/gaussian_noise.cpp) as built by
+// bench/noise_isa.py for one ISA path, and dumps its normals for the tests:
+//   noise_isa <key: 64 hex digits> <values> <repetitions> [dump file]
+// prints {"ms_min": .., "ns_per_value": ..}; the dump holds the first `values` normals as float32.
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "gaussian_noise.h"
+
+int main(int argc, char** argv) {
+  if (argc < 4) {
+    std::fprintf(stderr, "usage: noise_isa KEYHEX VALUES REPETITIONS [DUMP]\n");
+    return 2;
+  }
+  splitface::NoiseKey key{};
+  for (int i = 0; i < 32; ++i) {  // little-endian words, as key_from_file reads a key file
+    unsigned byte = 0;
+    if (std::sscanf(argv[1] + 2 * i, "%2x", &byte) != 1) return 2;
+    key[i / 4] |= static_cast<uint32_t>(byte) << (8 * (i % 4));
+  }
+  size_t n = std::strtoull(argv[2], nullptr, 10);
+  int reps = std::atoi(argv[3]);
+  std::vector<float> z(n);
+  double best = 1e300;
+  for (int r = 0; r < reps; ++r) {
+    auto t0 = std::chrono::steady_clock::now();
+    splitface::add_gaussian(z.data(), nullptr, n, 0, key, 1.0f);
+    double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (ms < best) best = ms;
+  }
+  if (argc > 4) {
+    std::FILE* f = std::fopen(argv[4], "wb");
+    if (!f || std::fwrite(z.data(), sizeof(float), n, f) != n) return 1;
+    std::fclose(f);
+  }
+  std::printf("{\"ms_min\": %.6f, \"ns_per_value\": %.4f}\n", best, best * 1e6 / static_cast<double>(n));
+  return 0;
+}
