@@ -1,12 +1,14 @@
 // Times the native runner's noise generator (device_sdk/runtimes/native/gaussian_noise.cpp) as built by
-// bench/noise_isa.py for one ISA path, and dumps its normals for the tests:
+// bench/noise_isa.py for one ISA path, and dumps what it draws for the tests:
 //   noise_isa <key: 64 hex digits> <values> <repetitions> [dump file]
-// prints {"ms_min": .., "ns_per_value": ..}; the dump holds the first `values` normals as float32.
+// prints {"ms_min": .., "ns_per_value": ..}; the dump holds the first `values` normals as float32, then the
+// keystream's first 4 groups of 16 blocks (chacha20_blocks, what the exact noise reads) as bytes.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
 
+#include "chacha20.h"
 #include "gaussian_noise.h"
 
 int main(int argc, char** argv) {
@@ -33,6 +35,11 @@ int main(int argc, char** argv) {
   if (argc > 4) {
     std::FILE* f = std::fopen(argv[4], "wb");
     if (!f || std::fwrite(z.data(), sizeof(float), n, f) != n) return 1;
+    uint8_t group[splitface::kChachaGroupBytes];
+    for (uint64_t g = 0; g < 4; ++g) {
+      splitface::chacha20_blocks(key, g * splitface::kChachaLanes, group);
+      if (std::fwrite(group, 1, sizeof(group), f) != sizeof(group)) return 1;
+    }
     std::fclose(f);
   }
   std::printf("{\"ms_min\": %.6f, \"ns_per_value\": %.4f}\n", best, best * 1e6 / static_cast<double>(n));

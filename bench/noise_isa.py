@@ -23,6 +23,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from bench.machine import cpu, describe, record
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,17 +46,32 @@ PATHS = [
 ]
 
 
-def build(march: str | None, width: int | None, out: Path) -> Path:
-    """The harness with the runner's noise sources for one path; `march` None: the runner's own flags."""
-    flags = [*FLAGS, *([f"-march={march}"] if march else []), *([f"-DSPLITFACE_FORCE_LANES={width}"] if width else [])]
-    subprocess.run([CXX, *flags, f"-I{NATIVE}", str(HARNESS), str(NATIVE / "gaussian_noise.cpp"),
+# arm64: Debian's cross compiler (g++-aarch64-linux-gnu), static, run under qemu-user (qemu-aarch64)
+ARM64_CXX, ARM64_RUN = "aarch64-linux-gnu-g++", ["qemu-aarch64"]
+KEYSTREAM_BYTES = 4 * 64 * 16  # what the harness dumps after the normals: 4 groups of 16 ChaCha20 blocks
+
+
+def build(march: str | None, width: int | None, out: Path, cxx: str = CXX) -> Path:
+    """The harness with the runner's noise sources for one path; `march` None: the build's own choice (the
+    runner's flags on x86; NEON on arm64)."""
+    flags = [*FLAGS, *([f"-march={march}"] if march else []), *([f"-DSPLITFACE_FORCE_LANES={width}"] if width else []),
+             *(["-static"] if cxx == ARM64_CXX else [])]
+    subprocess.run([cxx, *flags, f"-I{NATIVE}", str(HARNESS), str(NATIVE / "gaussian_noise.cpp"),
                     str(NATIVE / "chacha20.cpp"), "-o", str(out)], check=True)
     return out
 
 
-def run(binary: Path, values: int, repetitions: int, dump: Path | None = None) -> dict:
-    argv = [str(binary), KEY.hex(), str(values), str(repetitions), *([str(dump)] if dump else [])]
+def run(binary: Path, values: int, repetitions: int, dump: Path | None = None, emulator: list[str] = ()) -> dict:
+    argv = [*emulator, str(binary), KEY.hex(), str(values), str(repetitions), *([str(dump)] if dump else [])]
     return json.loads(subprocess.run(argv, check=True, capture_output=True, text=True).stdout)
+
+
+def read_dump(path: Path, values: int) -> tuple[np.ndarray, bytes]:
+    """(the normals, the keystream bytes) of a harness dump."""
+    raw = path.read_bytes()
+    if len(raw) != 4 * values + KEYSTREAM_BYTES:
+        raise ValueError(f"{path}: {len(raw)} bytes, expected {4 * values + KEYSTREAM_BYTES}")
+    return np.frombuffer(raw[:4 * values], dtype=np.float32), raw[4 * values:]
 
 
 def runnable(isa: list[str]) -> list[tuple[str, str | None, int | None, str | None]]:

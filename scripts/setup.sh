@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv with torch 2.13.0 (CPU wheel) first, then the project with its test, audit, export and ray extras; installs the
-# JDK-side test jars (JUnit 4, msgpack-java) from Debian for the Android demo's JVM core, and CMake and a C++
-# compiler for the native device runner (device_sdk/runtimes/native), when missing.
+# JDK-side test jars (JUnit 4, msgpack-java) from Debian for the Android demo's JVM core, CMake and a C++
+# compiler for the native device runner (device_sdk/runtimes/native), and the arm64 cross compiler with qemu-user
+# for its arm64 tests, when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -13,9 +14,10 @@ fi
 .venv/bin/pip install -q -e ".[test,audit,export,ray]"
 
 if [ ! -f /usr/share/java/junit4.jar ] || [ ! -f /usr/share/java/msgpack-core.jar ] || ! command -v javac >/dev/null \
-    || ! command -v cmake >/dev/null || ! command -v c++ >/dev/null; then
+    || ! command -v cmake >/dev/null || ! command -v c++ >/dev/null || ! command -v aarch64-linux-gnu-g++ >/dev/null \
+    || ! command -v qemu-aarch64 >/dev/null; then
   if ! command -v apt-get >/dev/null; then
-    echo "need a JDK (17+), JUnit 4 and msgpack-java under /usr/share/java, CMake and a C++ compiler (Debian: apt-get install default-jdk-headless junit4 libmsgpack-java cmake g++)" >&2
+    echo "need a JDK (17+), JUnit 4 and msgpack-java under /usr/share/java, CMake, a C++ compiler, an arm64 cross compiler and qemu-user (Debian: apt-get install default-jdk-headless junit4 libmsgpack-java cmake g++ g++-aarch64-linux-gnu qemu-user)" >&2
     exit 1
   fi
   SUDO=""
@@ -24,6 +26,8 @@ if [ ! -f /usr/share/java/junit4.jar ] || [ ! -f /usr/share/java/msgpack-core.ja
   command -v javac >/dev/null || PKGS="$PKGS default-jdk-headless"
   command -v cmake >/dev/null || PKGS="$PKGS cmake"
   command -v c++ >/dev/null || PKGS="$PKGS g++"
+  command -v aarch64-linux-gnu-g++ >/dev/null || PKGS="$PKGS g++-aarch64-linux-gnu"
+  command -v qemu-aarch64 >/dev/null || PKGS="$PKGS qemu-user"
   $SUDO apt-get install -y -q $PKGS >/dev/null || {
     $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q $PKGS >/dev/null; }
 fi

@@ -181,15 +181,36 @@ def test_every_vector_path_draws_the_reference_normals(tmp_path):
     the float32 polynomials' error, as the runner's own test), and the paths differ from each other by at most
     that much (baseline x86-64 has no FMA, so its roundings may differ in the last bits)."""
     from bench import noise_isa
-    n = 3 * 256 + 37  # whole groups and a part of one
-    want = reference_normals(noise_isa.KEY, n)
     paths = noise_isa.runnable(noise_isa.cpu()["isa"])
     assert [p[0] for p in paths][-1] == "shipped build (multiversions)" and len(paths) >= 3
     for i, (label, march, width, _) in enumerate(paths):
         binary = noise_isa.build(march, width, tmp_path / f"noise-{i}")
-        noise_isa.run(binary, n, 1, tmp_path / f"z-{i}")
-        z = np.fromfile(tmp_path / f"z-{i}", dtype=np.float32)
-        assert z.size == n and np.abs(z - want).max() < 2e-5, label
+        check_noise_dump(noise_isa, binary, tmp_path / f"z-{i}", label)
+
+
+@pytest.mark.slow  # a cross build and a run under qemu-user
+def test_arm64_noise_is_neon_and_draws_the_reference_normals_under_qemu(tmp_path):
+    """The same sources built for arm64 by Debian's cross compiler (scripts/setup.sh installs it and qemu-user)
+    compile to NEON (4 lanes: chacha20_lanes.h) and, run under qemu-aarch64, draw the key's normals and
+    keystream as on x86. The runner itself needs ExecuTorch's runtime for arm64, which is not built here
+    (docs/device.md)."""
+    from bench import noise_isa
+    binary = noise_isa.build(None, None, tmp_path / "noise-arm64", cxx=noise_isa.ARM64_CXX)
+    assert binary.read_bytes()[18:20] == (183).to_bytes(2, "little")  # the ELF header's e_machine: EM_AARCH64
+    asm = subprocess.run([noise_isa.ARM64_CXX, *noise_isa.FLAGS, "-S", "-o", "-",
+                          str(noise_isa.NATIVE / "gaussian_noise.cpp")], capture_output=True, text=True, check=True)
+    assert asm.stdout.count(".4s") > 100  # the lanes as NEON vectors of 4 x 32 bits, not scalar code
+    check_noise_dump(noise_isa, binary, tmp_path / "z", "arm64", emulator=noise_isa.ARM64_RUN)
+
+
+def check_noise_dump(noise_isa, binary: Path, dump: Path, label: str, emulator: list[str] = ()) -> None:
+    """The harness's normals equal the float64 reference (the float32 polynomials' error, as the runner's own
+    test) and its keystream equals `NoiseStream`'s bytes exactly."""
+    n = 3 * 256 + 37  # whole groups and a part of one
+    noise_isa.run(binary, n, 1, dump, emulator=emulator)
+    z, keystream = noise_isa.read_dump(dump, n)
+    assert np.abs(z - reference_normals(noise_isa.KEY, n)).max() < 2e-5, label
+    assert keystream == NoiseStream(noise_isa.KEY).random_bytes(noise_isa.KEYSTREAM_BYTES), label
 
 
 @pytest.mark.slow
