@@ -130,3 +130,17 @@ def test_every_valid_vector_is_reproducible_from_the_spec_tables():
         assert spec_encode(meaning, tensor_keys, message_keys) == path.with_suffix(".msgpack").read_bytes(), path.name
         checked += 1
     assert checked >= 40
+
+
+def test_spec_lists_every_preset_map():
+    """SPEC.md section 5.1 gives each preset's whole model map, so a client can fill HELLO without the Python code."""
+    lines = SPEC.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("<!-- model-presets:"))
+    assert lines[start + 1] == "```"
+    block = lines[start + 2:lines.index("```", start + 2)]
+    listed = {name: json.loads(text) for name, text in (line.split(maxsplit=1) for line in block)}
+    assert list(listed) == list(PRESETS)
+    for name, model in listed.items():
+        assert list(model) == list(PRESETS[name].to_dict()) and ModelSpec.from_dict(model) == PRESETS[name], name
+        types = dict(spec_model_table())
+        assert all(type(v).__name__ == types[k] for k, v in model.items()), name   # dropout 0.0, not 0
