@@ -246,8 +246,11 @@ class DeviceClient:
     def _reconcile(self, server_applied: int, durable_through: int) -> None:
         engine = self.engine
         if server_applied > engine.committed + 1:
+            where = (f"its training state {engine.progress.path} is older than the server's record (replaced by an "
+                     f"older copy, or kept for another run)" if engine.progress is not None else
+                     "it keeps no training state (no --state-dir), so a restarted device begins again at batch 0")
             raise RuntimeError(f"{self.device_id}: server has applied batch {server_applied}, device only "
-                               f"{engine.committed}: the device lost its state")
+                               f"{engine.committed}: the device lost its state ({where}); it cannot rejoin this run")
         engine.forget_before(min(durable_through, server_applied))
         if server_applied < engine.committed:
             log.warning("%s: server resumed at batch %d, device was at %d: rolling back", self.device_id,

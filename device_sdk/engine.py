@@ -33,6 +33,7 @@ from .privacy.dpsgd import clipped_noisy_grad, dpsgd_event, per_sample_grads
 from .privacy.discrete import DiscreteGaussianMechanism
 from .privacy.engine import LAYER_TRAINING, PrivacyEngine, Release, release_key
 from .privacy.nopeek import distance_correlation
+from .progress import TrainingProgress
 from .privacy.mechanisms import Mechanism, PerActivationGaussian
 from .runtimes.base import LayerRuntime
 from .transforms import release_mask
@@ -135,6 +136,8 @@ class DeviceEngine:
         self.runtime: LayerRuntime | None = None  # None: eager PyTorch
         self.committed = 0                      # last batch id applied on the device
         self.snapshots: dict[int, dict[str, Any]] = {0: self._state()}
+        self._initial = self.snapshots[0]       # batch 0 is the initial state, which a fresh server run starts from
+        self.progress: TrainingProgress | None = None  # durable committed + snapshots (open_progress)
         self._pending: dict[int, dict[str, Any]] = {}  # batch id -> what its commit needs (two when pipelined)
 
     @property
@@ -318,6 +321,7 @@ class DeviceEngine:
             self.scheduler.step()
         self.committed = batch_id
         self.snapshots[batch_id] = self._state()
+        self._save_progress()
 
     @torch.no_grad()
     def classify(self, embeddings: np.ndarray, labels: np.ndarray) -> tuple[float, int]:
@@ -335,7 +339,27 @@ class DeviceEngine:
         """Forget releases whose batches will not be committed (a pipelined one made before a rollback)."""
         self._pending.clear()
 
-    # ---- snapshots for server rollbacks ------------------------------------------------
+    # ---- snapshots for server rollbacks, and their durable copy ---------------------------
+    def open_progress(self, path: Path) -> None:
+        """Keep the committed batch and the snapshots in `path` (device_sdk/progress.py) from now on: a device
+        restarted after a crash resumes the state of its last committed batch, so it rejoins the server's run
+        there (SPEC.md sections 10, 11). Written at once if absent; a bad or foreign file raises StateFileError."""
+        if self.committed or self._pending:
+            raise RuntimeError("open the training state before the first batch")
+        identity = {"model": self.spec.to_dict(), "split": self.split, "head": self.head,
+                    "num_classes": self.num_classes, "layer_training": self.privacy.layer_training}
+        self.progress = TrainingProgress(path, identity)
+        loaded = self.progress.load()
+        if loaded is not None:
+            committed, self.snapshots = loaded
+            self._restore(self.snapshots[committed])
+            self.committed = committed
+        self._save_progress()
+
+    def _save_progress(self) -> None:
+        if self.progress is not None:
+            self.progress.save(self.committed, self.snapshots)
+
     def _state(self) -> dict[str, Any]:
         return copy.deepcopy({
             "layer": self.layer.state_dict(),
@@ -346,21 +370,31 @@ class DeviceEngine:
 
     def forget_before(self, durable_through: int) -> None:
         """The server's checkpoint covers `durable_through`: older snapshots can never be needed."""
-        for k in [k for k in self.snapshots if k < min(durable_through, self.committed)]:
+        old = [k for k in self.snapshots if k < min(durable_through, self.committed)]
+        for k in old:
             del self.snapshots[k]
+        if old:
+            self._save_progress()
 
     def rollback(self, batch_id: int) -> None:
-        """Return to the state right after `batch_id` (the server restarted from its checkpoint)."""
+        """Return to the state right after `batch_id` (the server restarted from its checkpoint; batch 0: a server
+        run with no batch of this device, which starts from the initial state, kept for it)."""
+        if batch_id == 0:
+            self.snapshots.setdefault(0, self._initial)
         if batch_id not in self.snapshots:
             raise RuntimeError(f"cannot roll back to batch {batch_id}: no snapshot (have {sorted(self.snapshots)})")
-        state = self.snapshots[batch_id]
+        self._restore(self.snapshots[batch_id])
+        self.committed = batch_id
+        self.drop_uncommitted()
+        for k in [k for k in self.snapshots if k > batch_id]:
+            del self.snapshots[k]
+        self._save_progress()
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        """Load a snapshot into the layer, head, optimiser and scheduler."""
         self.layer.load_state_dict(state["layer"])
         if self.classifier is not None:
             self.classifier.load_state_dict(state["classifier"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
             self.scheduler.load_state_dict(state["scheduler"])
-        self.committed = batch_id
-        self.drop_uncommitted()
-        for k in [k for k in self.snapshots if k > batch_id]:
-            del self.snapshots[k]
