@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ from device_sdk.optim import TrainConfig
 from device_sdk.privacy.state import StateFileError, read_state
 from device_sdk.progress import FORMAT, progress_path
 from edge_server.trainer import ServerTrainer
-from tests.conftest import ROOT, TOKENS, serve_in_thread
+from tests.conftest import ROOT, TOKENS, PausingTrainer, serve_in_thread
 
 # A tiny model without dropout (the server draws nothing at random: two runs of the same batches are the same run)
 MODEL = {"family": "vgg_face", "input_size": 32, "width": 4, "fc_width": 32, "dropout": 0.0}
@@ -135,22 +134,6 @@ def test_a_restarted_device_rejoins_its_run_exactly_once(tmp_path):
     assert same(got_server, want_server) and same(weights(restarted.layer), want_device)
 
 
-class PausingTrainer(ServerTrainer):
-    """A real trainer that, once it has applied step `pause_at`, holds its reply until the test says go (so the
-    test can kill the device while that batch is applied and its BACKWARD not yet sent)."""
-
-    def __init__(self, pause_at: int | None):
-        super().__init__(resolve_spec(MODEL), "conv1", 3, TrainConfig(), device="cpu")
-        self.pause_at, self.reached, self.go = pause_at, threading.Event(), threading.Event()
-
-    def train_server_head(self, activations, labels):
-        out = super().train_server_head(activations, labels)
-        if self.steps == self.pause_at:
-            self.reached.set()
-            self.go.wait(120)
-        return out
-
-
 def _sim(url: str, tmp_path: Path, run: str) -> subprocess.Popen:
     """`splitface-sim` for one device: its layer trains (plain), no noise, 3 epochs of 3 batches of 8; its
     privacy and training state in <run>/privacy_state."""
@@ -175,11 +158,11 @@ def test_device_process_killed_mid_epoch_rejoins_the_same_run(tmp_path):
     from tests.test_privacy_state import _image_folder
     _image_folder(tmp_path / "faces")
     (tmp_path / "tokens.json").write_text(json.dumps({"device-0": TOKENS["device-0"]}))
-    with serve_in_thread(PausingTrainer(None), tmp_path / "server-plain", max_batch=8) as server:
+    with serve_in_thread(PausingTrainer(resolve_spec(MODEL), 3, None), tmp_path / "server-plain", max_batch=8) as server:
         _finish(_sim(server.url, tmp_path, "plain"))
         want = server_weights(server.trainer)
 
-    pausing = PausingTrainer(5)
+    pausing = PausingTrainer(resolve_spec(MODEL), 3, 5)
     with serve_in_thread(pausing, tmp_path / "server", max_batch=8) as server:
         proc = _sim(server.url, tmp_path, "killed")
         assert pausing.reached.wait(240), "the device never reached batch 5"
