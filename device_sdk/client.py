@@ -358,10 +358,14 @@ class DeviceClient:
                 prepared.server_s.append(reply.get("server_s", math.nan))
                 with watch("head"):
                     grad, prepared.head["loss"], prepared.head["n_correct"] = await asyncio.to_thread(
-                        engine.head_step, reply["embeddings"], prepared.labels)
+                        engine.head_step, reply["embeddings"], prepared.labels, batch_id)
                 with watch("encode"):
                     message = self.session.embedding_grad(batch_id, grad)
                 reply = await self.request(message, {m.BACKWARD}, batch_id, "embedding-grad")
+            elif engine.head == "device" and not prepared.head:
+                # BACKWARD alone: the server had applied this batch before this (restarted) device committed it;
+                # its head step is the one it kept on disk before sending the EMBEDDING_GRAD
+                prepared.head["loss"], prepared.head["n_correct"] = engine.kept_head_step(batch_id)
             prepared.server_s.append(reply.get("server_s", math.nan))
             return reply
 

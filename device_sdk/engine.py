@@ -138,6 +138,7 @@ class DeviceEngine:
         self.snapshots: dict[int, dict[str, Any]] = {0: self._state()}
         self._initial = self.snapshots[0]       # batch 0 is the initial state, which a fresh server run starts from
         self.progress: TrainingProgress | None = None  # durable committed + snapshots (open_progress)
+        self._kept_head: tuple[int, dict[str, Any]] | None = None  # a restarted device's head step of batch C + 1
         self._pending: dict[int, dict[str, Any]] = {}  # batch id -> what its commit needs (two when pipelined)
 
     @property
@@ -259,10 +260,12 @@ class DeviceEngine:
         self.layer.eval()
         return self._release(to_input(images), release, image_ids, identities)["released"].numpy()
 
-    def head_step(self, embeddings: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, float, int]:
+    def head_step(self, embeddings: np.ndarray, labels: np.ndarray,
+                  batch_id: int | None = None) -> tuple[np.ndarray, float, int]:
         """Device head: loss on the device's own labels; returns (embedding gradient, loss, correct).
 
-        The classifier's gradient waits in .grad until `commit`; a recomputation overwrites it.
+        The classifier's gradient waits in .grad until `commit`; a recomputation overwrites it. With a training
+        state and the batch id, the step is also kept on disk until then (`kept_head_step`).
         """
         assert self.classifier is not None
         self.classifier.train()
@@ -273,7 +276,23 @@ class DeviceEngine:
         logits = self.classifier(e)
         loss = F.cross_entropy(logits, y)
         loss.backward()
-        return e.grad.numpy(), loss.item(), int((logits.argmax(1) == y).sum())
+        n_correct = int((logits.argmax(1) == y).sum())
+        if self.progress is not None and batch_id is not None:   # before its EMBEDDING_GRAD can leave
+            self.progress.save_head(batch_id, {"grads": {n: p.grad for n, p in self.classifier.named_parameters()},
+                                               "loss": loss.item(), "n_correct": n_correct})
+        return e.grad.numpy(), loss.item(), n_correct
+
+    def kept_head_step(self, batch_id: int) -> tuple[float, int]:
+        """The head step of `batch_id` that a restarted device kept (its gradient back in .grad): for a re-sent
+        FORWARD answered by BACKWARD alone, the server having applied the batch before the device died (SPEC.md
+        section 8); (loss, correct). RuntimeError if it has none: the batch cannot be committed whole."""
+        kept = self._kept_head
+        if kept is None or kept[0] != batch_id:
+            raise RuntimeError(f"the server had applied batch {batch_id}, but this device kept no head step for it "
+                               f"(no training state, or one from before its EMBEDDING_GRAD): it cannot commit it")
+        for name, p in self.classifier.named_parameters():
+            p.grad = kept[1]["grads"][name].clone()
+        return kept[1]["loss"], kept[1]["n_correct"]
 
     def commit(self, batch_id: int, activation_grad: np.ndarray) -> None:
         """Apply the server's gradient to the layer (as its training mode says), step, snapshot."""
@@ -351,9 +370,10 @@ class DeviceEngine:
         self.progress = TrainingProgress(path, identity)
         loaded = self.progress.load()
         if loaded is not None:
-            committed, self.snapshots = loaded
+            committed, self.snapshots, head = loaded
             self._restore(self.snapshots[committed])
             self.committed = committed
+            self._kept_head = (committed + 1, head) if head is not None else None
         self._save_progress()
 
     def _save_progress(self) -> None:

@@ -57,7 +57,7 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_progress_is_resumed_whole_and_a_bad_file_is_an_error(tmp_path):
+def test_progress_is_resumed_whole(tmp_path):
     first = engine(tmp_path)
     path = progress_path(tmp_path, "device-0")
     assert read_state(path, FORMAT, "training state")["committed"] == 0   # written at once
@@ -78,6 +78,10 @@ def test_progress_is_resumed_whole_and_a_bad_file_is_an_error(tmp_path):
     again.rollback(0)   # a server run with nothing of this device: the initial state, kept for it
     assert same(weights(engine(tmp_path).layer), weights(engine(None).layer))
 
+
+def test_a_bad_or_foreign_training_state_is_an_error_never_a_fresh_start(tmp_path):
+    engine(tmp_path)
+    path = progress_path(tmp_path, "device-0")
     snapshot = path.with_suffix("") / "0.pt"
     data = bytearray(snapshot.read_bytes())
     data[len(data) // 2] ^= 1   # one bit flipped on disk
@@ -110,28 +114,36 @@ def _killed_after_backward(url: str, e: DeviceEngine, batch_id: int) -> None:
     asyncio.run(run())
 
 
-def test_a_restarted_device_rejoins_its_run_exactly_once(tmp_path):
+def device_weights(e: DeviceEngine) -> dict[str, torch.Tensor]:
+    """The device's layer and, with the device head, its classifier."""
+    head = weights(e.classifier) if e.classifier is not None else {}
+    return {**{f"layer.{k}": v for k, v in weights(e.layer).items()}, **{f"head.{k}": v for k, v in head.items()}}
+
+
+@pytest.mark.parametrize("head", ["server", "device"])
+def test_a_restarted_device_rejoins_its_run_exactly_once(tmp_path, head):
     """The device dies with batch 4's BACKWARD received but not committed (the server applied it). A device
     without training state cannot rejoin (it would start at batch 1 against a server at 4); one that kept it
-    resumes at batch 3, re-sends batch 4 (answered from the server's cache, not applied again) and finishes: the
-    server applied 6 batches, each once, and both sides end exactly where an uninterrupted run ends."""
+    resumes at batch 3, re-sends batch 4 (answered from the server's cache, not applied again; with the device
+    head, the head gradient it computed before sending EMBEDDING_GRAD was kept on disk for this) and finishes:
+    the server applied 6 batches, each once, and both sides end exactly where an uninterrupted run ends."""
     total = 6
     with serve_in_thread(trainer(), tmp_path / "plain", max_batch=N) as server:
-        _train(server.url, plain := engine(None), total)
-        want_server, want_device = server_weights(server.trainer), weights(plain.layer)
+        _train(server.url, plain := engine(None, head), total)
+        want_server, want_device = server_weights(server.trainer), device_weights(plain)
 
     with serve_in_thread(trainer(), tmp_path / "killed", max_batch=N) as server:
-        _killed_after_backward(server.url, engine(tmp_path / "state"), 4)
+        _killed_after_backward(server.url, engine(tmp_path / "state", head), 4)
         with pytest.raises(RuntimeError, match=r"applied batch 4, device only 0: .*no --state-dir"):
-            _train(server.url, engine(None), total)
-        restarted = engine(tmp_path / "state")
+            _train(server.url, engine(None, head), total)
+        restarted = engine(tmp_path / "state", head)
         assert restarted.committed == 3
         _train(server.url, restarted, total)
         applied = server.server.records["device-0"].last_applied
         counted, steps = server.server.metrics.devices["device-0"].batches, server.trainer.steps
         got_server = server_weights(server.trainer)
     assert applied == counted == steps == total
-    assert same(got_server, want_server) and same(weights(restarted.layer), want_device)
+    assert same(got_server, want_server) and same(device_weights(restarted), want_device)
 
 
 def _sim(url: str, tmp_path: Path, run: str) -> subprocess.Popen:
