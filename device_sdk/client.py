@@ -376,8 +376,7 @@ class DeviceClient:
         engine, watch, traffic0 = self.engine, prepared.watch, prepared.traffic0
         async with self._engine_lock:
             with watch("backward"):
-                await asyncio.to_thread(engine.commit, prepared.batch_id, backward["grad"])
-            engine.forget_before(backward["durable_through"])
+                await asyncio.to_thread(engine.commit, prepared.batch_id, backward["grad"], backward["durable_through"])
         loss = backward.get("loss", prepared.head.get("loss"))
         n_correct = backward.get("n_correct", prepared.head.get("n_correct"))
         t = watch.seconds

@@ -294,8 +294,9 @@ class DeviceEngine:
             p.grad = kept[1]["grads"][name].clone()
         return kept[1]["loss"], kept[1]["n_correct"]
 
-    def commit(self, batch_id: int, activation_grad: np.ndarray) -> None:
-        """Apply the server's gradient to the layer (as its training mode says), step, snapshot."""
+    def commit(self, batch_id: int, activation_grad: np.ndarray, durable_through: int = 0) -> None:
+        """Apply the server's gradient to the layer (as its training mode says), step, snapshot; forget the
+        snapshots the server's checkpoint now covers (`durable_through`, as `forget_before`), one save for both."""
         if batch_id not in self._pending:
             raise RuntimeError(f"commit of batch {batch_id} without its forward (pending: {sorted(self._pending)})")
         pending = self._pending.pop(batch_id)
@@ -340,6 +341,7 @@ class DeviceEngine:
             self.scheduler.step()
         self.committed = batch_id
         self.snapshots[batch_id] = self._state()
+        self._forget(durable_through)
         self._save_progress()
 
     @torch.no_grad()
@@ -390,11 +392,15 @@ class DeviceEngine:
 
     def forget_before(self, durable_through: int) -> None:
         """The server's checkpoint covers `durable_through`: older snapshots can never be needed."""
+        if self._forget(durable_through):
+            self._save_progress()
+
+    def _forget(self, durable_through: int) -> bool:
+        """Drop the snapshots before min(durable_through, committed); whether there were any."""
         old = [k for k in self.snapshots if k < min(durable_through, self.committed)]
         for k in old:
             del self.snapshots[k]
-        if old:
-            self._save_progress()
+        return bool(old)
 
     def rollback(self, batch_id: int) -> None:
         """Return to the state right after `batch_id` (the server restarted from its checkpoint; batch 0: a server
