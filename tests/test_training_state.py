@@ -50,7 +50,8 @@ def weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def server_weights(t: ServerTrainer) -> dict[str, torch.Tensor]:
     """The server's model: its tail and its classifier."""
-    return {f"{name}.{k}": v for name, m in (("tail", t.tail), ("classifier", t.classifier)) for k, v in weights(m).items()}
+    return {f"{name}.{k}": v for name, m in (("tail", t.tail), ("classifier", t.classifier))
+            for k, v in weights(m).items()}
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -170,7 +171,8 @@ def test_device_process_killed_mid_epoch_rejoins_the_same_run(tmp_path):
     from tests.test_privacy_state import _image_folder
     _image_folder(tmp_path / "faces")
     (tmp_path / "tokens.json").write_text(json.dumps({"device-0": TOKENS["device-0"]}))
-    with serve_in_thread(PausingTrainer(resolve_spec(MODEL), 3, None), tmp_path / "server-plain", max_batch=8) as server:
+    plain = PausingTrainer(resolve_spec(MODEL), 3, None)
+    with serve_in_thread(plain, tmp_path / "server-plain", max_batch=8) as server:
         _finish(_sim(server.url, tmp_path, "plain"))
         want = server_weights(server.trainer)
 

@@ -217,7 +217,8 @@ def invalid_cases() -> list[tuple[str, bytes, ErrorCode, str]]:
          ErrorCode.BAD_TENSOR, "zero elements and zero bytes, but the non-zero dimensions multiply past 2^31 - 1"),
         ("invalid_i8_scale_bool", _pack({"type": "forward", "batch_id": 1, "activations": {
             "dtype": "i8", "shape": [1, 2], "data": b"\x01\xff", "scale": True}}),
-         ErrorCode.BAD_TENSOR, "an i8 scale that is a bool: a float field takes a number, never a bool (SPEC.md section 3)"),
+         ErrorCode.BAD_TENSOR,
+         "an i8 scale that is a bool: a float field takes a number, never a bool (SPEC.md section 3)"),
     ]
 
 
