@@ -443,7 +443,7 @@ class ServerSession:
         if batch_id == record.last_applied and record.last_reply is not None:
             return Reply(record.last_reply)
         retry = f" (or a retry of {record.last_applied})" if record.last_reply is not None else ""
-        first = " (training batch ids start at 1: this device has no batch applied yet)" if not record.last_applied else ""
+        first = "" if record.last_applied else " (training batch ids start at 1: this device has no batch applied yet)"
         raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"expected batch {record.last_applied + 1}{retry}{first}, got {batch_id}",
                             batch_id)
 

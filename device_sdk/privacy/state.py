@@ -63,7 +63,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 def write_state(path: Path, state: dict[str, Any], fmt: str = FORMAT) -> None:
     """Write `state` atomically (write_atomic) in a JSON envelope with its checksum, which catches a file
     damaged or edited afterwards. `fmt` names the kind of state (the device's training progress has its own)."""
-    write_atomic(path, json.dumps({"format": fmt, "version": VERSION, "sha256": _digest(state), "state": state}).encode())
+    envelope = {"format": fmt, "version": VERSION, "sha256": _digest(state), "state": state}
+    write_atomic(path, json.dumps(envelope).encode())
 
 
 def read_state(path: Path, fmt: str = FORMAT, what: str = "privacy state") -> dict[str, Any]:
