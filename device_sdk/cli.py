@@ -71,8 +71,9 @@ def main(argv: list[str] | None = None) -> None:
     add_optimizer_args(p)
     p.add_argument("--results", type=Path, default=Path("runs/sim/results.json"))
     p.add_argument("--state-dir", type=Path, default=None,
-                   help="each device's durable privacy state (spent epsilon, noise secret), <device id>.privacy.json; "
-                        f"a restarted device resumes from it (default: <results dir>/{STATE_DIR})")
+                   help="each device's durable privacy state (spent epsilon, noise secret), <device id>.privacy.json, "
+                        "and training progress (committed batch, snapshots), <device id>.training.json; a restarted "
+                        f"device resumes both and rejoins its server run (default: <results dir>/{STATE_DIR})")
     p.add_argument("--reconnect-timeout", type=float, default=120.0)
     p.add_argument("--ca-file", type=Path, default=None,
                    help="CA certificates (PEM) trusted for a wss:// server; host names are checked (default: the system's)")

@@ -246,8 +246,11 @@ class DeviceClient:
     def _reconcile(self, server_applied: int, durable_through: int) -> None:
         engine = self.engine
         if server_applied > engine.committed + 1:
+            where = (f"its training state {engine.progress.path} is older than the server's record (replaced by an "
+                     f"older copy, or kept for another run)" if engine.progress is not None else
+                     "it keeps no training state (no --state-dir), so a restarted device begins again at batch 0")
             raise RuntimeError(f"{self.device_id}: server has applied batch {server_applied}, device only "
-                               f"{engine.committed}: the device lost its state")
+                               f"{engine.committed}: the device lost its state ({where}); it cannot rejoin this run")
         engine.forget_before(min(durable_through, server_applied))
         if server_applied < engine.committed:
             log.warning("%s: server resumed at batch %d, device was at %d: rolling back", self.device_id,
@@ -355,10 +358,14 @@ class DeviceClient:
                 prepared.server_s.append(reply.get("server_s", math.nan))
                 with watch("head"):
                     grad, prepared.head["loss"], prepared.head["n_correct"] = await asyncio.to_thread(
-                        engine.head_step, reply["embeddings"], prepared.labels)
+                        engine.head_step, reply["embeddings"], prepared.labels, batch_id)
                 with watch("encode"):
                     message = self.session.embedding_grad(batch_id, grad)
                 reply = await self.request(message, {m.BACKWARD}, batch_id, "embedding-grad")
+            elif engine.head == "device" and not prepared.head:
+                # BACKWARD alone: the server had applied this batch before this (restarted) device committed it;
+                # its head step is the one it kept on disk before sending the EMBEDDING_GRAD
+                prepared.head["loss"], prepared.head["n_correct"] = engine.kept_head_step(batch_id)
             prepared.server_s.append(reply.get("server_s", math.nan))
             return reply
 
@@ -369,8 +376,7 @@ class DeviceClient:
         engine, watch, traffic0 = self.engine, prepared.watch, prepared.traffic0
         async with self._engine_lock:
             with watch("backward"):
-                await asyncio.to_thread(engine.commit, prepared.batch_id, backward["grad"])
-            engine.forget_before(backward["durable_through"])
+                await asyncio.to_thread(engine.commit, prepared.batch_id, backward["grad"], backward["durable_through"])
         loss = backward.get("loss", prepared.head.get("loss"))
         n_correct = backward.get("n_correct", prepared.head.get("n_correct"))
         t = watch.seconds

@@ -33,6 +33,7 @@ from .privacy.dpsgd import clipped_noisy_grad, dpsgd_event, per_sample_grads
 from .privacy.discrete import DiscreteGaussianMechanism
 from .privacy.engine import LAYER_TRAINING, PrivacyEngine, Release, release_key
 from .privacy.nopeek import distance_correlation
+from .progress import TrainingProgress
 from .privacy.mechanisms import Mechanism, PerActivationGaussian
 from .runtimes.base import LayerRuntime
 from .transforms import release_mask
@@ -135,6 +136,9 @@ class DeviceEngine:
         self.runtime: LayerRuntime | None = None  # None: eager PyTorch
         self.committed = 0                      # last batch id applied on the device
         self.snapshots: dict[int, dict[str, Any]] = {0: self._state()}
+        self._initial = self.snapshots[0]       # batch 0 is the initial state, which a fresh server run starts from
+        self.progress: TrainingProgress | None = None  # durable committed + snapshots (open_progress)
+        self._kept_head: tuple[int, dict[str, Any]] | None = None  # a restarted device's head step of batch C + 1
         self._pending: dict[int, dict[str, Any]] = {}  # batch id -> what its commit needs (two when pipelined)
 
     @property
@@ -256,10 +260,12 @@ class DeviceEngine:
         self.layer.eval()
         return self._release(to_input(images), release, image_ids, identities)["released"].numpy()
 
-    def head_step(self, embeddings: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, float, int]:
+    def head_step(self, embeddings: np.ndarray, labels: np.ndarray,
+                  batch_id: int | None = None) -> tuple[np.ndarray, float, int]:
         """Device head: loss on the device's own labels; returns (embedding gradient, loss, correct).
 
-        The classifier's gradient waits in .grad until `commit`; a recomputation overwrites it.
+        The classifier's gradient waits in .grad until `commit`; a recomputation overwrites it. With a training
+        state and the batch id, the step is also kept on disk until then (`kept_head_step`).
         """
         assert self.classifier is not None
         self.classifier.train()
@@ -270,10 +276,27 @@ class DeviceEngine:
         logits = self.classifier(e)
         loss = F.cross_entropy(logits, y)
         loss.backward()
-        return e.grad.numpy(), loss.item(), int((logits.argmax(1) == y).sum())
+        n_correct = int((logits.argmax(1) == y).sum())
+        if self.progress is not None and batch_id is not None:   # before its EMBEDDING_GRAD can leave
+            self.progress.save_head(batch_id, {"grads": {n: p.grad for n, p in self.classifier.named_parameters()},
+                                               "loss": loss.item(), "n_correct": n_correct})
+        return e.grad.numpy(), loss.item(), n_correct
 
-    def commit(self, batch_id: int, activation_grad: np.ndarray) -> None:
-        """Apply the server's gradient to the layer (as its training mode says), step, snapshot."""
+    def kept_head_step(self, batch_id: int) -> tuple[float, int]:
+        """The head step of `batch_id` that a restarted device kept (its gradient back in .grad): for a re-sent
+        FORWARD answered by BACKWARD alone, the server having applied the batch before the device died (SPEC.md
+        section 8); (loss, correct). RuntimeError if it has none: the batch cannot be committed whole."""
+        kept = self._kept_head
+        if kept is None or kept[0] != batch_id:
+            raise RuntimeError(f"the server had applied batch {batch_id}, but this device kept no head step for it "
+                               f"(no training state, or one from before its EMBEDDING_GRAD): it cannot commit it")
+        for name, p in self.classifier.named_parameters():
+            p.grad = kept[1]["grads"][name].clone()
+        return kept[1]["loss"], kept[1]["n_correct"]
+
+    def commit(self, batch_id: int, activation_grad: np.ndarray, durable_through: int = 0) -> None:
+        """Apply the server's gradient to the layer (as its training mode says), step, snapshot; forget the
+        snapshots the server's checkpoint now covers (`durable_through`, as `forget_before`), one save for both."""
         if batch_id not in self._pending:
             raise RuntimeError(f"commit of batch {batch_id} without its forward (pending: {sorted(self._pending)})")
         pending = self._pending.pop(batch_id)
@@ -318,6 +341,8 @@ class DeviceEngine:
             self.scheduler.step()
         self.committed = batch_id
         self.snapshots[batch_id] = self._state()
+        self._forget(durable_through)
+        self._save_progress()
 
     @torch.no_grad()
     def classify(self, embeddings: np.ndarray, labels: np.ndarray) -> tuple[float, int]:
@@ -335,7 +360,28 @@ class DeviceEngine:
         """Forget releases whose batches will not be committed (a pipelined one made before a rollback)."""
         self._pending.clear()
 
-    # ---- snapshots for server rollbacks ------------------------------------------------
+    # ---- snapshots for server rollbacks, and their durable copy ---------------------------
+    def open_progress(self, path: Path) -> None:
+        """Keep the committed batch and the snapshots in `path` (device_sdk/progress.py) from now on: a device
+        restarted after a crash resumes the state of its last committed batch, so it rejoins the server's run
+        there (SPEC.md sections 10, 11). Written at once if absent; a bad or foreign file raises StateFileError."""
+        if self.committed or self._pending:
+            raise RuntimeError("open the training state before the first batch")
+        identity = {"model": self.spec.to_dict(), "split": self.split, "head": self.head,
+                    "num_classes": self.num_classes, "layer_training": self.privacy.layer_training}
+        self.progress = TrainingProgress(path, identity)
+        loaded = self.progress.load()
+        if loaded is not None:
+            committed, self.snapshots, head = loaded
+            self._restore(self.snapshots[committed])
+            self.committed = committed
+            self._kept_head = (committed + 1, head) if head is not None else None
+        self._save_progress()
+
+    def _save_progress(self) -> None:
+        if self.progress is not None:
+            self.progress.save(self.committed, self.snapshots)
+
     def _state(self) -> dict[str, Any]:
         return copy.deepcopy({
             "layer": self.layer.state_dict(),
@@ -346,21 +392,35 @@ class DeviceEngine:
 
     def forget_before(self, durable_through: int) -> None:
         """The server's checkpoint covers `durable_through`: older snapshots can never be needed."""
-        for k in [k for k in self.snapshots if k < min(durable_through, self.committed)]:
+        if self._forget(durable_through):
+            self._save_progress()
+
+    def _forget(self, durable_through: int) -> bool:
+        """Drop the snapshots before min(durable_through, committed); whether there were any."""
+        old = [k for k in self.snapshots if k < min(durable_through, self.committed)]
+        for k in old:
             del self.snapshots[k]
+        return bool(old)
 
     def rollback(self, batch_id: int) -> None:
-        """Return to the state right after `batch_id` (the server restarted from its checkpoint)."""
+        """Return to the state right after `batch_id` (the server restarted from its checkpoint; batch 0: a server
+        run with no batch of this device, which starts from the initial state, kept for it)."""
+        if batch_id == 0:
+            self.snapshots.setdefault(0, self._initial)
         if batch_id not in self.snapshots:
             raise RuntimeError(f"cannot roll back to batch {batch_id}: no snapshot (have {sorted(self.snapshots)})")
-        state = self.snapshots[batch_id]
+        self._restore(self.snapshots[batch_id])
+        self.committed = batch_id
+        self.drop_uncommitted()
+        for k in [k for k in self.snapshots if k > batch_id]:
+            del self.snapshots[k]
+        self._save_progress()
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        """Load a snapshot into the layer, head, optimiser and scheduler."""
         self.layer.load_state_dict(state["layer"])
         if self.classifier is not None:
             self.classifier.load_state_dict(state["classifier"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
             self.scheduler.load_state_dict(state["scheduler"])
-        self.committed = batch_id
-        self.drop_uncommitted()
-        for k in [k for k in self.snapshots if k > batch_id]:
-            del self.snapshots[k]

@@ -27,6 +27,7 @@ from .optim import TrainConfig
 from .privacy.budget import BudgetExceeded
 from .privacy.engine import PrivacyEngine
 from .privacy.state import state_path
+from .progress import progress_path
 from .runtimes import load_runtime
 
 log = logging.getLogger("splitface.simulator")
@@ -114,6 +115,8 @@ class SimulatedDevice:
             privacy.open_state(state_path(config.state_dir, device_id))
         engine = DeviceEngine(config.spec, config.split, config.head, num_classes, train_cfg, privacy,
                               config.device_weights, pipeline=config.pipeline)
+        if config.state_dir is not None:  # resume the batch it had committed: it rejoins the server's run there
+            engine.open_progress(progress_path(config.state_dir, device_id))
         if config.backend != "torch":
             if config.artifacts is None:
                 raise ValueError(f"the {config.backend} backend needs SimConfig.artifacts (a directory)")
@@ -125,6 +128,7 @@ class SimulatedDevice:
         self.finished: dict[int, float] = {}   # batch id -> wall time its gradient was applied here
         self.epochs: dict[int, dict[str, Any]] = {}
         self.stopped: str | None = None
+        self.resumed_at = engine.committed   # > 0: restarted, it resumed its training state there
 
     async def run(self) -> dict[str, Any]:
         cfg, data = self.config, self.data
@@ -191,14 +195,17 @@ class SimulatedDevice:
             await self.client.close()
         return {"device_id": self.client.device_id, "train_samples": n, "test_samples": len(data.test_labels),
                 "reconnects": self.client.traffic.reconnects, "stopped": self.stopped, "committed": engine.committed,
+                "resumed_at": self.resumed_at,
                 "privacy": engine.privacy_report(), "epochs": [self.epochs[e] for e in sorted(self.epochs)],
                 "batches": [{"batch_id": k, "n": r.n, "loss": r.loss, "n_correct": r.n_correct,
                              "device_s": r.device_s, "round_trip_s": r.round_trip_s, "finished": self.finished[k]}
                             for k, r in sorted(self.batches.items())]}
 
     async def _epoch_summary(self, epoch: int, per_epoch: int, started: float) -> dict[str, Any]:
+        """The epoch's figures over its batches that this process committed (a device restarted mid-epoch
+        resumed from its training state: the batches before the restart are not in its results)."""
         ids = range(epoch * per_epoch + 1, (epoch + 1) * per_epoch + 1)
-        rs = [self.batches[k] for k in ids]
+        rs = [self.batches[k] for k in ids if k in self.batches]
         n = sum(r.n for r in rs)
         test_loss, test_acc = await self.evaluate(epoch)
         privacy = self.client.engine.privacy.accountant.report()

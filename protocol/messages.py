@@ -129,8 +129,8 @@ SCHEMA: dict[str, dict[str, tuple[Check, bool]]] = {
         "grad": (TENSOR, True),
         "loss": (_is_number, False),
         "n_correct": (is_int, False),
-        "durable_through": (lambda v: is_int(v) and v >= 0, True),
         "server_s": (lambda v: _is_number(v) and v >= 0, False),
+        "durable_through": (lambda v: is_int(v) and v >= 0, True),
     },
     EMBEDDINGS: {
         "batch_id": (is_int, True),

@@ -317,8 +317,9 @@ class ServerSession:
         if hello["batch_size"] > info.max_batch:
             raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"batch size {hello['batch_size']} exceeds the server's {info.max_batch}")
         if hello["head"] == "server" and hello.get("num_classes") != info.num_classes:
-            raise ProtocolError(ErrorCode.MODEL_MISMATCH,
-                                f"server head has {info.num_classes} classes, device sent {hello.get('num_classes')}")
+            sent = "none" if hello.get("num_classes") is None else hello["num_classes"]
+            raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"server head needs num_classes {info.num_classes} in HELLO, "
+                                                          f"device sent {sent}")
         encodings = hello["encodings"]
         for role in ("activations", "gradients"):
             if encodings.get(role, "f32") not in info.encodings:
@@ -441,8 +442,9 @@ class ServerSession:
             return None
         if batch_id == record.last_applied and record.last_reply is not None:
             return Reply(record.last_reply)
-        raise ProtocolError(ErrorCode.OUT_OF_ORDER,
-                            f"expected batch {record.last_applied + 1} (or a retry of {record.last_applied}), got {batch_id}",
+        retry = f" (or a retry of {record.last_applied})" if record.last_reply is not None else ""
+        first = "" if record.last_applied else " (training batch ids start at 1: this device has no batch applied yet)"
+        raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"expected batch {record.last_applied + 1}{retry}{first}, got {batch_id}",
                             batch_id)
 
     def _embedding_grad(self, message: dict[str, Any]) -> Action:

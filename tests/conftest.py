@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +77,22 @@ class RecordingTrainer(ServerTrainer):
         grad, loss, n_correct = super().train_server_head(activations, labels)
         self.received.append((np.array(activations, np.float32), np.array(grad, np.float32)))
         return grad, loss, n_correct
+
+
+class PausingTrainer(ServerTrainer):
+    """A real trainer (server head) that, once it has applied step `pause_at`, holds that step's reply until the
+    test sets `go`: the test can kill a device while its batch is applied and the BACKWARD not yet sent."""
+
+    def __init__(self, spec, num_classes: int, pause_at: int | None, **kw):
+        super().__init__(spec, "conv1", num_classes, TrainConfig(**kw), device="cpu")
+        self.pause_at, self.reached, self.go = pause_at, threading.Event(), threading.Event()
+
+    def train_server_head(self, activations, labels):
+        out = super().train_server_head(activations, labels)
+        if self.steps == self.pause_at:
+            self.reached.set()
+            self.go.wait(300)
+        return out
 
 
 def recording_trainer(num_classes: int, model: str, **kw) -> RecordingTrainer:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from device_sdk.models.lrn import PaperLRN
 from device_sdk.privacy.planner import release_schedule
 from edge_server.checkpoint import load_checkpoint
 from export.java_layer import java_layer_job
-from tests.conftest import TOKENS, recording_trainer, serve_in_thread, small_trainer
+from tests.conftest import TOKENS, PausingTrainer, recording_trainer, serve_in_thread, small_trainer
 from tests.steps import Float64Layer, check_grads, check_release, check_trajectory, lr_at
 from tests.test_integration import NUM_CLASSES, _setup, _start_server, _stop
 
@@ -310,3 +311,45 @@ def test_java_device_refuses_plain_ws_off_loopback(java, faces, tmp_path):
         in refused.stderr and "--insecure" in refused.stderr
     with_ca = run_java(java, {**job, "url": "ws://127.0.0.1:8765"}, tmp_path, "--ca-file", "ca.pem")
     assert with_ca.returncode == 64 and "a CA file was given for a plain ws:// URL; use wss://" in with_ca.stderr
+
+
+def server_state(trainer) -> dict[str, torch.Tensor]:
+    """The server's model: its tail and its classifier, copied."""
+    return {f"{name}.{k}": v.clone() for name, m in (("tail", trainer.tail), ("classifier", trainer.classifier))
+            for k, v in m.state_dict().items()}
+
+
+def test_java_device_killed_mid_epoch_rejoins_the_same_run(java, faces, tmp_path):
+    """SIGKILL hits the Java device while the server holds its batch 6 (epoch 2 of 2) applied and the BACKWARD
+    unsent. Restarted with the same job, it resumes its committed batch 5 from its training state
+    (TrainingState), re-sends batch 6 (answered from the server's cache) and finishes: the server applied 8
+    batches, each once, and its model and the device's layer equal an uninterrupted run's."""
+    job = train_job("", faces, TOKENS["device-0"], epochs=2)
+    with serve_in_thread(PausingTrainer(resolve_spec(MODEL), faces[2], None, lr=0.05), tmp_path / "plain") as server:
+        plain = run_java(java, {**job, "url": server.url, "weights_out": str(tmp_path / "plain.weights")}, tmp_path)
+        want = server_state(server.trainer)
+    assert plain.returncode == 0, plain.stderr
+
+    pausing = PausingTrainer(resolve_spec(MODEL), faces[2], 6, lr=0.05)
+    with serve_in_thread(pausing, tmp_path / "server") as server:
+        killed = {**job, "url": server.url, "weights_out": str(tmp_path / "killed.weights"),
+                  "state_dir": str(tmp_path / "state")}
+        (tmp_path / "killed.msgpack").write_bytes(msgpack.packb(killed))
+        device = subprocess.Popen([*java, "train", str(tmp_path / "killed.msgpack")], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        assert pausing.reached.wait(240), "the Java device never reached batch 6"
+        os.kill(device.pid, signal.SIGKILL)
+        device.communicate(timeout=60)
+        assert device.returncode == -signal.SIGKILL
+        pausing.go.set()
+        envelope = msgpack.unpackb((tmp_path / "state" / "device-0.training.msgpack").read_bytes())
+        assert msgpack.unpackb(envelope["state"])["committed"] == 5
+        restarted = run_java(java, killed, tmp_path)
+        applied, steps = server.server.records["device-0"].last_applied, server.trainer.steps
+        got = server_state(server.trainer)
+    assert restarted.returncode == 0, restarted.stderr
+    assert [json.loads(line)["batch_id"] for line in restarted.stdout.splitlines()] == [6, 7, 8]
+    assert applied == steps == 8
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    record = (tmp_path / "plain.weights").stat().st_size // 8   # the layer after batch 8, the last record of each
+    assert (tmp_path / "killed.weights").read_bytes()[-record:] == (tmp_path / "plain.weights").read_bytes()[-record:]

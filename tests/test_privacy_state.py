@@ -149,8 +149,8 @@ def _device_process(url: str, tmp_path: Path, budget: float, fault: str = "") ->
 def test_device_process_killed_mid_epoch_resumes_its_budget(tmp_path):
     """The device process exits hard right after sending batch 5 (epoch 2 of 3); restarted, it resumes its spent
     epsilon, re-sends batches 1-5 bit-identically and free, and refuses the third release of any image.
-    Its training state (layer, optimiser, progress) is not durable, so the restarted device trains afresh
-    against a fresh server run; its privacy state is what carries over."""
+    The restarted device meets a fresh server run, which has nothing of it, so it starts again from its initial
+    layer at batch 1 (tests/test_training_state.py has it rejoin the same run); its privacy state carries over."""
     _image_folder(tmp_path / "faces")
     (tmp_path / "tokens.json").write_text(json.dumps({"device-0": TOKENS["device-0"]}))
     budget = (eps(2) + eps(3)) / 2  # two releases of each image, not three

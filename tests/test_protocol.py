@@ -29,8 +29,9 @@ from protocol.vectors import generate as gen
 VECTORS = Path(gen.__file__).resolve().parent
 # the split set at the top, the federated rounds' set in federated/ (SPEC.md section 13)
 STEMS = sorted(str(p.relative_to(VECTORS).with_suffix("")) for p in VECTORS.rglob("*.msgpack"))
-VALID = [s for s in STEMS if "_invalid_" not in s]
+VALID = [s for s in STEMS if "_invalid_" not in s and "_accepted_" not in s]
 INVALID = [s for s in STEMS if "_invalid_" in s]
+ACCEPTED = [s for s in STEMS if "_accepted_" in s]   # non-canonical bytes with a valid case's meaning
 
 
 # ---- vectors ---------------------------------------------------------------------------------
@@ -87,6 +88,38 @@ def test_invalid_vector_is_refused_with_its_code(stem):
     with pytest.raises(ProtocolError) as exc:
         m.decode(data)
     assert exc.value.code.value == meaning["error_code"]
+
+
+def test_the_f16_infinity_vector_is_refused_for_its_infinity():
+    """Vector 28 once lacked a scale and was refused for that, not for the +inf it names (issue 28): with the
+    infinity made finite the same tensor decodes."""
+    data = (VECTORS / "28_invalid_f16_infinity.msgpack").read_bytes()
+    with pytest.raises(ProtocolError, match="NaN or infinity"):
+        m.decode(data)
+    finite = msgpack.unpackb(data, raw=False)
+    assert finite["grad"]["scale"] == 1.0 and finite["grad"]["data"] == bytes.fromhex("003c007c")
+    finite["grad"]["data"] = bytes.fromhex("003c0078")   # +inf -> 32768.0
+    assert m.decode(msgpack.packb(finite, use_bin_type=True))["grad"].tolist() == [1.0, 32768.0]
+
+
+@pytest.mark.parametrize("stem", ACCEPTED)
+def test_accepted_vector_decodes_to_its_canonical_meaning(stem):
+    """A float field written as an int (a JavaScript encoder's whole number) is accepted, with the meaning of the
+    canonical float64 case (SPEC.md section 3)."""
+    data = (VECTORS / f"{stem}.msgpack").read_bytes()
+    meaning = json.loads((VECTORS / f"{stem}.json").read_text())
+    assert meaning["accepted"] is True
+    canonical = VECTORS / Path(stem).parent / meaning["canonical"]
+    got, want = m.decode(data), m.decode(canonical.with_suffix(".msgpack").read_bytes())
+    assert list(got) == list(want)
+    for key, value in want.items():
+        assert np.array_equal(got[key], value) if isinstance(value, np.ndarray) else got[key] == value, key
+    assert gen.meaning_of(data) == json.loads(canonical.with_suffix(".json").read_text())
+
+
+def test_vectors_name_both_forms_of_a_whole_float():
+    assert {"32_accepted_i8_scale_int", "epsilon/13_accepted_spent_epsilon_int"} <= set(ACCEPTED)
+    assert "31_invalid_i8_scale_bool" in INVALID
 
 
 # ---- tensor codec ----------------------------------------------------------------------------
@@ -359,6 +392,15 @@ def test_version_is_checked_before_token():
 def test_device_head_needs_no_num_classes():
     _, s = connect("device")
     assert s.head == "device"
+    _, s = connect("device", num_classes=99)   # SPEC.md section 5.1: sent anyway, it is ignored
+    assert s.head == "device"
+
+
+def test_server_head_without_num_classes_is_a_model_mismatch():
+    """SPEC.md sections 5.1 and 6: a server-head HELLO without num_classes decodes, and the handshake refuses it."""
+    s = make_server()
+    error = refused(s.receive(make_client(num_classes=None).hello()), ErrorCode.MODEL_MISMATCH, close=True)
+    assert error["message"] == "server head needs num_classes 5 in HELLO, device sent none"
 
 
 def test_message_before_hello_closes():
@@ -429,7 +471,14 @@ def test_out_of_order_keeps_the_session_open():
 def test_first_batch_must_be_one():
     c, s = connect()
     refused(s.receive(c.forward(2, ACTS, [0, 1])), ErrorCode.OUT_OF_ORDER, close=False, batch_id=2)
-    refused(s.receive(c.forward(0, ACTS, [0, 1])), ErrorCode.OUT_OF_ORDER, close=False, batch_id=0)
+    zero = refused(s.receive(c.forward(0, ACTS, [0, 1])), ErrorCode.OUT_OF_ORDER, close=False, batch_id=0)
+    # SPEC.md section 10: a new device has nothing to retry, so the message offers no "retry of 0"
+    assert zero["message"] == ("expected batch 1 (training batch ids start at 1: this device has no batch applied "
+                               "yet), got 0")
+    assert isinstance(s.receive(c.forward(1, ACTS, [0, 1])), Train)
+    s.applied(1, GRAD, loss=1.0, n_correct=0)
+    assert refused(s.receive(c.forward(3, ACTS, [0, 1])), ErrorCode.OUT_OF_ORDER, close=False,
+                   batch_id=3)["message"] == "expected batch 2 (or a retry of 1), got 3"
 
 
 def test_eval_batches_are_not_sequenced():
@@ -524,6 +573,16 @@ def test_close_drops_pending_and_a_new_session_resumes():
             batch_id=2)
     assert isinstance(s2.receive(c2.forward(2, ACTS)), Embed)
     assert isinstance(s2.receive(c2.embedding_grad(2, np.zeros((2, 4), np.float32))), TrainTail)
+
+
+def test_a_refused_embedding_grad_leaves_the_batch_pending():
+    """SPEC.md section 8: a message refused by the session's checks changes nothing, so the batch stays pending;
+    a refused step (server_error, or the server's bad_tensor of its range checks: `failed`) drops it."""
+    c, s = connect("device")
+    assert isinstance(s.receive(c.forward(1, ACTS)), Embed)
+    refused(s.receive(c.embedding_grad(1, np.zeros((3, 4), np.float32))), ErrorCode.BAD_TENSOR, close=False, batch_id=1)
+    refused(s.receive(c.forward(2, ACTS)), ErrorCode.OUT_OF_ORDER, close=False, batch_id=2)
+    assert isinstance(s.receive(c.embedding_grad(1, np.zeros((2, 4), np.float32))), TrainTail)
 
 
 def test_server_failure_forgets_pending():

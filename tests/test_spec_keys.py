@@ -11,7 +11,10 @@ import json
 import re
 from pathlib import Path
 
+import msgpack
+
 from device_sdk.models import PRESETS, RELEASE_KEYS, ModelSpec
+from protocol import messages as m
 from protocol.vectors import generate as gen
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,3 +58,89 @@ def test_hello_vectors_carry_every_key_of_a_real_spec():
         # float-typed keys are floats on the wire (SPEC.md section 3), ints are ints
         types = dict(spec_model_table())
         assert all(type(v).__name__ == types[k] for k, v in model.items()), (stem, model)
+
+
+# ---- an encoder that knows only SPEC.md's tables reproduces every valid vector -----------------------------
+CELL = re.compile(r"^\| `(\w+)`\s*\|")
+
+
+def spec_key_tables() -> tuple[list[str], dict[str, list[str]]]:
+    """(the tensor's keys, {message type: its keys}) in the order SPEC.md's tables list them (sections 4, 5, 8, 15)."""
+    lines = SPEC.read_text().splitlines()
+    tensor: list[str] = []
+    messages: dict[str, list[str]] = {}
+    for i, line in enumerate(lines):
+        if not line.startswith("| Key"):
+            continue
+        rows = [row for row in lines[i + 2:] if row.startswith("|")]
+        rows = rows[:next((k for k, row in enumerate(lines[i + 2:]) if not row.startswith("|")), len(rows))]
+        keys = [CELL.match(row)[1] for row in rows if CELL.match(row)]
+        if keys[0] == "dtype":
+            tensor = keys
+        elif keys[0] == "type":
+            name = re.search(r'`"(\w+)"`', rows[0])[1]
+            messages[name] = keys
+    return tensor, messages
+
+
+def spec_encode(meaning: dict, tensor_keys: list[str], message_keys: dict[str, list[str]]) -> bytes:
+    """A vector's JSON meaning encoded as a client author would from SPEC.md alone: keys in its tables' order
+    (section 3 rule 1; nested maps whose order the text gives in prose are kept as listed), msgpack's smallest
+    headers and float64 for every float (msgpack-python's defaults, section 3 rules 2-5)."""
+    model_keys = [k for k, _ in spec_model_table()]
+
+    def tensor(t: dict) -> dict:
+        wire = {"dtype": t["dtype"], "shape": t["shape"], "data": bytes.fromhex(t["data_hex"])}
+        if "scale" in t:
+            wire["scale"] = t["scale"]
+        if "scales_hex" in t:
+            wire["scales"] = bytes.fromhex(t["scales_hex"])
+        return {k: wire[k] for k in tensor_keys if k in wire}
+
+    def value(key: str, v):
+        if isinstance(v, dict) and "data_hex" in v:
+            return tensor(v)
+        if key == "visible":
+            return {"grid": v["grid"], "bits": bytes.fromhex(v["bits_hex"])}
+        if key == "model":
+            return {k: v[k] for k in model_keys if k in v}
+        if isinstance(v, dict) and v and all(isinstance(t, dict) and "data_hex" in t for t in v.values()):
+            return {name: tensor(v[name]) for name in sorted(v)}   # named tensors (section 15): sorted names
+        return v
+
+    keys = message_keys[meaning["type"]]
+    assert set(meaning) <= set(keys), (meaning["type"], set(meaning) - set(keys))
+    return msgpack.packb({k: value(k, meaning[k]) for k in keys if k in meaning}, use_bin_type=True)
+
+
+def test_every_valid_vector_is_reproducible_from_the_spec_tables():
+    """Issue 28: BACKWARD's `server_s` went on the wire before `durable_through` while SPEC.md's table listed it
+    after, so a client encoding from the table could not reproduce vector 10 (now the table follows the wire)."""
+    tensor_keys, message_keys = spec_key_tables()
+    assert tensor_keys == ["dtype", "shape", "data", "scale", "scales"]
+    assert message_keys["backward"] == ["type", "batch_id", "grad", "loss", "n_correct", "server_s", "durable_through"]
+    assert set(message_keys) == set(m.SCHEMA)
+    for mtype, fields in m.SCHEMA.items():   # the decoder validates in table order (section 5.9)
+        assert ["type", *fields] == message_keys[mtype], mtype
+    checked = 0
+    for path in sorted(gen.HERE.rglob("*.json")):
+        meaning = json.loads(path.read_text())
+        if meaning.get("invalid") or meaning.get("accepted"):
+            continue
+        assert spec_encode(meaning, tensor_keys, message_keys) == path.with_suffix(".msgpack").read_bytes(), path.name
+        checked += 1
+    assert checked >= 40
+
+
+def test_spec_lists_every_preset_map():
+    """SPEC.md section 5.1 gives each preset's whole model map, so a client can fill HELLO without the Python code."""
+    lines = SPEC.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("<!-- model-presets:"))
+    assert lines[start + 1] == "```"
+    block = lines[start + 2:lines.index("```", start + 2)]
+    listed = {name: json.loads(text) for name, text in (line.split(maxsplit=1) for line in block)}
+    assert list(listed) == list(PRESETS)
+    for name, model in listed.items():
+        assert list(model) == list(PRESETS[name].to_dict()) and ModelSpec.from_dict(model) == PRESETS[name], name
+        types = dict(spec_model_table())
+        assert all(type(v).__name__ == types[k] for k, v in model.items()), name   # dropout 0.0, not 0

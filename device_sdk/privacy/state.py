@@ -25,27 +25,27 @@ class StateFileError(ValueError):
     """The state file is unreadable, corrupt, edited, or for another device; the device must not release."""
 
 
-def state_path(state_dir: Path, device_id: str) -> Path:
-    """Where a device keeps its privacy state in `state_dir`."""
+def state_path(state_dir: Path, device_id: str, kind: str = "privacy") -> Path:
+    """Where a device keeps its privacy state (`kind` "privacy") or its training progress ("training") in
+    `state_dir`."""
     if not _SAFE_ID.match(device_id):
         raise ValueError(f"device id {device_id!r} cannot name a state file (letters, digits and _ . @ + - only)")
-    return Path(state_dir) / f"{device_id}.privacy.json"
+    return Path(state_dir) / f"{device_id}.{kind}.json"
 
 
 def _digest(state: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(state, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def write_state(path: Path, state: dict[str, Any]) -> None:
-    """Write tmp + fsync + os.replace (+ fsync of the folder): after a crash the file is the old state or the
-    new one, whole, never a mix. The checksum catches a file damaged or edited afterwards."""
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write tmp + fsync + os.replace (+ fsync of the folder): after a crash the file is the old content or the
+    new one, whole, never a mix. Readable by its owner only (the privacy state holds the noise secret)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    data = json.dumps({"format": FORMAT, "version": VERSION, "sha256": _digest(state), "state": state})
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the noise secret is in it
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -60,21 +60,28 @@ def write_state(path: Path, state: dict[str, Any]) -> None:
         os.close(folder)
 
 
-def read_state(path: Path) -> dict[str, Any]:
-    """The state written by `write_state`; StateFileError for anything else."""
+def write_state(path: Path, state: dict[str, Any], fmt: str = FORMAT) -> None:
+    """Write `state` atomically (write_atomic) in a JSON envelope with its checksum, which catches a file
+    damaged or edited afterwards. `fmt` names the kind of state (the device's training progress has its own)."""
+    envelope = {"format": fmt, "version": VERSION, "sha256": _digest(state), "state": state}
+    write_atomic(path, json.dumps(envelope).encode())
+
+
+def read_state(path: Path, fmt: str = FORMAT, what: str = "privacy state") -> dict[str, Any]:
+    """The state written by `write_state` with this `fmt`; StateFileError (naming `what`) for anything else."""
     path = Path(path)
     try:
         envelope = json.loads(path.read_bytes())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise StateFileError(f"{path}: privacy state unreadable or corrupt ({exc}); refusing to release "
+        raise StateFileError(f"{path}: {what} unreadable or corrupt ({exc}); refusing to release "
                              f"(restore the file or retire this device id, never delete it to reset)") from exc
-    if not isinstance(envelope, dict) or envelope.get("format") != FORMAT:
-        raise StateFileError(f"{path}: not a device privacy state file")
+    if not isinstance(envelope, dict) or envelope.get("format") != fmt:
+        raise StateFileError(f"{path}: not a device {what} file")
     if envelope.get("version") != VERSION:
-        raise StateFileError(f"{path}: privacy state version {envelope.get('version')!r}, this device reads {VERSION}")
+        raise StateFileError(f"{path}: {what} version {envelope.get('version')!r}, this device reads {VERSION}")
     state = envelope.get("state")
     if not isinstance(state, dict) or envelope.get("sha256") != _digest(state):
-        raise StateFileError(f"{path}: privacy state fails its checksum (corrupt or edited); refusing to release")
+        raise StateFileError(f"{path}: {what} fails its checksum (corrupt or edited); refusing to release")
     return state
 
 

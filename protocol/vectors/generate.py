@@ -206,16 +206,33 @@ def invalid_cases() -> list[tuple[str, bytes, ErrorCode, str]]:
         ("invalid_f32_nan", _pack({"type": "forward", "batch_id": 1,
                                    "activations": {"dtype": "f32", "shape": [1, 2], "data": _f32([1.0, math.nan])}}),
          ErrorCode.BAD_TENSOR, "NaN in an f32 tensor"),
-        ("invalid_f16_infinity", _pack({"type": "backward", "batch_id": 1, "durable_through": 0,
-                                        "grad": {"dtype": "f16", "shape": [2], "data": bytes.fromhex("003c007c")}}),
-         ErrorCode.BAD_TENSOR, "+inf in an f16 tensor"),
+        ("invalid_f16_infinity", _pack({"type": "backward", "batch_id": 1, "durable_through": 0, "grad": {
+            "dtype": "f16", "shape": [2], "data": bytes.fromhex("003c007c"), "scale": 1.0}}),
+         ErrorCode.BAD_TENSOR, "+inf in an f16 tensor (1.0 then +inf, scale 1.0: well-formed but for the infinity)"),
         ("invalid_negative_dimension", _pack({"type": "forward", "batch_id": 1,
                                               "activations": {"dtype": "f32", "shape": [-1, 2], "data": bytes(8)}}),
          ErrorCode.BAD_TENSOR, "a negative dimension"),
         ("invalid_zero_size_huge_shape", _pack({"type": "forward", "batch_id": 1, "activations": {
             "dtype": "f32", "shape": [0, 2**31 - 1, 2**31 - 1], "data": b""}}),
          ErrorCode.BAD_TENSOR, "zero elements and zero bytes, but the non-zero dimensions multiply past 2^31 - 1"),
+        ("invalid_i8_scale_bool", _pack({"type": "forward", "batch_id": 1, "activations": {
+            "dtype": "i8", "shape": [1, 2], "data": b"\x01\xff", "scale": True}}),
+         ErrorCode.BAD_TENSOR,
+         "an i8 scale that is a bool: a float field takes a number, never a bool (SPEC.md section 3)"),
     ]
+
+
+def accepted_cases() -> list[tuple[str, bytes, str, str]]:
+    """Non-canonical bytes a decoder must accept: (name, bytes, the valid case whose meaning they have, why)."""
+    def with_int_scale(data: bytes) -> bytes:
+        raw = msgpack.unpackb(data, raw=False)
+        assert raw["grad"]["scale"] == 1.0
+        raw["grad"]["scale"] = 1
+        return _pack(raw)
+    zero = client("device", {"activations": "f32", "gradients": "i8"}).embedding_grad(2, np.zeros((2, 4), np.float32))
+    return [("accepted_i8_scale_int", with_int_scale(zero), "embedding_grad_i8_zero",
+             "the i8 scale 1.0 written as the int 1, as a JavaScript encoder writes a whole number: a float field "
+             "accepts an int (SPEC.md section 3); re-encoded, it is the canonical float64")]
 
 
 # ---- federated rounds (written to federated/) ---------------------------------------------------
@@ -360,6 +377,14 @@ def epsilon_invalid_cases() -> list[tuple[str, bytes, ErrorCode, str]]:
     ]
 
 
+def epsilon_accepted_cases() -> list[tuple[str, bytes, str, str]]:
+    zero = msgpack.unpackb(client("server").forward(3, ACTIVATIONS, LABELS, spent_epsilon=0.0), raw=False)
+    zero["spent_epsilon"] = 0
+    return [("accepted_spent_epsilon_int", _pack(zero), "forward_spent_epsilon_zero",
+             "spent_epsilon 0.0 written as the int 0, as a JavaScript encoder writes a whole number: a float field "
+             "accepts an int (SPEC.md section 3); re-encoded, it is the canonical float64")]
+
+
 # ---- packed mask releases (written to packed/, SPEC.md section 5.12) ---------------------------------------
 # A toy mask release: 2 images of 1 x 6 x 6 in 2 x 2 patches (a 3 x 3 grid: 9 bits, 2 bytes per image, so the
 # top 7 bits of each image's second byte are padding). Image 0 shows its diagonal patches 0, 4, 8; image 1 only
@@ -482,10 +507,14 @@ def channel_scaled_invalid_cases() -> list[tuple[str, bytes, ErrorCode, str]]:
 
 
 def build(valid: list[tuple[str, bytes]] | None = None,
-          invalid: list[tuple[str, bytes, ErrorCode, str]] | None = None) -> list[tuple[str, bytes, dict[str, Any]]]:
-    """(NN_name, message bytes, JSON meaning) for every case, numbered in order (default: the split set)."""
+          invalid: list[tuple[str, bytes, ErrorCode, str]] | None = None,
+          accepted: list[tuple[str, bytes, str, str]] | None = None) -> list[tuple[str, bytes, dict[str, Any]]]:
+    """(NN_name, message bytes, JSON meaning) for every case, numbered in order: valid, invalid, then accepted
+    (non-canonical bytes that decode to a valid case's meaning; JSON {"accepted", "canonical", "description"})
+    (default: the split set)."""
     out: list[tuple[str, bytes, dict[str, Any]]] = []
-    for name, data in valid_cases() if valid is None else valid:
+    valid = valid_cases() if valid is None else valid
+    for name, data in valid:
         out.append((name, data, meaning_of(data)))
     for name, data, code, why in invalid_cases() if invalid is None else invalid:
         try:
@@ -495,6 +524,11 @@ def build(valid: list[tuple[str, bytes]] | None = None,
         else:
             raise AssertionError(f"{name} decoded")
         out.append((name, data, {"invalid": True, "error_code": code.value, "description": why}))
+    stems = {name: f"{i:02d}_{name}" for i, (name, _, _) in enumerate(out, start=1)}
+    for name, data, canonical, why in accepted_cases() if accepted is None else accepted:
+        canonical_data = dict(valid)[canonical]
+        assert data != canonical_data and meaning_of(data) == meaning_of(canonical_data), name  # 1 == 1.0
+        out.append((name, data, {"accepted": True, "canonical": stems[canonical], "description": why}))
     return [(f"{i:02d}_{name}", data, meaning) for i, (name, data, meaning) in enumerate(out, start=1)]
 
 
@@ -506,12 +540,13 @@ def generate(out_dir: Path = HERE) -> list[Path]:
     """Both sets: the split protocol's in `out_dir`, the federated rounds' in `out_dir/federated`."""
     written = []
     for folder, cases in ((out_dir, build()),
-                          (out_dir / "federated", build(federated_valid_cases(), federated_invalid_cases())),
-                          (out_dir / "clusters", build(clusters_valid_cases(), clusters_invalid_cases())),
-                          (out_dir / "epsilon", build(epsilon_valid_cases(), epsilon_invalid_cases())),
-                          (out_dir / "packed", build(packed_valid_cases(), packed_invalid_cases())),
+                          (out_dir / "federated", build(federated_valid_cases(), federated_invalid_cases(), [])),
+                          (out_dir / "clusters", build(clusters_valid_cases(), clusters_invalid_cases(), [])),
+                          (out_dir / "epsilon", build(epsilon_valid_cases(), epsilon_invalid_cases(),
+                                                      epsilon_accepted_cases())),
+                          (out_dir / "packed", build(packed_valid_cases(), packed_invalid_cases(), [])),
                           (out_dir / "channel_scaled", build(channel_scaled_valid_cases(),
-                                                             channel_scaled_invalid_cases()))):
+                                                             channel_scaled_invalid_cases(), []))):
         folder.mkdir(parents=True, exist_ok=True)
         for stem, data, meaning in cases:
             (folder / f"{stem}.msgpack").write_bytes(data)

@@ -1,23 +1,13 @@
 package org.splitface.core;
 
-import java.io.IOException;
-import java.io.UncheckedIOException;
-import java.nio.ByteBuffer;
-import java.nio.channels.FileChannel;
-import java.nio.file.AtomicMoveNotSupportedException;
 import java.nio.file.Files;
 import java.nio.file.Path;
-import java.nio.file.StandardCopyOption;
-import java.nio.file.StandardOpenOption;
-import java.security.MessageDigest;
-import java.security.NoSuchAlgorithmException;
 import java.util.ArrayList;
 import java.util.HashMap;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
 import java.util.TreeMap;
-import java.util.regex.Pattern;
 
 /**
  * Refuses a release that would take any image past its budget, before anything is sent. The
@@ -47,9 +37,6 @@ public final class BudgetGuard {
     }
 
     static final String FORMAT = "splitface-jvm-budget-state";
-    static final long VERSION = 1;
-    // A device id becomes a file name: no path separators, no leading dot (as device_sdk/privacy/state.py).
-    private static final Pattern SAFE_ID = Pattern.compile("^[A-Za-z0-9_][A-Za-z0-9_.@+-]{0,127}$");
 
     private final double[] epsilonAfter;   // epsilonAfter[k - 1]: an image's epsilon after k releases
     public final double budget, delta;
@@ -93,9 +80,7 @@ public final class BudgetGuard {
 
     /** Where a device keeps its budget state in {@code dir}. */
     public static Path stateFile(Path dir, String deviceId) {
-        if (!SAFE_ID.matcher(deviceId).matches())
-            throw new IllegalArgumentException("device id '" + deviceId + "' cannot name a state file (letters, digits and _ . @ + - only)");
-        return dir.resolve(deviceId + ".budget.msgpack");
+        return StateFile.path(dir, deviceId, "budget");
     }
 
     /**
@@ -122,20 +107,6 @@ public final class BudgetGuard {
                 + "restore the file (never delete it to reset), or retire this device id");
     }
 
-    private static String hex(byte[] bytes) {   // not HexFormat: older Android releases lack it
-        StringBuilder out = new StringBuilder(bytes.length * 2);
-        for (byte b : bytes) out.append(Character.forDigit((b >> 4) & 15, 16)).append(Character.forDigit(b & 15, 16));
-        return out.toString();
-    }
-
-    private static byte[] sha256(byte[] data) {
-        try {
-            return MessageDigest.getInstance("SHA-256").digest(data);
-        } catch (NoSuchAlgorithmException e) {
-            throw new IllegalStateException(e);
-        }
-    }
-
     /** The state as msgpack: {device_id, delta, releases: [[image id, count], ...] by image id}. */
     static byte[] encodeState(String deviceId, double delta, Map<Long, Integer> releases) {
         List<Object> pairs = new ArrayList<>();
@@ -147,55 +118,14 @@ public final class BudgetGuard {
         return Wire.pack(state);
     }
 
-    /** Write temp + fsync + atomic rename + fsync of the folder: after a crash the file is the old state or the new one. */
+    /** Written whole, checksummed (StateFile). */
     static void write(Path file, String deviceId, double delta, Map<Long, Integer> releases) {
-        byte[] state = encodeState(deviceId, delta, releases);
-        Map<String, Object> envelope = new LinkedHashMap<>();
-        envelope.put("format", FORMAT);
-        envelope.put("version", VERSION);
-        envelope.put("sha256", hex(sha256(state)));
-        envelope.put("state", state);
-        Path dir = file.toAbsolutePath().getParent();
-        Path tmp = dir.resolve("." + file.getFileName() + ".tmp");
-        try {
-            Files.createDirectories(dir);
-            try (FileChannel ch = FileChannel.open(tmp, StandardOpenOption.CREATE, StandardOpenOption.WRITE,
-                    StandardOpenOption.TRUNCATE_EXISTING)) {
-                ByteBuffer buf = ByteBuffer.wrap(Wire.pack(envelope));
-                while (buf.hasRemaining()) ch.write(buf);
-                ch.force(true);
-            }
-            try {
-                Files.move(tmp, file, StandardCopyOption.ATOMIC_MOVE, StandardCopyOption.REPLACE_EXISTING);
-            } catch (AtomicMoveNotSupportedException e) {
-                throw new IOException("this file system cannot rename " + tmp + " atomically", e);
-            }
-            try (FileChannel folder = FileChannel.open(dir, StandardOpenOption.READ)) {
-                folder.force(true);   // the rename itself is durable (Linux and Android allow fsync of a directory)
-            }
-        } catch (IOException e) {
-            try { Files.deleteIfExists(tmp); } catch (IOException ignored) { /* the write already failed */ }
-            throw new UncheckedIOException("cannot save the budget state to " + file + "; nothing was released", e);
-        }
+        StateFile.write(file, FORMAT, encodeState(deviceId, delta, releases), "budget state");
     }
 
     @SuppressWarnings("unchecked")
     static Map<Long, Integer> read(Path file, String deviceId, double delta) {
-        Object envelope;
-        try {
-            envelope = Wire.unpack(Files.readAllBytes(file));
-        } catch (IOException | ProtocolException e) {
-            throw new StateFileError(file + ": budget state unreadable or corrupt (" + e.getMessage() + "); refusing to "
-                    + "release (restore the file or retire this device id, never delete it to reset)");
-        }
-        if (!(envelope instanceof Map) || !FORMAT.equals(((Map<?, ?>) envelope).get("format")))
-            throw new StateFileError(file + ": not a budget state file");
-        Map<String, Object> env = (Map<String, Object>) envelope;
-        if (!Long.valueOf(VERSION).equals(env.get("version")))
-            throw new StateFileError(file + ": budget state version " + env.get("version") + ", this device reads " + VERSION);
-        if (!(env.get("state") instanceof byte[]) || !hex(sha256((byte[]) env.get("state"))).equals(env.get("sha256")))
-            throw new StateFileError(file + ": budget state fails its checksum (corrupt or edited); refusing to release");
-        Map<String, Object> state = (Map<String, Object>) Wire.unpack((byte[]) env.get("state"));
+        Map<String, Object> state = (Map<String, Object>) Wire.unpack(StateFile.read(file, FORMAT, "budget state"));
         if (!deviceId.equals(state.get("device_id")))
             throw new StateFileError(file + ": budget state of device '" + state.get("device_id") + "', not '" + deviceId + "'");
         if (!(state.get("delta") instanceof Double) || (Double) state.get("delta") != delta)

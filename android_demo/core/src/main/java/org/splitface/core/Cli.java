@@ -23,7 +23,9 @@ import java.util.Map;
  *                    2 refused by the server, 3 privacy budget spent, 4 connection lost, 5 server certificate
  *                    not accepted, 64 usage (a refused URL included). A job with "weights_out" (a path) appends
  *                    each committed batch's layer after its step there: the batch id (int64) then the weight and
- *                    the bias if any (float32), little-endian; the tests replay every step from it.
+ *                    the bias if any (float32), little-endian; the tests replay every step from it. With
+ *                    "state_dir" the budget and the training progress are durable there: a restarted device
+ *                    resumes both (6: a state file that fails its checks).
  */
 public final class Cli {
     private Cli() {}
@@ -166,7 +168,20 @@ public final class Cli {
         if (weightsOut != null) Files.write(weightsOut, new byte[0]);
         try (DeviceClient client = new DeviceClient((String) job.get("url"), JdkWebSocketTransport.factory(tls), session,
                 trainer(job, layer, sgd), noise, guard, 120_000, 30, maxMessageBytes)) {
-            client.connect();
+            if (job.get("state_dir") != null) {   // durable: a restarted device resumes its committed batch
+                try {
+                    client.persistIn(new TrainingState(TrainingState.stateFile(Path.of((String) job.get("state_dir")),
+                            session.deviceId), session));
+                } catch (BudgetGuard.StateFileError e) {
+                    System.err.println("ERROR " + e.getMessage());
+                    return 6;
+                }
+            }
+            try {
+                client.connect();
+            } catch (DeviceClient.Rollback rb) {   // a restarted device ahead of a server that resumed from a checkpoint
+                System.err.println(rb.getMessage());
+            }
             long total = (long) batchesPerEpoch * epochs;
             while (client.committed() < total) {
                 long id = client.committed() + 1;

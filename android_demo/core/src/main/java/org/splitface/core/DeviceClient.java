@@ -11,7 +11,9 @@ import java.util.TreeMap;
  * rolls back to the server's checkpoint using the snapshots it keeps back to durable_through.
  * The layer changes only when BACKWARD arrives. A device with noise and a budget guard reports its
  * spent epsilon in every FORWARD and stops ({@link BudgetGuard.LostState}) if WELCOME says the server
- * recorded more for it than its own books hold (SPEC.md section 5.11).
+ * recorded more for it than its own books hold (SPEC.md section 5.11). With {@link #persistIn} its committed batch
+ * and snapshots are durable too ({@link TrainingState}), so a killed app restarted against the same server run
+ * resumes where it stopped instead of beginning again at batch 0.
  */
 public final class DeviceClient implements AutoCloseable {
     /** The server resumed from an older checkpoint: continue from batch {@code batchId + 1}. */
@@ -29,7 +31,9 @@ public final class DeviceClient implements AutoCloseable {
     private final long replyTimeoutMs;
     private final long maxMessageBytes;
     private final int reconnectAttempts;
-    private final TreeMap<Long, Object> snapshots = new TreeMap<>();
+    private TreeMap<Long, Object> snapshots = new TreeMap<>();
+    private final Object initial;          // batch 0's state, which a server run with nothing of this device starts from
+    private TrainingState state;           // null: progress in memory only
     private Transport transport;
     private long committed;
 
@@ -44,10 +48,33 @@ public final class DeviceClient implements AutoCloseable {
         this.maxMessageBytes = maxMessageBytes;
         this.url = url; this.transports = transports; this.session = session; this.layer = layer;
         this.noise = noise; this.guard = guard; this.replyTimeoutMs = replyTimeoutMs; this.reconnectAttempts = reconnectAttempts;
-        snapshots.put(0L, layer.snapshot());
+        initial = layer.snapshot();
+        snapshots.put(0L, initial);
     }
 
     public long committed() { return committed; }
+
+    /**
+     * Keep the committed batch and the snapshots in {@code trainingState} from now on: resumed if its file exists
+     * (the layer gets the committed batch's snapshot back; a bad or foreign file throws StateFileError), else written
+     * at once. Call before the first batch.
+     */
+    public DeviceClient persistIn(TrainingState trainingState) {
+        if (committed != 0) throw new IllegalStateException("open the training state before the first batch");
+        TrainingState.Progress progress = trainingState.load();
+        if (progress != null) {
+            layer.restore(progress.snapshots.get(progress.committed));
+            snapshots = progress.snapshots;
+            committed = progress.committed;
+        }
+        state = trainingState;
+        save();
+        return this;
+    }
+
+    private void save() {
+        if (state != null) state.save(committed, snapshots);
+    }
 
     /**
      * HELLO / WELCOME; may throw Rollback (state already restored), RemoteError (e.g. a wrong token),
@@ -72,7 +99,9 @@ public final class DeviceClient implements AutoCloseable {
         long durable = (Long) welcome.get("durable_through");
         if (serverApplied > committed + 1)
             throw new IllegalStateException("server has applied batch " + serverApplied + ", device only " + committed
-                    + ": the device lost its state");
+                    + ": the device lost its state (" + (state == null ? "it keeps no training state, so a restarted "
+                    + "device begins again at batch 0" : "its training state " + state.file + " is older than the server's "
+                    + "record") + "); it cannot rejoin this run");
         forgetBefore(Math.min(durable, serverApplied));
         if (serverApplied < committed) {
             restore(serverApplied);
@@ -133,7 +162,8 @@ public final class DeviceClient implements AutoCloseable {
         layer.step(((Tensor) backward.get("grad")).values());
         committed = batchId;
         snapshots.put(batchId, layer.snapshot());
-        forgetBefore((Long) backward.get("durable_through"));
+        snapshots.headMap(Math.min((Long) backward.get("durable_through"), committed), false).clear();
+        save();   // one write per batch: the step and what the server's checkpoint now covers
         double backwardMs = (System.nanoTime() - t2) / 1e6;
 
         Object serverS = backward.get("server_s");
@@ -147,15 +177,20 @@ public final class DeviceClient implements AutoCloseable {
     }
 
     private void restore(long batchId) {
+        if (batchId == 0) snapshots.putIfAbsent(0L, initial);
         Object s = snapshots.get(batchId);
         if (s == null) throw new IllegalStateException("cannot roll back to batch " + batchId + ": no snapshot");
         layer.restore(s);
         committed = batchId;
         snapshots.tailMap(batchId, false).clear();
+        save();
     }
 
     private void forgetBefore(long durable) {
-        snapshots.headMap(Math.min(durable, committed), false).clear();
+        var older = snapshots.headMap(Math.min(durable, committed), false);
+        if (older.isEmpty()) return;
+        older.clear();
+        save();
     }
 
     @Override

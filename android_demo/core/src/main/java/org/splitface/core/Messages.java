@@ -82,8 +82,8 @@ public final class Messages {
                 "grad", TENSOR, true,
                 "loss", (Predicate<Object>) Messages::isNumber, false,
                 "n_correct", (Predicate<Object>) Messages::isInt, false,
-                "durable_through", (Predicate<Object>) v -> intAtLeast(v, 0), true,
-                "server_s", (Predicate<Object>) v -> isNumber(v) && ((Number) v).doubleValue() >= 0, false);
+                "server_s", (Predicate<Object>) v -> isNumber(v) && ((Number) v).doubleValue() >= 0, false,
+                "durable_through", (Predicate<Object>) v -> intAtLeast(v, 0), true);
         type(EMBEDDINGS,
                 "batch_id", (Predicate<Object>) Messages::isInt, true,
                 "embeddings", TENSOR, true,

@@ -135,7 +135,8 @@ public final class Tensor {
             }
         } else if (!"f32".equals(dtype)) {
             Object sc = m.get("scale");
-            double v = sc instanceof Double ? (Double) sc : sc instanceof Long ? (double) (Long) sc : Double.NaN;
+            // a number: float64, or an int (a JavaScript encoder writes whole numbers as ints; SPEC.md section 3)
+            double v = sc instanceof Double || Messages.isInt(sc) ? ((Number) sc).doubleValue() : Double.NaN;
             if (!(Double.isFinite(v) && v > 0)) throw bad(field + ": " + dtype + " needs a finite positive scale");
             scale = v;
         } else if (m.containsKey("scale")) throw bad(field + ": f32 takes no scale");
