@@ -90,6 +90,8 @@ def finetune_row(name: str, demo_args: list[str], args: argparse.Namespace) -> d
     config, last = results["config"], results["epochs"][-1]
     device = results["devices"][0]
     start = demo_args[demo_args.index("--init") + 1] if "--init" in demo_args else "scratch"
+    if "--lr" in demo_args:
+        start += f", lr {demo_args[demo_args.index('--lr') + 1]}"
     if "--head-lr-scale" in demo_args:
         start += f", head lr x{demo_args[demo_args.index('--head-lr-scale') + 1]}"
     return {"role": "split-finetune", "run": name, "model": f"{config['model']['family']}-{config['model']['depth']} "
@@ -103,14 +105,14 @@ def finetune_row(name: str, demo_args: list[str], args: argparse.Namespace) -> d
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| role | model | start | release | head | input | View 1 acc (10-fold) | ROC AUC | TAR @ FAR 1e-2 | "
-             "LFW-158 test acc |", "|---|---|---|---|---|---|---:|---:|---:|---:|"]
+    lines = ["| role | model | start | release | head | input | epochs (distil or fine-tune) | View 1 acc (10-fold) | ROC AUC | "
+             "TAR @ FAR 1e-2 | LFW-158 test acc |", "|---|---|---|---|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         seen = r.get("pairs_with_seen_people")
         mark = f" ({seen} pairs seen)" if seen else ""
         test = f"{r['lfw158_test_accuracy']:.3f}" if "lfw158_test_accuracy" in r else "-"
         lines.append(f"| {r['role']} | {r['model']} | {r['start']} | {r['release']} | {r.get('head', '-')} | "
-                     f"{r['input']} | {r['view1_accuracy']:.3f} ± {r['view1_std']:.3f}{mark} | {r['roc_auc']:.3f} | "
+                     f"{r['input']} | {r.get('epochs', '-')} | {r['view1_accuracy']:.3f} ± {r['view1_std']:.3f}{mark} | {r['roc_auc']:.3f} | "
                      f"{r['tar_at_far_1e-2']:.3f} | {test} |")
     return "\n".join(lines) + "\n"
 
@@ -142,12 +144,18 @@ def main(argv: list[str] | None = None) -> None:
     runs = [("distilled-main-release-server-head", [*start, *release, *wire]),
             ("distilled-main-release-device-head", [*start, "--head", "device", *release, *wire]),
             ("scratch-main-release-server-head", [*release, *wire]),
-            ("distilled-conv1-server-head", [*start, *wire])]
+            ("distilled-conv1-server-head", [*start, *wire]),
+            # a gentler fine-tune: the body at a fifth of the demo's server lr (0.05), the head still at 10x it
+            ("distilled-main-release-server-head-lr0.01", [*start, *release, *wire, "--lr", "0.01"]),
+            ("distilled-conv1-server-head-lr0.01", [*start, *wire, "--lr", "0.01"]),
+            # longer: at 3 epochs the main release's test accuracy still climbs (0.46, 0.65, 0.72)
+            ("distilled-main-release-server-head-8-epochs", [*start, *release, *wire, "--epochs", "8"])]
     rows += [finetune_row(name, [*demo_args, *extra], args) for name, demo_args in runs]
     spec = resolve_spec(args.model)
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
     text = (f"Reduced configuration: {args.model} ({spec.family}, width {spec.width}) at {spec.input_size} px; LFW "
-            f"View 1 DevTest pairs (1,000); fine-tuning on LFW-158 as the main job does (3 epochs, 2 devices).\n\n"
+            f"View 1 DevTest pairs (1,000); fine-tuning on LFW-158 as the main job does (2 devices, 3 epochs unless "
+            f"the epochs column says otherwise).\n\n"
             + table(rows))
     (args.out / "table.md").write_text(text)
     print(text)
