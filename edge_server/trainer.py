@@ -197,6 +197,43 @@ class ServerTrainer:
                     torch.clamp(bn.running_mean, mean - reach, mean + reach, out=bn.running_mean)
                     torch.minimum(bn.running_var, most, out=bn.running_var)
 
+    def _batch_norms(self) -> list[tuple[str, _BatchNorm]]:
+        return [(f"{i}.{name}", bn) for i, part in enumerate((self.tail, self.classifier))
+                for name, bn in part.named_modules() if isinstance(bn, _BatchNorm) and bn.running_mean is not None]
+
+    def statistics(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, int]]:
+        """Each batch norm's (running mean, running variance, batches tracked), copied: the reference of the
+        next checkpoint's check (`statistics_beyond`)."""
+        return {name: (bn.running_mean.clone(), bn.running_var.clone(), int(bn.num_batches_tracked))
+                for name, bn in self._batch_norms()}
+
+    def statistics_beyond(self, reference: dict[str, tuple[torch.Tensor, torch.Tensor, int]]) -> list[str]:
+        """The batch norms whose running statistics are further from `reference` (those of the last checkpoint)
+        than the clipped updates of the n batches tracked since could take them: each update multiplies a
+        variance by at most g = 1 - m + m STAT_VAR_RATIO and at least 1 - m, and moves a mean by at most
+        m k sqrt(variance + eps), so |mean - mean0| <= n m k sqrt(var0 g^n + eps). Updates not clipped (during
+        the placeholders, or with the clip off) are not bounded: those batch norms are not checked. Empty: fine."""
+        k = self.guard.stat_clip_sigmas
+        beyond = []
+        for name, bn in self._batch_norms():
+            if name not in reference or not k or not bn.momentum:
+                continue
+            mean0, var0, tracked0 = reference[name]
+            m, n = float(bn.momentum), int(bn.num_batches_tracked) - tracked0
+            if n < 0 or (1 - m) ** tracked0 > PLACEHOLDER_WEIGHT:
+                continue
+            mean, var = bn.running_mean.double(), bn.running_var.double()
+            mean0, var0 = mean0.double(), var0.double()
+            g = 1 - m + m * STAT_VAR_RATIO
+            slack = 1 + 1e-4   # float32 updates, n of them: far above their rounding (n 2^-24 each)
+            # plus float32's rounding of each update's mean: 2^-24 of its size, taken as 2^-20 of mean0's and reach's
+            reach = n * m * k * (var0 * g ** n + bn.eps).sqrt() * slack
+            reach = reach + n * 2.0 ** -20 * (mean0.abs() + reach)
+            if not (bool(((mean - mean0).abs() <= reach).all())
+                    and bool((var <= var0 * g ** n * slack).all()) and bool((var >= var0 * (1 - m) ** n / slack).all())):
+                beyond.append(name)
+        return beyond
+
     def _check_gradients(self, x: torch.Tensor) -> None:
         """Refuse a step whose gradients are not finite or beyond the plausible norm."""
         grads = [p.grad for p in self._trained if p.grad is not None]
@@ -247,6 +284,7 @@ class ServerTrainer:
         if not train:
             with torch.no_grad(), self._autocast():
                 return _finite_embeddings(self.tail(self._tensor(activations)).float())
+        self.drop_pending()   # a FORWARD again before its EMBEDDING_GRAD: the earlier one leaves nothing
         self.optimizer.zero_grad(set_to_none=True)
         x = self._input(activations)
         saved = self._buffers()
@@ -277,6 +315,10 @@ class ServerTrainer:
         return _numpy(x.grad)
 
     def drop_pending(self) -> None:
+        """Forget a device-head batch whose EMBEDDING_GRAD never came (or was refused): nothing of it is applied,
+        so its forward's update of the running statistics is undone too."""
+        if self._pending is not None:
+            self._restore(self._pending[2])
         self._pending = None
 
     def _train_mode(self, train: bool) -> None:

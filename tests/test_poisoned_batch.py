@@ -181,12 +181,13 @@ def test_a_batch_moves_the_running_statistics_by_the_clip_at_most():
     for trained ones) moves each running mean by at most m k sigma and raises each variance by at most m (R - 1)
     of itself; unclipped it goes further."""
     moved, grew = {}, {}
+    fresh = ServerTrainer(SPEC, "conv1", NUM_CLASSES, TrainConfig(lr=0.01), device="cpu")
+    for bn in fresh.tail.modules():
+        if isinstance(bn, torch.nn.modules.batchnorm._BatchNorm):
+            bn.num_batches_tracked.fill_(WARM)        # a server that has trained past its placeholder statistics
     for k in (3.0, 0.0):
-        trainer = ServerTrainer(SPEC, "conv1", NUM_CLASSES, TrainConfig(lr=0.01), device="cpu",
-                                guard=StepGuard(release_noise_std=0.0, stat_clip_sigmas=k))
-        for bn in trainer.tail.modules():
-            if isinstance(bn, torch.nn.modules.batchnorm._BatchNorm):
-                bn.num_batches_tracked.fill_(WARM)    # a server that has trained past its placeholder statistics
+        trainer = copy.deepcopy(fresh)
+        trainer.guard = StepGuard(release_noise_std=0.0, stat_clip_sigmas=k)
         before = _statistics(copy.deepcopy(trainer.tail.state_dict()))
         trainer.train_server_head(*_batch(0))
         after = _statistics(trainer.tail.state_dict())
@@ -198,3 +199,37 @@ def test_a_batch_moves_the_running_statistics_by_the_clip_at_most():
             assert all(bool((after[n][1] <= var * (1 - MOMENTUM + MOMENTUM * STAT_VAR_RATIO) * (1 + 1e-6)).all())
                        for n, (_, var) in before.items())
     assert moved[0.0] >= moved[3.0] and grew[0.0] > grew[3.0]
+
+
+def test_a_checkpoint_is_refused_when_statistics_moved_beyond_what_clipped_batches_can(tmp_path):
+    """Before a checkpoint is written, each batch norm's running statistics are checked against the last checkpoint's:
+    n clipped batches move a mean by at most n m k sigma (sigma grown by at most (1 + m)^(n/2)). Honest training
+    passes; statistics changed behind the steps' back (here: a mean moved by 100) are not saved, and the last good
+    checkpoint stays."""
+    trainer = ServerTrainer(SPEC, "conv1", NUM_CLASSES, TrainConfig(lr=0.01), device="cpu",
+                            guard=StepGuard(release_noise_std=0.0))
+    for bn in trainer.tail.modules():
+        if isinstance(bn, torch.nn.modules.batchnorm._BatchNorm):
+            bn.num_batches_tracked.fill_(WARM)        # past the placeholders
+    with serve_in_thread(trainer, tmp_path, max_batch=N) as server:
+        async def scenario():
+            ws, session = await _open(server.url, "device-0")
+            for batch_id in (1, 2):
+                assert (await _ask(ws, session.forward(batch_id, *_batch(batch_id))))["type"] == m.BACKWARD
+            await ws.close()
+        asyncio.run(scenario())
+        server.call(server.server.checkpoint())
+        good = load_checkpoint(tmp_path / "checkpoint.pt")["trainer"]
+        assert good["steps"] == 2
+        bn = trainer.tail.stages["layer1"][0].bn1
+        with torch.no_grad():
+            bn.running_mean += 100.0
+        assert trainer.statistics_beyond(server.server._checkpointed_statistics) == ["0.stages.layer1.0.bn1"]
+        trainer.steps += 1                            # something to save
+        server.call(server.server.checkpoint())
+        kept = load_checkpoint(tmp_path / "checkpoint.pt")["trainer"]
+        assert kept["steps"] == 2 and torch.equal(kept["tail"]["stages.layer1.0.bn1.running_mean"],
+                                                  good["tail"]["stages.layer1.0.bn1.running_mean"])
+        with torch.no_grad():
+            bn.running_mean -= 100.0                  # back where it was: the exit's checkpoint is written
+        trainer.steps -= 1
