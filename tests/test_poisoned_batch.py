@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 
 import numpy as np
 import pytest
@@ -39,13 +40,19 @@ def _batch(seed: int, n: int = N) -> tuple[np.ndarray, np.ndarray]:
         return DEVICE_LAYER(to_input(np.repeat(np.repeat(small, 16, 2), 16, 3))).numpy(), labels
 
 
-def _warm_trainer() -> ServerTrainer:
-    """A server trained past its placeholder statistics, whose devices release without noise."""
+@functools.cache
+def _warm() -> ServerTrainer:
     trainer = ServerTrainer(SPEC, "conv1", NUM_CLASSES, TrainConfig(lr=0.01), device="cpu",
                             guard=StepGuard(release_noise_std=0.0))
     for step in range(WARM):
         trainer.train_server_head(*_batch(step))
     return trainer
+
+
+def _warm_trainer() -> ServerTrainer:
+    """A server trained past its placeholder statistics, whose devices release without noise (a copy of one
+    trained once per test process)."""
+    return copy.deepcopy(_warm())
 
 
 def _statistics(tail_state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -79,7 +86,7 @@ EDGE = np.ones((N, 16, 64, 64), np.float32)              # the worst the release
 @pytest.mark.slow
 def test_one_poisoned_batch_is_refused_and_one_at_the_bound_moves_statistics_by_the_clip_at_most(tmp_path):
     """The issue's batch is refused (bad_tensor) and leaves the model as it was; a batch at the edge of the
-    release's range is applied, and leaves eval loss within 2x of an honest step's and each running statistic
+    release's range is applied, and leaves eval loss within 2x of an honest step's (measured 1.3x) and each running statistic
     within the clip of it: |mean - honest| <= 2 m k sigma (each moved by at most m k sigma from the same start),
     variance within [(1 - m) / (1 - m + m R), (1 - m + m R) / (1 - m)] of the honest one."""
     trainer = _warm_trainer()
@@ -100,6 +107,7 @@ def test_one_poisoned_batch_is_refused_and_one_at_the_bound_moves_statistics_by_
     honest.train_server_head(*_batch(100))
 
     poisoned_loss, honest_loss = trainer.evaluate(*EVAL)[0], honest.evaluate(*EVAL)[0]
+    print(f"edge batch: eval loss {poisoned_loss:.3f} vs honest {honest_loss:.3f}")
     assert poisoned_loss <= 2 * honest_loss, (poisoned_loss, honest_loss)
     k, m_, ratio = StepGuard().stat_clip_sigmas, MOMENTUM, STAT_VAR_RATIO
     saved = _statistics(load_checkpoint(tmp_path / "checkpoint.pt")["trainer"]["tail"])
@@ -114,7 +122,7 @@ def test_one_poisoned_batch_is_refused_and_one_at_the_bound_moves_statistics_by_
         assert ((var / honest_var >= low * (1 - 1e-5)) & (var / honest_var <= high * (1 + 1e-5))).all(), name
 
 
-def _served_run(tmp_path, attack: np.ndarray | None, rounds: int = 8) -> ServerTrainer:
+def _served_run(tmp_path, attack: np.ndarray | None, rounds: int = 6) -> ServerTrainer:
     """Two honest devices and, with `attack`, a third that sends it as every one of its batches, one message at a
     time in a fixed order (so that two runs apply the same honest batches in the same order)."""
     trainer = _warm_trainer()
@@ -142,7 +150,7 @@ def test_a_stream_of_poisoned_batches_among_honest_ones(tmp_path):
     """One device of three sends the issue's batch every turn: every one is refused and the model ends bit for bit
     as the two honest devices alone leave it. The same device sending the worst batch the release allows (every
     value at its top) every turn, a third of all steps, leaves the running means within 2 running standard
-    deviations of the honest run's (measured 1.4) and eval loss within 10x (measured 2.9x); the rest of its harm is
+    deviations of the honest run's (measured 1.25) and eval loss within 10x (measured 2.6x); the rest of its harm is
     that of any device with wrong labels, through the weights."""
     honest = _served_run(tmp_path / "honest", None)
     refused = _served_run(tmp_path / "refused", POISON)
