@@ -22,6 +22,10 @@ from protocol import messages as m
 from protocol.session import ClientSession
 from tests.conftest import TOKENS, serve_in_thread
 
+# copies of one trained server (copy.deepcopy) step an optimizer that torch's scheduler no longer wraps: its warning
+# says so, and is about the copy only
+pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+
 SPEC = resolve_spec("iresnet_small")
 NUM_CLASSES, N = 5, 4
 WARM = 24   # steps before the test: past the placeholder statistics (22 at momentum 0.1, trainer.PLACEHOLDER_WEIGHT)
@@ -32,10 +36,11 @@ PATTERNS = np.random.default_rng(42).integers(0, 256, (NUM_CLASSES, 3, 4, 4))
 
 
 def _batch(seed: int, n: int = N) -> tuple[np.ndarray, np.ndarray]:
-    """Honest activations: noisy images of one of five colour patterns (the label), through a device layer."""
+    """Honest activations: noisy images of one of five colour patterns (the label), through a device layer; after
+    the warm-up the server classifies 28 of the 32 eval images right."""
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, NUM_CLASSES, n)
-    small = np.clip(PATTERNS[labels] + rng.normal(0, 160, (n, 3, 4, 4)), 0, 255).astype(np.uint8)
+    small = np.clip(PATTERNS[labels] + rng.normal(0, 60, (n, 3, 4, 4)), 0, 255).astype(np.uint8)
     with torch.no_grad():
         return DEVICE_LAYER(to_input(np.repeat(np.repeat(small, 16, 2), 16, 3))).numpy(), labels
 
@@ -86,7 +91,7 @@ EDGE = np.ones((N, 16, 64, 64), np.float32)              # the worst the release
 @pytest.mark.slow
 def test_one_poisoned_batch_is_refused_and_one_at_the_bound_moves_statistics_by_the_clip_at_most(tmp_path):
     """The issue's batch is refused (bad_tensor) and leaves the model as it was; a batch at the edge of the
-    release's range is applied, and leaves eval loss within 2x of an honest step's (measured 1.3x) and each running statistic
+    release's range is applied, and leaves eval loss within 2x of an honest step's (measured 0.91x) and each running statistic
     within the clip of it: |mean - honest| <= 2 m k sigma (each moved by at most m k sigma from the same start),
     variance within [(1 - m) / (1 - m + m R), (1 - m + m R) / (1 - m)] of the honest one."""
     trainer = _warm_trainer()
@@ -122,10 +127,11 @@ def test_one_poisoned_batch_is_refused_and_one_at_the_bound_moves_statistics_by_
         assert ((var / honest_var >= low * (1 - 1e-5)) & (var / honest_var <= high * (1 + 1e-5))).all(), name
 
 
-def _served_run(tmp_path, attack: np.ndarray | None, rounds: int = 6) -> ServerTrainer:
+def _served_run(tmp_path, attack: np.ndarray | None, rounds: int = 6, **guard) -> ServerTrainer:
     """Two honest devices and, with `attack`, a third that sends it as every one of its batches, one message at a
     time in a fixed order (so that two runs apply the same honest batches in the same order)."""
     trainer = _warm_trainer()
+    trainer.guard = StepGuard(release_noise_std=0.0, **guard)
     with serve_in_thread(trainer, tmp_path, max_batch=N) as server:
         async def scenario():
             devices = ("device-0", "device-1") + (("device-2",) if attack is not None else ())
@@ -149,22 +155,28 @@ def _served_run(tmp_path, attack: np.ndarray | None, rounds: int = 6) -> ServerT
 def test_a_stream_of_poisoned_batches_among_honest_ones(tmp_path):
     """One device of three sends the issue's batch every turn: every one is refused and the model ends bit for bit
     as the two honest devices alone leave it. The same device sending the worst batch the release allows (every
-    value at its top) every turn, a third of all steps, leaves the running means within 2 running standard
-    deviations of the honest run's (measured 1.25) and eval loss within 10x (measured 2.6x); the rest of its harm is
-    that of any device with wrong labels, through the weights."""
+    value at its top, with wrong labels) every turn, a third of all steps: the clip keeps the running means within
+    2 running standard deviations of the honest run's (measured 1.22; unclipped 6.76) and eval loss below the
+    unclipped run's (measured 2.31 against 6.23). It does not keep eval loss near the honest run's (0.12): a third
+    of the steps trained on wrong labels moves the weights, which no per-batch bound on values or statistics stops."""
     honest = _served_run(tmp_path / "honest", None)
     refused = _served_run(tmp_path / "refused", POISON)
     assert refused.steps == honest.steps
     for (k, v), (_, w) in zip(refused.tail.state_dict().items(), honest.tail.state_dict().items(), strict=True):
         assert torch.equal(v, w), k
-    edge = _served_run(tmp_path / "edge", EDGE)
-    honest_loss, edge_loss = honest.evaluate(*EVAL)[0], edge.evaluate(*EVAL)[0]
     reference = _statistics(honest.tail.state_dict())
-    worst = max(float(((mean - reference[name][0]).abs() / (reference[name][1] + 1e-5).sqrt()).max())
-                for name, (mean, _) in _statistics(edge.tail.state_dict()).items())
-    print(f"edge stream: eval loss {edge_loss:.3f} vs honest {honest_loss:.3f}; running means off by {worst:.2f} sigma")
-    assert worst <= 2.0
-    assert edge_loss <= 10 * honest_loss
+    honest_loss = honest.evaluate(*EVAL)[0]
+    losses, off = {}, {}
+    for k in (StepGuard().stat_clip_sigmas, 0.0):
+        edge = _served_run(tmp_path / f"edge-{k}", EDGE, stat_clip_sigmas=k)
+        losses[k] = edge.evaluate(*EVAL)[0]
+        off[k] = max(float(((mean - reference[name][0]).abs() / (reference[name][1] + 1e-5).sqrt()).max())
+                     for name, (mean, _) in _statistics(edge.tail.state_dict()).items())
+        print(f"edge stream, clip {k}: eval loss {losses[k]:.3f} vs honest {honest_loss:.3f}; running means off by "
+              f"{off[k]:.2f} sigma")
+    clipped = StepGuard().stat_clip_sigmas
+    assert off[clipped] <= 2.0 and off[clipped] < off[0.0]
+    assert losses[clipped] < losses[0.0]
 
 
 def test_the_release_bound_follows_the_release_and_leaves_room_for_noise():
