@@ -209,7 +209,7 @@ def test_a_batch_moves_the_running_statistics_by_the_clip_at_most():
         trainer = copy.deepcopy(fresh)
         trainer.guard = StepGuard(release_noise_std=0.0, stat_clip_sigmas=k)
         before = _statistics(copy.deepcopy(trainer.tail.state_dict()))
-        trainer.train_server_head(*_batch(0))
+        trainer.train_server_head(*_batch(0, 2))
         after = _statistics(trainer.tail.state_dict())
         moved[k] = max(float(((after[n][0] - mean).abs() / (var + 1e-5).sqrt()).max()) for n, (mean, var) in before.items())
         grew[k] = max(float((after[n][1] / var).max()) for n, (_, var) in before.items())
