@@ -216,6 +216,7 @@ class EdgeServer:
         self.open_by_address: Counter[str] = Counter()
         # connections that have not completed HELLO, per address, oldest first: the ones a full server may displace
         self.unauthenticated: dict[str, dict[ServerConnection, _Connection]] = {}
+        self._closing: set[asyncio.Task] = set()
         self.auth_throttle = config.limits.auth_throttle()
         self._batches_since_checkpoint = 0
         # the running statistics the last checkpoint holds (or the server started from): the next one is checked
@@ -438,7 +439,9 @@ class EdgeServer:
         log.warning("server full: displacing a connection from %s (%d open, not authenticated) for one from %s",
                     victim, self.open_by_address[victim] + 1, address)
         self.metrics.closed("displaced")
-        asyncio.get_running_loop().create_task(ws.close(CLOSE_TRY_AGAIN, "server full: displaced by a fair share"))
+        closing = asyncio.get_running_loop().create_task(ws.close(CLOSE_TRY_AGAIN, "server full: displaced by a fair share"))
+        self._closing.add(closing)   # held until done: the loop keeps only weak references to tasks
+        closing.add_done_callback(self._closing.discard)
         return True
 
     def _forget_unauthenticated(self, address: str, ws: ServerConnection) -> None:
