@@ -61,11 +61,15 @@ from websockets.protocol import OPEN, SERVER, Protocol
 from websockets.streams import StreamReader
 
 from protocol.messages import tensor_offset
-from protocol.transport import ALIGN
+from protocol.transport import ALIGN, release_free_memory
 
 READ_BYTES = 256 * 1024          # the kernel's reads (asyncio's own recv size)
 HEAD_PEEK = 4096                 # bytes of a message looked at for its first tensor's offset before it is placed
 _CONT, _TEXT, _BINARY = Opcode.CONT.value, Opcode.TEXT.value, Opcode.BINARY.value
+# Close code of a message that did not arrive whole within `message_timeout_s` (the edge server's 4002, SPEC.md §2).
+CLOSE_MESSAGE_TIMEOUT = 4002
+# A dropped message at least this large hands the allocator's free memory back (transport.release_free_memory).
+RELEASE_AFTER_BYTES = 16 << 20
 
 
 def _parser_idle(protocol: Protocol) -> bool:
@@ -141,6 +145,10 @@ class _FastFrames:
         self._frames = 0            # its frames so far
         self._pads: collections.deque[int] = collections.deque()  # per message handed to the assembler, in order
         self.fast_messages = 0      # messages taken over (tests, benchmarks)
+        # Seconds from a message's first byte to its last (None: no deadline); the edge server sets it on admission.
+        # Past it the message is dropped and the connection failed with CLOSE_MESSAGE_TIMEOUT.
+        self.message_timeout_s: float | None = None
+        self._message_timer: asyncio.TimerHandle | None = None
 
     # ---- receiving: asyncio's buffered protocol ------------------------------------------------------------------
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -162,6 +170,11 @@ class _FastFrames:
         super().data_received(bytes(data))  # type: ignore[misc]
 
     def _feed(self, view: memoryview) -> None:
+        self._parse(view)
+        if self.message_timeout_s:
+            self._watch_message()
+
+    def _parse(self, view: memoryview) -> None:
         pos, n = 0, len(view)
         while pos < n:
             if not self._engaged:
@@ -257,6 +270,35 @@ class _FastFrames:
         if not length:
             self._frame_done()
 
+    def _under_way(self) -> bool:
+        """Whether part of a frame or of a fragmented message has arrived and the rest has not (ours or websockets')."""
+        protocol = self.protocol
+        return bool(self._message is not None or self._left or self._raw_left or self._head
+                    or protocol.current_size is not None or protocol.reader.buffer)
+
+    def _watch_message(self) -> None:
+        """After input: a message under way has its deadline running from its first byte; none, no deadline."""
+        if self.protocol.state is OPEN and self._under_way():
+            if self._message_timer is None:
+                self._message_timer = self.loop.call_later(  # type: ignore[attr-defined]
+                    self.message_timeout_s, self._message_timed_out)
+        else:
+            self._message_arrived()
+
+    def _message_arrived(self) -> None:
+        if self._message_timer is not None:
+            self._message_timer.cancel()
+            self._message_timer = None
+
+    def _message_timed_out(self) -> None:
+        """The message under way missed its deadline: drop what arrived of it and fail the connection (4002)."""
+        self._message_timer = None
+        if self.protocol.state is not OPEN:
+            return
+        self._stop_taking_over()
+        self.protocol.fail(CLOSE_MESSAGE_TIMEOUT, f"message not received whole within {self.message_timeout_s:g} s")
+        self._forward(b"")   # websockets writes its close frame and arms its close timeout, as after any input
+
     def _oversize(self, length: int, so_far: int) -> bool:
         """Whether websockets would refuse a frame of `length` bytes after `so_far` bytes of its message."""
         protocol = self.protocol
@@ -310,8 +352,11 @@ class _FastFrames:
         super().process_event(Frame(Opcode.BINARY, data, False))  # type: ignore[misc]
 
     def _drop_message(self) -> None:
+        large = self._message is not None and self._size >= RELEASE_AFTER_BYTES
         self._message = self._peek = None
         self._left = self._pad = 0
+        if large:
+            release_free_memory()
 
     def _stop_taking_over(self) -> None:
         self._drop_message()
@@ -333,6 +378,7 @@ class _FastFrames:
         super().process_event(event)  # type: ignore[misc]
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._message_arrived()
         self._drop_message()
         super().connection_lost(exc)  # type: ignore[misc]
 

@@ -50,7 +50,7 @@ from device_sdk.fastws import FastServerConnection
 from protocol.transport import SERVER_WS_OPTIONS, Message, message_size, receive, reuse_large_buffers, send_fragments
 
 from .auth import AuthThrottle, throttled
-from .checkpoint import NonFiniteState, ReplyStore, load_checkpoint, save_checkpoint
+from .checkpoint import ImplausibleStatistics, RefusedState, ReplyStore, load_checkpoint, save_checkpoint
 from .metrics import Metrics, PrometheusCollector
 from .recorder import Recorder
 from .trainer import ServerTrainer, StepRefused
@@ -89,6 +89,9 @@ class Limits:
     message_rate: float = field(default=100.0, metadata={
         "help": "messages per second a session may send on average; faster ones are held back (0: no limit)"})
     message_burst: int = field(default=200, metadata={"help": "messages a session may send at once above the rate"})
+    message_timeout_s: float = field(default=120.0, metadata={
+        "help": "after HELLO: seconds from a message's first byte to its last; a message still incomplete then is "
+                "dropped and the connection closed (4002), so that a half-sent message cannot hold memory (0: none)"})
 
     def auth_throttle(self) -> AuthThrottle:
         return AuthThrottle(self.auth_free_per_device, self.auth_free_per_address, self.auth_lockout_s,
@@ -184,6 +187,7 @@ class _Connection:
     lock_taken: float = 0.0               # monotonic time the U-turn took the model lock
     applied_step: int = 0                 # the server step of the training batch whose reply is being sent
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    displaced: bool = False               # closed before its HELLO to make room (EdgeServer._displace); uncounted
 
 
 class EdgeServer:
@@ -210,8 +214,14 @@ class EdgeServer:
         self.connections: dict[str, tuple[ServerConnection, asyncio.Event]] = {}
         self.away_since: dict[str, float] = {}   # device id -> monotonic time its last connection closed
         self.open_by_address: Counter[str] = Counter()
+        # connections that have not completed HELLO, per address, oldest first: the ones a full server may displace
+        self.unauthenticated: dict[str, dict[ServerConnection, _Connection]] = {}
+        self._closing: set[asyncio.Task] = set()
         self.auth_throttle = config.limits.auth_throttle()
         self._batches_since_checkpoint = 0
+        # the running statistics the last checkpoint holds (or the server started from): the next one is checked
+        # against them (ServerTrainer.statistics_beyond)
+        self._checkpointed_statistics = trainer.statistics() if trainer is not None else {}
         self._stop = asyncio.Event()
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -237,6 +247,7 @@ class EdgeServer:
             raise SystemExit(f"{self.config.checkpoint_path} was written for {state['identity']}, "
                              f"not {self._identity()}; use another --run-dir")
         self.trainer.load_state_dict(state["trainer"])
+        self._checkpointed_statistics = self.trainer.statistics()
         self.records = {d: DeviceRecord(r["last_applied"], self._stored_reply(d, r["reply"]))
                         for d, r in state["devices"].items()}
         self.durable = {d: r.last_applied for d, r in self.records.items()}
@@ -275,7 +286,7 @@ class EdgeServer:
         records = {d: (r.last_applied, r.last_reply) for d, r in self.records.items()}
         try:
             await self._compute(self._save, state, records)
-        except NonFiniteState as exc:  # cannot happen through guarded steps; never save it
+        except RefusedState as exc:  # cannot happen through guarded steps; never save it
             log.error("%s", exc)
             self._batches_since_checkpoint = 0  # retried at the next interval, not at once
             return
@@ -290,10 +301,17 @@ class EdgeServer:
     def _save(self, state: dict[str, Any], records: dict[str, tuple[int, Message | None]]) -> None:
         """In the worker thread: the replies first (new ones only), then the checkpoint naming them; replies
         no checkpoint names any more are deleted once it is in place."""
+        statistics = self.trainer.statistics()
+        beyond = self.trainer.statistics_beyond(self._checkpointed_statistics)
+        if beyond:
+            raise ImplausibleStatistics(f"refusing to checkpoint: the running statistics of {len(beyond)} batch norms "
+                                        f"({', '.join(beyond[:3])}) moved further since the last checkpoint than "
+                                        f"clipped updates can; {self.config.checkpoint_path} keeps the last good state")
         state["devices"] = {d: {"last_applied": applied,
                                 "reply": self.replies.save(d, applied, reply) if reply is not None else None}
                             for d, (applied, reply) in records.items()}
         save_checkpoint(self.config.checkpoint_path, state)
+        self._checkpointed_statistics = statistics
         self.replies.prune({r["reply"] for r in state["devices"].values() if r["reply"]})
 
     def _stale_replies(self) -> list[str]:
@@ -393,16 +411,55 @@ class EdgeServer:
         self.away_since.pop(device_id, None)
 
     def _refusal(self, address: str) -> str | None:
+        """Why a new connection from `address` is refused, or None. A full server first makes room by displacing
+        a connection that has not completed its HELLO from the address holding the most connections, if that
+        address holds more than this one will (`_displace`)."""
         limits = self.config.limits
-        if sum(self.open_by_address.values()) >= limits.max_connections:
-            return f"server full ({limits.max_connections} connections)"
         if self.open_by_address[address] >= limits.max_connections_per_address:
             return f"too many connections from this address ({limits.max_connections_per_address})"
+        if sum(self.open_by_address.values()) >= limits.max_connections and not self._displace(address):
+            return f"server full ({limits.max_connections} connections)"
         return None
+
+    def _displace(self, address: str) -> bool:
+        """The fair share of a full server (issue #28: eight addresses reconnecting could hold all 1,024 slots):
+        close the oldest connection still without a successful HELLO of the address holding the most connections,
+        when it holds more than `address` would with the new one. Authenticated sessions are never displaced, so
+        a device with a valid token keeps its place, and a newcomer gets in while some address holds more than
+        its share in connections that have not authenticated. True when a place was freed."""
+        mine = self.open_by_address[address] + 1
+        candidates = [a for a, waiting in self.unauthenticated.items() if waiting and self.open_by_address[a] > mine]
+        if not candidates:
+            return False
+        victim = max(candidates, key=lambda a: self.open_by_address[a])
+        ws, conn = next(iter(self.unauthenticated[victim].items()))
+        self._forget_unauthenticated(victim, ws)
+        conn.displaced = True
+        self._count_closed(victim)  # its place is free now; its handler skips the count when it ends
+        log.warning("server full: displacing a connection from %s (%d open, not authenticated) for one from %s",
+                    victim, self.open_by_address[victim] + 1, address)
+        self.metrics.closed("displaced")
+        closing = asyncio.get_running_loop().create_task(ws.close(CLOSE_TRY_AGAIN, "server full: displaced by a fair share"))
+        self._closing.add(closing)   # held until done: the loop keeps only weak references to tasks
+        closing.add_done_callback(self._closing.discard)
+        return True
+
+    def _forget_unauthenticated(self, address: str, ws: ServerConnection) -> None:
+        waiting = self.unauthenticated.get(address)
+        if waiting is not None:
+            waiting.pop(ws, None)
+            if not waiting:
+                del self.unauthenticated[address]
+
+    def _count_closed(self, address: str) -> None:
+        self.open_by_address[address] -= 1
+        if not self.open_by_address[address]:
+            del self.open_by_address[address]
 
     def _screen(self, connection: ServerConnection, request: Any) -> Any:
         """Before the WebSocket upgrade: refuse over the connection limits with HTTP 503, which costs less than
-        upgrading and closing (`handle` checks again: connections upgrading at once all pass here)."""
+        upgrading and closing (`handle` checks again, and closes with 1013: connections upgrading at once all
+        pass here)."""
         refusal = self._refusal(_peer(connection))
         if refusal is None:
             return None
@@ -436,6 +493,7 @@ class EdgeServer:
         conn = _Connection(ws, ServerSession(self.info, authenticate, self.records, self.durable_through, self.board,
                                              self.relay, epsilon=self.metrics.epsilon, heads=self.heads,
                                              gradient_rounding=self.config.gradient_rounding))
+        self.unauthenticated.setdefault(address, {})[ws] = conn
         session = conn.session
         rate = RateLimit(self.config.limits.message_rate, self.config.limits.message_burst)
         try:
@@ -476,9 +534,9 @@ class EdgeServer:
             if session.device_id and self.connections.get(session.device_id, (None,))[0] is ws:
                 del self.connections[session.device_id]
                 self.away_since[session.device_id] = time.monotonic()
-            self.open_by_address[address] -= 1
-            if not self.open_by_address[address]:
-                del self.open_by_address[address]
+            self._forget_unauthenticated(address, ws)
+            if not conn.displaced:
+                self._count_closed(address)
             if rate.held:
                 log.info("%s from %s: %d messages held back by the rate limit", session.device_id, address, rate.held)
             conn.done.set()
@@ -490,6 +548,9 @@ class EdgeServer:
             return action.data
         if isinstance(action, Admit):
             conn.ws.protocol.max_message_size = self.info.max_message_bytes  # authenticated: the announced limit
+            self._forget_unauthenticated(_peer(conn.ws), conn.ws)          # no longer displaceable
+            if self.config.limits.message_timeout_s and hasattr(conn.ws, "message_timeout_s"):
+                conn.ws.message_timeout_s = self.config.limits.message_timeout_s   # device_sdk/fastws.py
             await self._admit(action.device_id, conn.ws, conn.done)
             self.metrics.sessions += 1
             if session.mode == "federated":

@@ -15,8 +15,17 @@ from protocol.transport import Message, fragments
 FORMAT = 1
 
 
-class NonFiniteState(ValueError):
+class RefusedState(ValueError):
+    """The state to save is not written; the previous checkpoint is kept."""
+
+
+class NonFiniteState(RefusedState):
     """The state to save holds NaN or infinity; the previous checkpoint is kept."""
+
+
+class ImplausibleStatistics(RefusedState):
+    """The batch norms' running statistics moved further since the last checkpoint than the batches in between
+    could move them (ServerTrainer.statistics_beyond); the previous checkpoint is kept."""
 
 
 def non_finite(state: Any, where: str = "") -> list[str]:

@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
                   "--run-dir", str(run_dir / "server"), "--lr", str(args.lr), "--decay-steps", str(decay_steps),
                   "--max-batch", str(args.batch_size), "--seed", str(args.seed), "--train-only", args.train_only,
                   "--record-max", str(args.record_max), "--gradient-rounding", args.gradient_rounding,
-                  "--head-lr-scale", str(args.head_lr_scale)]
+                  "--head-lr-scale", str(args.head_lr_scale),
+                  "--release-noise-std", repr(devices_noise_std(args, extra))]
     if args.server_init:
         server_cmd += ["--init", str(args.server_init)]
     server_log = open(run_dir / "server.log", "w")
@@ -177,11 +178,22 @@ def initial_weights(args: argparse.Namespace, extra: list[str]) -> Path | None:
         if not path.is_file():
             raise SystemExit(f"--init: {path} is not a file (give scratch, distilled or a backbone file)")
         return path
+    return distilled_start(model_spec(args), args.split, release_mechanism(_privacy_options(extra)), args.data,
+                           progress="--no-progress" not in extra)
+
+
+def _privacy_options(extra: list[str]) -> argparse.Namespace:
+    """The devices' privacy options among the simulator's arguments in `extra`."""
     privacy = argparse.ArgumentParser(add_help=False)
     add_privacy_args(privacy)
     known, _ = privacy.parse_known_args(extra)
-    return distilled_start(model_spec(args), args.split, release_mechanism(known), args.data,
-                           progress="--no-progress" not in extra)
+    return known
+
+
+def devices_noise_std(args: argparse.Namespace, extra: list[str]) -> float:
+    """The noise std per released value of the devices' mechanism, for the server's release-aware bound
+    (--release-noise-std): the simulator plans --target-epsilon over --epochs releases per image, and so does this."""
+    return release_mechanism(_privacy_options(extra), releases_per_image=args.epochs).value_noise_std()
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)

@@ -142,6 +142,17 @@ async def _bounded(ws: Any, stream: AsyncIterator[Any], seen: int) -> AsyncItera
         yield fragment
 
 
+def release_free_memory() -> bool:
+    """Hand the allocator's free memory back to the system (glibc's malloc_trim): after `reuse_large_buffers` it
+    keeps its peak heap, which is right for the next honest message and wrong after a message that will never come
+    whole (a half-sent one, dropped). Returns whether anything was released; False off glibc."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    path = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(path), "malloc_trim", None) if path else None
+    return bool(trim(0)) if trim is not None else False
+
+
 _tuned: bool | None = None
 
 

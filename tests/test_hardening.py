@@ -170,7 +170,8 @@ async def _close_code(ws, within: float = 10.0) -> int:
 @pytest.mark.slow
 def test_pre_auth_limits(tmp_path):
     """Before HELLO: small messages only, a HELLO deadline that trickled partial frames do not extend, and
-    connection caps per address and in total; after HELLO the announced message limit applies."""
+    connection caps per address and in total (a full server displacing the largest address's unauthenticated
+    connections first); after HELLO the announced message limit applies."""
     trainer = _trainer()
     limits = Limits(pre_auth_max_bytes=4096, hello_timeout_s=1.0, max_connections=3, max_connections_per_address=2)
     with serve_in_thread(trainer, tmp_path, max_batch=8, max_message_bytes=4 << 20, limits=limits) as server:
@@ -190,13 +191,17 @@ def test_pre_auth_limits(tmp_path):
                 await connect(server.url, compression=None)
             assert third.value.response.status_code == 503
             other = await connect(server.url, compression=None, local_addr=("127.0.0.2", 0))  # total: 3
+            # full: a newcomer from 127.0.0.3 displaces the oldest unauthenticated connection of the address that
+            # holds the most (127.0.0.1, 2), closed 1013; then no address holds more than a newcomer's share
+            third = await connect(server.url, compression=None, local_addr=("127.0.0.3", 0))
+            assert await _close_code(idle) == 1013
             with pytest.raises(InvalidStatus, match="503") as full:
-                await connect(server.url, compression=None, local_addr=("127.0.0.3", 0))
+                await connect(server.url, compression=None, local_addr=("127.0.0.4", 0))
             assert b"server full" in full.value.response.body
-            for ws in (idle, other):
+            for ws in (other, third):
                 await asyncio.sleep(0.2)
                 trickle.transport.write(b"\x00")                            # keeps trickling: no extension
-            for ws in (idle, trickle, other):
+            for ws in (trickle, other, third):
                 assert await _close_code(ws, 10) == 1008
             for _ in range(50):                                             # the handlers finish just after
                 if not server.server.open_by_address:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..transforms import RELEASES, TRANSFORMS, dct_channels
+from ..transforms import RELEASES, TRANSFORMS, dct_channels, transform_range
 from .iresnet import LAYERS as IRESNET_LAYERS
 from .iresnet import iter_iresnet_stages
 from .lrn import PaperLRN
@@ -39,6 +39,7 @@ __all__ = [
     "split_backbone",
     "activation_shape",
     "split_shape",
+    "release_range",
     "RELEASE_KEYS",
     "build_classifier",
     "to_input",
@@ -365,6 +366,23 @@ def activation_shape(spec: ModelSpec, split: str) -> tuple[int, int, int]:
     if out.dim() != 4:
         raise ValueError(f"split {split!r} does not produce a (C, H, W) activation (got shape {tuple(out.shape)})")
     return int(out.shape[1]), int(out.shape[2]), int(out.shape[3])
+
+
+def release_range(spec: ModelSpec, split: str) -> tuple[float, float] | None:
+    """[lo, hi] holding every value an honest device releases at `split` before its privacy noise, or None where
+    nothing bounds it a priori (a later stage's output, released as it is). A stage ending in the paper's LRN gives
+    [0, 1) (ReLU inputs: a / sqrt(2 + a^2 + ...) < 1), and so does its average (release_pool); a transform has its
+    own range (transforms.transform_range). Clipping (the per-image mechanism) scales towards 0, inside each range."""
+    if spec.release != "none":
+        return transform_range(spec)
+    stage = _stages_on_meta(spec)[split]
+    last = stage[-1] if isinstance(stage, nn.Sequential) and len(stage) else stage
+    return (0.0, 1.0) if isinstance(last, PaperLRN) else None
+
+
+def _stages_on_meta(spec: ModelSpec) -> "OrderedDict[str, nn.Module]":
+    with torch.device("meta"):
+        return _stages(spec)
 
 
 def to_input(images: np.ndarray) -> torch.Tensor:

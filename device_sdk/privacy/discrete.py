@@ -249,6 +249,11 @@ class DiscreteGaussianMechanism(Mechanism):
         """One image's release: rho-zCDP, composed by dp_accounting's RDP accountant."""
         return dpe.ZCDpEvent(float(self.rho()))
 
+    def value_noise_std(self) -> float:
+        """The noise std plus one public step: rounding to the step moves a value by up to half of one (and the
+        server's bound is many of these, so an honest release never reaches it)."""
+        return float(self.describe()["noise_std"]) + self.step
+
     def describe(self) -> dict:
         return {"name": self.name, "clip_norm": self.clip_norm, "noise_multiplier": self.noise_multiplier,
                 "step": self.step, "bound_steps": self.bound, "sigma2_steps": str(self.noise.sigma2),

@@ -72,6 +72,12 @@ class Mechanism:
         them (no clip, no scaling): what a runtime may draw itself under the release's key. None otherwise."""
         return None
 
+    def value_noise_std(self) -> float:
+        """The largest noise std on any one released value: what a server's release-aware bound must leave room
+        for (`splitface-server serve --release-noise-std`). Every noise here is i.i.d. per value at this std or,
+        with frequency_gamma, at z C / w_f <= z C (the weights w_f are >= 1)."""
+        return float(self.describe()["noise_std"])
+
     @property
     def adds_noise(self) -> bool:
         """Whether a release draws noise (a release made again on other values must then draw afresh)."""

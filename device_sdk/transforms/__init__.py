@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .bottleneck import Bottleneck, Expand
-from .dct import BLOCK, BlockDCT, FrequencyStem, random_keep_mask
+from .dct import BLOCK, BlockDCT, FrequencyStem, coefficient_range, random_keep_mask
 from .mask import ImageRelease, MaskedReconstruction, patch_grid, random_patch_mask
 
 if TYPE_CHECKING:
@@ -85,6 +85,18 @@ TRANSFORMS: dict[str, Transform] = {
         replaces_device=True),
 }
 RELEASES = ("none", *TRANSFORMS)
+
+
+def transform_range(spec: "ModelSpec") -> tuple[float, float]:
+    """The range of an honest release by a transform, before any noise: what the server may expect of it (tanh's
+    (-1, 1); the image's block DCT of pixels in [0, 1]; the image itself with patches zeroed)."""
+    if spec.release == "bottleneck":
+        return -1.0, 1.0
+    if spec.release == "dct":
+        return coefficient_range(spec.dct_drop)
+    if spec.release == "mask":
+        return 0.0, 1.0
+    raise ValueError(f"no transform {spec.release!r}")
 
 
 def release_mask(spec: "ModelSpec", n: int, release_shape: Shape, generator: torch.Generator) -> torch.Tensor | None:

@@ -43,6 +43,15 @@ def dct_basis(drop: int = 1) -> torch.Tensor:
     return torch.stack([torch.outer(d[u], d[v]) for u, v in zigzag()[drop:]]).unsqueeze(1).float()
 
 
+def coefficient_range(drop: int = 1) -> tuple[float, float]:
+    """The range of every released coefficient of an image with pixels in [0, 1]: a coefficient is sum b p over
+    its block, lowest with the pixels at 1 where its basis b is negative, highest where it is positive (float64,
+    exact up to rounding; bilinear upsampling mixes pixels convexly and keeps them in [0, 1])."""
+    d = dct_matrix()
+    filters = [torch.outer(d[u], d[v]) for u, v in zigzag()[drop:]]
+    return (min(float(f.clamp(max=0).sum()) for f in filters), max(float(f.clamp(min=0).sum()) for f in filters))
+
+
 def frequency_weights(drop: int, gamma: float) -> torch.Tensor:
     """(3 (64 - drop), 1, 1) per-channel weights ((1 + u + v) / (1 + u0 + v0))^gamma of the released frequencies,
     colour-major like BlockDCT's channels; (u0, v0) is the lowest released frequency, whose weight is 1.
