@@ -17,13 +17,22 @@ import asyncio
 import contextlib
 import dataclasses
 import math
+import os
 import socket
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
 from .data import DataSplit
 from .simulator import SimConfig, device_ranges, merge_results, run_simulation, write_results
+
+
+class ActorRun(NamedTuple):
+    """What an actor sends back: its devices' results and final layers, and where and at what priority they ran."""
+    results: dict[str, Any]
+    layers: dict[str, dict[str, torch.Tensor]]
+    node: str
+    niceness: int
 
 
 class DeviceActor:
@@ -32,10 +41,9 @@ class DeviceActor:
     def __init__(self, threads: int) -> None:
         torch.set_num_threads(threads)
 
-    def run(self, config: SimConfig, data: DataSplit,
-            tokens: dict[str, str]) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]], str]:
+    def run(self, config: SimConfig, data: DataSplit, tokens: dict[str, str]) -> ActorRun:
         results, layers = asyncio.run(run_simulation(config, data, tokens))
-        return results, layers, socket.gethostname()
+        return ActorRun(results, layers, socket.gethostname(), os.nice(0))
 
 
 @contextlib.contextmanager
@@ -50,7 +58,11 @@ def ray_session(address: str | None) -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
-    ray.init(address=address, include_dashboard=False)
+    # Ray starts its workers at niceness 15 (its own processes stay responsive); here the workers are the devices,
+    # which should compete for the CPU as local processes do: on this loaded 2-core machine they ran 3-8x slower
+    # per batch at 15 (results/ray_sim/). A cluster's own setting holds there (RAY_worker_niceness=0 ray start ...).
+    ray.init(address=address, include_dashboard=False,
+             **({"_system_config": {"worker_niceness": 0}} if address is None else {}))
     try:
         yield
     finally:
@@ -91,8 +103,8 @@ def simulate_on_ray(config: SimConfig, data: DataSplit, tokens: dict[str, str], 
     finally:
         for a in actors:
             ray.kill(a)
-    merged = merge_results([results for results, _, _ in done], placement="ray", actors=len(parts),
-                           cpus_per_actor=cpus, nodes=sorted({node for _, _, node in done}))
+    merged = merge_results([run.results for run in done], placement="ray", actors=len(parts), cpus_per_actor=cpus,
+                           nodes=sorted({run.node for run in done}), niceness=sorted({run.niceness for run in done}))
     merged["config"]["only_devices"] = list(config.only_devices) if config.only_devices else None
-    write_results(config.results, merged, {k: v for _, layers, _ in done for k, v in layers.items()})
+    write_results(config.results, merged, {k: v for run in done for k, v in run.layers.items()})
     return merged

@@ -7,7 +7,8 @@ index), its layer starts from the same seeded weights and runs on one torch thre
 this process computes with the same thread count for both, so every float operation is the same one. With two
 devices the server interleaves their batches by timing, so both sides learn at rate 0 there: every batch's loss
 then depends only on its images and the initial weights (the server tail's batch norm normalises by the batch's own
-statistics in training). One device learns at the usual rates: its batches reach the server in one order only."""
+statistics in training). One device learns at the usual rates: its batches reach the server in one order only.
+The actors' CPU shares (fast): all of them fit on the cluster at once."""
 from __future__ import annotations
 
 import json
@@ -21,16 +22,16 @@ import torch
 from device_sdk.cli import main as sim_main
 from device_sdk.engine import initial_layer
 from device_sdk.models import ModelSpec
+from device_sdk.ray_placement import cpus_per_actor
 from device_sdk.simulator import batches_per_epoch, merge_results
 from tests.conftest import ROOT, TOKENS, serve_in_thread, small_trainer
 
 ray = pytest.importorskip("ray", reason="the Ray placement needs the `ray` extra (pip install splitface[ray])")
 
-pytestmark = pytest.mark.slow
-
 TINY = ModelSpec("iresnet", 16, width=4, depth=18, embedding_size=16, dropout=0.0)
 IDENTITIES = 4
-PLACEMENT_KEYS = {"placement", "actors", "cpus_per_actor", "nodes", "processes"}  # where it ran, not what it did
+# where the devices ran, not what they did
+PLACEMENT_KEYS = {"placement", "actors", "cpus_per_actor", "nodes", "niceness", "processes"}
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +82,14 @@ def on_ray(lfw: Path, tmp_path: Path, devices: int, lr: float) -> dict:
     return json.loads(results.read_text())
 
 
+def test_every_actor_asks_for_a_share_of_the_cpus_that_lets_all_run_at_once():
+    for actors, cpus in [(64, 2), (3, 2), (2, 2), (1, 16), (7, 3)]:
+        share = cpus_per_actor(actors, cpus)
+        assert 0 < share <= 1 and actors * share <= cpus   # Ray places them all at once, none waits for a CPU
+        assert share == 1 or actors * (share + 1e-4) > cpus   # and no smaller than Ray's step makes it
+    assert cpus_per_actor(64, 2) == 0.0312 and cpus_per_actor(2, 2) == 1.0
+
+
 def per_batch(results: dict) -> list[list[tuple]]:
     """What each device's batches gave: (batch id, images, loss, correct), by device."""
     return [[(b["batch_id"], b["n"], b["loss"], b["n_correct"]) for b in d["batches"]] for d in results["devices"]]
@@ -95,6 +104,7 @@ def shape(value) -> object:
     return None
 
 
+@pytest.mark.slow
 def test_two_devices_on_ray_give_the_per_batch_losses_of_local_processes(local_ray, lfw, tmp_path):
     local = on_local_processes(lfw, tmp_path, devices=2, lr=0.0)
     placed = on_ray(lfw, tmp_path, devices=2, lr=0.0)
@@ -112,6 +122,7 @@ def test_two_devices_on_ray_give_the_per_batch_losses_of_local_processes(local_r
     assert layers == ["device-0.pt", "device-1.pt"]   # sent back by the actors, written here
 
 
+@pytest.mark.slow
 def test_one_device_learning_on_ray_equals_a_local_process_bit_for_bit(local_ray, lfw, tmp_path):
     local = on_local_processes(lfw, tmp_path, devices=1, lr=0.05)
     placed = on_ray(lfw, tmp_path, devices=1, lr=0.05)
