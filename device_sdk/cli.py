@@ -92,6 +92,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--only-devices", type=device_range, default=None, metavar="START:STOP",
                    help="run only devices START..STOP-1 of --devices here, each with the share and seeds it has in a "
                         "run of all of them; the others run in other processes (splitface-demo --device-processes)")
+    p.add_argument("--placement", choices=("local", "ray"), default="local",
+                   help="where the simulated devices run: local (all in this process, as asyncio tasks) or ray (each "
+                        "device a Ray actor, all at once, on a local Ray instance or the cluster at --ray-address; "
+                        "docs/load_and_faults.md). Named apart from --backend, which says what runs each device's "
+                        "layer wherever the device runs; the results are the same either way")
+    p.add_argument("--ray-address", default=None,
+                   help="--placement ray: the Ray cluster to join ('auto', or HOST:PORT of `ray start --head`); every "
+                        "node needs the data at the same path, this project installed, and a route to --server "
+                        "(default: start a local Ray instance on this machine's cores)")
+    p.add_argument("--devices-per-actor", type=int, default=1,
+                   help="--placement ray: devices each actor runs (as asyncio tasks); more than 1 saves a process, "
+                        "about 200 MB, per device on a small machine")
     add_privacy_args(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
@@ -112,12 +124,19 @@ def main(argv: list[str] | None = None) -> None:
         config.devices_here()
     except ValueError as exc:
         p.error(f"--only-devices: {exc}")
+    if args.devices_per_actor < 1:
+        p.error("--devices-per-actor must be at least 1")
     tokens = json.loads(args.tokens.read_text())
     print(f"{len(data.class_names)} identities, {len(data.train)} train / {len(data.test)} test images; "
           f"{args.devices} devices, {args.head} head, {spec.family} {spec.input_size}px; "
           f"privacy state in {config.state_dir}", flush=True)
     try:
-        results = asyncio.run(simulate(config, data, tokens))
+        if args.placement == "ray":
+            from .ray_placement import ray_session, simulate_on_ray
+            with ray_session(args.ray_address):
+                results = simulate_on_ray(config, data, tokens, args.devices_per_actor, args.threads)
+        else:
+            results = asyncio.run(simulate(config, data, tokens))
     except StateFileError as exc:
         raise SystemExit(f"splitface-sim: {exc}") from exc
     for e in results["epochs"]:

@@ -267,8 +267,10 @@ def summarize(devices: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-async def simulate(config: SimConfig, data: DataSplit, tokens: dict[str, str]) -> dict[str, Any]:
-    """Run every device to the end; write and return the results."""
+async def run_simulation(config: SimConfig, data: DataSplit,
+                         tokens: dict[str, str]) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+    """Run this process's devices to the end: (the results, each device's final layer by device id). Writes
+    nothing, so that a caller elsewhere (a Ray actor on another node) can send both back to the experimenter."""
     device_ids = sorted(tokens)[:config.num_devices]
     if len(device_ids) < config.num_devices:
         raise ValueError(f"{config.num_devices} devices but tokens for only {len(device_ids)}")
@@ -298,17 +300,41 @@ async def simulate(config: SimConfig, data: DataSplit, tokens: dict[str, str]) -
         "epochs": summarize(list(per_device)),
         "devices": list(per_device),
     }
-    if config.results:
-        config.results.parent.mkdir(parents=True, exist_ok=True)
-        config.results.write_text(json.dumps(results, indent=2))
-        save_device_layers(config.results.parent / "device_layers", devices)
+    return results, {d.client.device_id: d.client.engine.layer.state_dict() for d in devices}
+
+
+async def simulate(config: SimConfig, data: DataSplit, tokens: dict[str, str]) -> dict[str, Any]:
+    """Run every device to the end; write and return the results."""
+    results, layers = await run_simulation(config, data, tokens)
+    write_results(config.results, results, layers)
     return results
 
 
-def save_device_layers(folder: Path, devices: list[SimulatedDevice]) -> None:
-    """Each device's final layer, `<folder>/<device id>.pt`, so that the run can be evaluated afterwards
-    (edge_server.evaluation). It is written on the experimenter's machine, beside the results; nothing
-    here goes to the server."""
+def write_results(path: Path | None, results: dict[str, Any], layers: dict[str, dict[str, torch.Tensor]]) -> None:
+    """results.json at `path` and each device's final layer beside it, `device_layers/<device id>.pt`, so that the
+    run can be evaluated afterwards (edge_server.evaluation). They are written on the experimenter's machine;
+    nothing here goes to the server. None: nothing is written."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+    folder = path.parent / "device_layers"
     folder.mkdir(parents=True, exist_ok=True)
-    for device in devices:
-        torch.save(device.client.engine.layer.state_dict(), folder / f"{device.client.device_id}.pt")
+    for device_id, state in layers.items():
+        torch.save(state, folder / f"{device_id}.pt")
+
+
+def device_ranges(devices: int, parts: int) -> list[tuple[int, int]]:
+    """The devices [start, stop) each of `parts` simulator processes or Ray actors runs: contiguous, sizes
+    differing by at most one."""
+    bounds = [k * devices // parts for k in range(parts + 1)]
+    return [(bounds[k], bounds[k + 1]) for k in range(parts)]
+
+
+def merge_results(parts: list[dict[str, Any]], **placement: Any) -> dict[str, Any]:
+    """One results.json from the parts' own (each ran some of the devices: `only_devices`): every device, the
+    per-epoch totals over all of them. `placement` (e.g. processes=4, or placement="ray", actors=64) is recorded
+    in its config; the devices' own figures are the same whichever ran them."""
+    devices = [d for part in parts for d in part["devices"]]
+    return {"config": {**parts[0]["config"], "only_devices": None, **placement},
+            "wall_s": max(part["wall_s"] for part in parts), "epochs": summarize(devices), "devices": devices}

@@ -24,6 +24,7 @@ from device_sdk.cli import load_data
 from device_sdk.models import ModelSpec
 from device_sdk.options import (add_data_args, add_devices_args, add_model_args, add_privacy_args, add_training_args,
                                 data_argv, model_argv, model_spec, release_mechanism)
+from device_sdk.simulator import device_ranges, merge_results
 
 from .auth import issue_tokens
 from .cli import add_tail_args
@@ -116,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
         if failed is not None:
             raise SystemExit(f"the device simulator failed (exit {failed}); server log: {run_dir / 'server.log'}")
         if len(parts) > 1:
-            merged = merge_results([json.loads(part_results(run_dir, k).read_text()) for k in range(len(parts))])
+            merged = merge_results([json.loads(part_results(run_dir, k).read_text()) for k in range(len(parts))],
+                                   processes=len(parts))
             (run_dir / "results.json").write_text(json.dumps(merged, indent=2))
     except Stopped as stop:
         print(f"splitface-demo: {stop.name}: stopping the devices and the edge server", file=sys.stderr, flush=True)
@@ -135,25 +137,10 @@ def main(argv: list[str] | None = None) -> None:
     _report(run_dir, data)
 
 
-def device_ranges(devices: int, processes: int) -> list[tuple[int, int]]:
-    """The devices [start, stop) each simulator process runs: contiguous, sizes differing by at most one."""
-    bounds = [k * devices // processes for k in range(processes + 1)]
-    return [(bounds[k], bounds[k + 1]) for k in range(processes)]
-
-
 def part_results(run_dir: Path, k: int) -> Path:
     """Simulator process k's results (beside results.json, so that the device layers and privacy states of every
     process land in the run's one device_layers/ and privacy_state/)."""
     return run_dir / f"results.part-{k}.json"
-
-
-def merge_results(parts: list[dict]) -> dict:
-    """One results.json from the simulator processes' own: every device, the per-epoch totals over all of them."""
-    from device_sdk.simulator import summarize
-
-    devices = [d for part in parts for d in part["devices"]]
-    return {"config": {**parts[0]["config"], "only_devices": None, "processes": len(parts)},
-            "wall_s": max(part["wall_s"] for part in parts), "epochs": summarize(devices), "devices": devices}
 
 
 def _wait_all(procs: list[subprocess.Popen]) -> int | None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from edge_server.demo import device_ranges
+from device_sdk.simulator import device_ranges
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "full_size.py"
