@@ -34,10 +34,10 @@ public final class AppRun implements AutoCloseable {
                             : String.format(Locale.ROOT, "  eps %.3g left %.3g", m.epsilonSpent(), m.epsilonLeft()));
         }
 
-        /** Cli's JSON line: BatchMetrics' keys, energy_mah from the battery, and the energy's own keys. */
+        /** Cli's JSON line: BatchMetrics' keys (energy_mah from the battery), then energy_mj, its source, charging. */
         public String toJson() {
             String json = metrics.toJson(), e = energy.toJson();
-            return json.substring(0, json.length() - 1) + ", " + e.substring(1);
+            return json.substring(0, json.length() - 1) + ", " + e.substring(e.indexOf("\"energy_mj\""));
         }
     }
 
@@ -72,11 +72,11 @@ public final class AppRun implements AutoCloseable {
         Sgd sgd = bundle.sgd(layer, order.length);
         total = (long) bundle.batchesPerEpoch(order.length) * bundle.epochs;
         ClientSession session = bundle.session(deviceId, token);
-        BudgetGuard guard = bundle.guard();
-        if (guard != null && stateDir != null)   // durable: a restarted app resumes its spent epsilon, never 0
-            guard.persistIn(BudgetGuard.stateFile(stateDir, deviceId), deviceId);
-        trainer = bundle.trainer(layer, sgd);
+        trainer = bundle.trainer(layer, sgd);   // first: programs that do not fit stop the run before any state is written
         try {
+            BudgetGuard guard = bundle.guard();
+            if (guard != null && stateDir != null)   // durable: a restarted app resumes its spent epsilon, never 0
+                guard.persistIn(BudgetGuard.stateFile(stateDir, deviceId), deviceId);
             client = new DeviceClient(url, transports, session, trainer, bundle.noise(), guard, 120_000, 10, maxMessageBytes);
             if (stateDir != null) client.persistIn(new TrainingState(TrainingState.stateFile(stateDir, deviceId), session));
         } catch (RuntimeException e) {
