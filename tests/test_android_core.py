@@ -150,13 +150,14 @@ def run_java(java, job: dict, tmp_path: Path, *options: str) -> subprocess.Compl
     return subprocess.run([*java, "train", str(path), *options], capture_output=True, text=True, timeout=300)
 
 
-def check_java_steps(job: dict, faces, received: list, weights_out: Path) -> None:
+def check_java_steps(job: dict, faces, received: list, weights_out: Path, layer: torch.nn.Module | None = None) -> None:
     """Every step of a Java run (`train_job` with "weights_out") held to float64 eager PyTorch along the run's own
     trajectory (tests/steps.py): its releases at its weights before each step, and each SGD step from them with
-    the gradient the server sent back (`received`: the RecordingTrainer's, one per step)."""
+    the gradient the server sent back (`received`: the RecordingTrainer's, one per step). `layer`: the run's
+    starting layer (default: `device_layer(None)`)."""
     images, _, _ = faces
     assert job["weight_decay"] == 0.0 and job["lrn"]["input_max"] is None   # what Float64Layer and SgdReplay model
-    layer = device_layer(None)
+    layer = device_layer(None) if layer is None else layer
     weights = [p.detach().clone() for p in layer.parameters()]
     batch, per_epoch = job["batch_size"], -(-len(images) // job["batch_size"])
     record = 8 + 4 * sum(w.numel() for w in weights)   # batch id (int64), weight and bias (float32)
@@ -353,3 +354,148 @@ def test_java_device_killed_mid_epoch_rejoins_the_same_run(java, faces, tmp_path
     assert all(torch.equal(got[k], want[k]) for k in want)
     record = (tmp_path / "plain.weights").stat().st_size // 8   # the layer after batch 8, the last record of each
     assert (tmp_path / "killed.weights").read_bytes()[-record:] == (tmp_path / "plain.weights").read_bytes()[-record:]
+
+
+# ---- the app's folder (splitface-export --app) through the app's run (`Cli app`: AppBundle, AppRun) ----------------
+
+@pytest.fixture(scope="module")
+def app_folder(tmp_path_factory, faces) -> Path:
+    """`splitface-export --app` as a developer runs it: the strip programs, the seeded starting layer, the job."""
+    from export.cli import main as export_main
+
+    out = tmp_path_factory.mktemp("app") / "bundle"
+    (out.parent / "classes.txt").write_text("".join(f"person-{k}\n" for k in range(faces[2])))
+    export_main(["--model", MODEL, "--app", "--num-classes", str(faces[2]), "--batch-size", "16", "--epochs", "2",
+                 "--lr", "0.005", "--lr-decay", "0.1", "--classes", str(out.parent / "classes.txt"), "--out", str(out)])
+    return out
+
+
+def run_app(java, folder: Path, tmp_path: Path, **device) -> subprocess.CompletedProcess:
+    """`Cli app FOLDER DEVICE`: DEVICE holds what the phone's user and storage give (library, id, token, photos)."""
+    from device_sdk.runtimes.native import jni_library
+
+    path = tmp_path / "device.msgpack"
+    path.write_bytes(msgpack.packb({"library": str(jni_library()), "device_id": "device-0", "token": TOKENS["device-0"],
+                                    **device}))
+    return subprocess.run([*java, "app", str(folder), str(path)], capture_output=True, text=True, errors="replace",
+                          timeout=300)
+
+
+def test_app_folder_trains_against_the_python_server(java, faces, app_folder, tmp_path):
+    """The exported folder is all the app needs: its run (the JNI strip trainer from the exported layer, the job's
+    batch size, epochs and SGD) trains two epochs against the real server on loopback, every batch applied once and
+    every step eager PyTorch's along the run's trajectory; per batch it reports the device's latency, and energy as
+    not reported (a JVM has no battery), never a figure."""
+    images, labels, classes = faces
+    job = msgpack.unpackb((app_folder / "job.msgpack").read_bytes())
+    layer_job = msgpack.unpackb((app_folder / "layer.msgpack").read_bytes())
+    assert job["url"] == "wss://EDGE-SERVER.invalid:8765" and job["batch_size"] == 16 and job["num_classes"] == classes
+    assert job["model"] == resolve_spec(MODEL).to_dict() and job["split"] == "conv1" and job["epsilon"] is None
+    assert job["classes"] == [f"person-{k}" for k in range(classes)]
+    start = device_layer(None)   # the starting weights are the export's: the layer the steps are replayed from
+    with torch.no_grad():
+        for p, name in zip(start.parameters(), ("weight", "bias")):
+            p.copy_(torch.from_numpy(np.frombuffer(layer_job[name], "<f4").copy()).reshape(p.shape))
+    with serve_in_thread(recording_trainer(classes, MODEL, lr=0.05), tmp_path / "server") as server:
+        run = run_app(java, app_folder, tmp_path, url=server.url, images=images.tobytes(), shape=list(images.shape),
+                      labels=[int(y) for y in labels], weights_out=str(tmp_path / "weights"))
+        steps, received = server.trainer.steps, server.trainer.received
+    assert run.returncode == 0, run.stderr
+    batches = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [b["batch_id"] for b in batches] == list(range(1, 9)) and steps == 8
+    check_java_steps({**job, **layer_job}, faces, received, tmp_path / "weights", layer=start)
+    assert all(b["forward_ms"] > 0 and b["backward_ms"] > 0 for b in batches)
+    assert all(b["energy_mah"] is None and b["energy_mj"] is None and b["energy_source"] is None for b in batches)
+    assert run.stderr.count("energy not reported by this phone") == 8, run.stderr
+
+
+def test_app_folder_is_checked_against_its_manifest(java, faces, app_folder, tmp_path):
+    """A folder that does not match its manifest, or whose programs do not fit its layer, stops the app before
+    anything is built or sent (exit 65), naming the file and what is wrong; so does a job without a server."""
+    import hashlib
+    import shutil
+
+    from export.app_bundle import MANIFEST
+    from export.artifacts import RELEASE_STRIP_PTE, write_strip_ptes
+
+    def broken(name: str, change) -> Path:
+        folder = tmp_path / name
+        shutil.copytree(app_folder, folder)
+        change(folder)
+        return folder
+
+    def resign(folder: Path, **manifest) -> None:   # a manifest rewritten to match whatever the folder now holds
+        m = msgpack.unpackb((folder / MANIFEST).read_bytes())
+        for name, entry in m["files"].items():
+            data = (folder / name).read_bytes()
+            entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        (folder / MANIFEST).write_bytes(msgpack.packb({**m, **manifest}))
+
+    def other_programs(folder: Path) -> None:   # strips of 8 rows where the manifest says 4
+        write_strip_ptes(device_layer(None), 8, 64, tmp_path / "rows8")
+        shutil.copy(tmp_path / "rows8" / RELEASE_STRIP_PTE, folder / RELEASE_STRIP_PTE)
+        shutil.copy(tmp_path / "rows8" / "vjp_strip.pte", folder / "vjp_strip.pte")
+        resign(folder)
+
+    images, labels, _ = faces
+    photos = {"images": images.tobytes(), "shape": list(images.shape), "labels": [int(y) for y in labels]}
+    url = {"url": "ws://127.0.0.1:9"}   # nothing listens: every case stops before connecting
+    cases = [
+        (broken("missing", lambda f: (f / "vjp_strip.pte").unlink()), url,
+         r"vjp_strip\.pte is missing \(listed in bundle\.msgpack\)"),
+        (broken("truncated", lambda f: (f / "release_strip.pte").write_bytes(
+            (f / "release_strip.pte").read_bytes()[:-1])), url,
+         r"release_strip\.pte does not match bundle\.msgpack: \d+ bytes, sha256 [0-9a-f]{64}; expected \d+ bytes"),
+        (broken("no-manifest", lambda f: (f / MANIFEST).unlink()), url,
+         r"has no bundle\.msgpack: not a folder from splitface-export --app"),
+        (broken("version", lambda f: resign(f, version=2)), url,
+         r"format splitface-app version 2; this app reads splitface-app version 1"),
+        (broken("rows", other_programs), url,
+         r"release_strip\.pte takes .* = \[3, 16, 8, 64, 3, 3\], but layer\.msgpack and bundle\.msgpack say "
+         r"\[3, 16, 4, 64, 3, 3\]"),
+        (app_folder, {}, r"job\.msgpack names no server \(exported without --url\): give the server's URL"),
+    ]
+    for folder, device, why in cases:
+        run = run_app(java, folder, tmp_path, **device, **photos)
+        assert run.returncode == 65 and re.search(why, run.stderr), (folder.name, run.returncode, run.stderr)
+
+
+def test_export_refuses_an_app_folder_the_strip_trainer_cannot_run(tmp_path):
+    """The app's trainer runs conv1 + ReLU + LRN released as is: another release or split, noise without the clamp
+    its sensitivity needs, a budget without noise, or a class list of the wrong length is refused by the export with
+    the reason, and nothing is written."""
+    from export.cli import main as export_main
+
+    base = ["--model", MODEL, "--app", "--num-classes", "4", "--out", str(tmp_path / "out")]
+    (tmp_path / "three.txt").write_text("a\nb\nc\n")
+    for extra, why in ((["--classes", str(tmp_path / "three.txt")], "3 class names for 4 classes"),
+                       (["--release", "dct"], "not through the dct release"),
+                       (["--split", "layer1"], "runs the conv1 split only, not layer1"),
+                       (["--epsilon", "3"], "needs the LRN inputs clamped to [0, 1] (--dp-clamp)"),
+                       (["--budget", "3"], "--budget needs --epsilon")):
+        with pytest.raises(SystemExit, match=re.escape(why)):
+            export_main(base + extra)
+    assert not (tmp_path / "out").exists()
+
+
+def test_app_folder_with_noise_stops_at_its_budget(java, faces, tmp_path):
+    """An app folder with the noise and a budget (--dp-clamp --epsilon --budget: schedule.msgpack): the app's run
+    noises every release, reports its spent epsilon to the server, and stops before the first release past the
+    budget (one release of each image, not two), nothing sent; its budget state is in the device's folder."""
+    from export.cli import main as export_main
+
+    schedule = release_schedule(10.0, 1e-5, 16 * 64 * 64, 2)
+    budget = (schedule[0] + schedule[1]) / 2
+    export_main(["--model", MODEL, "--app", "--num-classes", str(faces[2]), "--batch-size", "16", "--epochs", "2",
+                 "--dp-clamp", "--epsilon", "10", "--budget", str(budget), "--out", str(tmp_path / "bundle")])
+    assert msgpack.unpackb((tmp_path / "bundle" / "schedule.msgpack").read_bytes())["epsilon_after"] == schedule
+    images, labels, classes = faces
+    with serve_in_thread(small_trainer(classes, MODEL, lr=0.05), tmp_path / "server") as server:
+        run = run_app(java, tmp_path / "bundle", tmp_path, url=server.url, images=images.tobytes(),
+                      shape=list(images.shape), labels=[int(y) for y in labels], state_dir=str(tmp_path / "state"))
+        steps, reported = server.trainer.steps, server.server.metrics.epsilon["device-0"]
+    assert run.returncode == 3 and "privacy budget spent" in run.stderr, run.stderr
+    batches = [json.loads(line) for line in run.stdout.splitlines()]
+    assert len(batches) == 4 and steps == 4
+    assert batches[-1]["epsilon_spent"] == pytest.approx(schedule[0], rel=1e-6) and reported == schedule[0]
+    assert (tmp_path / "state" / "device-0.budget.msgpack").exists()

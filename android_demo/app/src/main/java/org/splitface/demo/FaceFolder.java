@@ -6,9 +6,10 @@ import java.io.File;
 import java.util.ArrayList;
 import java.util.Arrays;
 import java.util.List;
+import org.splitface.core.AppRun;
 
 /** faces/<identity>/<image>.jpg on the phone: centre crop 160 px, resize, CHW floats in [0, 1] (as device_sdk.data). */
-final class FaceFolder {
+final class FaceFolder implements AppRun.Faces {
     final List<File> images = new ArrayList<>();
     final List<Integer> labels = new ArrayList<>();
 
@@ -26,7 +27,11 @@ final class FaceFolder {
         if (images.isEmpty()) throw new IllegalArgumentException("no face images under " + root + " for the configured classes");
     }
 
-    float[] load(int index, int size) {
+    @Override public int count() { return images.size(); }
+
+    @Override public int label(int index) { return labels.get(index); }
+
+    @Override public float[] image(int index, int size) {
         Bitmap full = BitmapFactory.decodeFile(images.get(index).getPath());
         int crop = Math.min(160, Math.min(full.getWidth(), full.getHeight()));
         Bitmap centre = Bitmap.createBitmap(full, (full.getWidth() - crop) / 2, (full.getHeight() - crop) / 2, crop, crop);

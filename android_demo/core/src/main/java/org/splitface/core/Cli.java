@@ -26,14 +26,22 @@ import java.util.Map;
  *                    the bias if any (float32), little-endian; the tests replay every step from it. With
  *                    "state_dir" the budget and the training progress are durable there: a restarted device
  *                    resumes both (6: a state file that fails its checks).
+ *   app DIR DEVICE [--ca-file PEM] [--insecure] [--max-message-bytes N]
+ *                    the app's run ({@link AppRun}) on a splitface-export --app folder: {@link #app}.
  */
 public final class Cli {
     private Cli() {}
 
-    static final String USAGE = "usage: parity JOB OUT | bench JOB | train JOB [--ca-file PEM] [--insecure] [--max-message-bytes N]";
+    static final String USAGE = "usage: parity JOB OUT | bench JOB | train JOB [OPTIONS] | app DIR DEVICE [OPTIONS]; OPTIONS: "
+            + "[--ca-file PEM] [--insecure] [--max-message-bytes N]";
 
     public static void main(String[] args) throws Exception {
         if (args.length < 2) { System.err.println(USAGE); System.exit(64); }
+        if (args[0].equals("app")) {   // its first argument is a folder
+            if (args.length < 3) { System.err.println(USAGE); System.exit(64); }
+            @SuppressWarnings("unchecked") Map<String, Object> device = (Map<String, Object>) Wire.unpack(Files.readAllBytes(Path.of(args[2])));
+            System.exit(app(Path.of(args[1]), device, Arrays.copyOfRange(args, 3, args.length)));
+        }
         @SuppressWarnings("unchecked") Map<String, Object> job = (Map<String, Object>) Wire.unpack(Files.readAllBytes(Path.of(args[1])));
         switch (args[0]) {
             case "parity": parity(job, Path.of(args[2])); break;
@@ -122,24 +130,15 @@ public final class Cli {
 
     @SuppressWarnings("unchecked")
     static int train(Map<String, Object> job, String[] options) throws Exception {
-        Path caFile = null;
-        boolean insecure = false;
-        long maxMessageBytes = Messages.DEFAULT_MAX_MESSAGE_BYTES;
-        Tls tls;
+        Connection connection;
         try {
-            for (int j = 0; j < options.length; j++) {
-                switch (options[j]) {
-                    case "--ca-file": caFile = Path.of(value(options, ++j)); break;
-                    case "--insecure": insecure = true; break;
-                    case "--max-message-bytes": maxMessageBytes = Long.parseLong(value(options, ++j)); break;
-                    default: throw new IllegalArgumentException("unknown option " + options[j] + "; " + USAGE);
-                }
-            }
-            tls = Tls.forUrl((String) job.get("url"), caFile, insecure);   // before anything is built or sent
+            connection = Connection.parse((String) job.get("url"), options);   // before anything is built or sent
         } catch (IllegalArgumentException e) {
             System.err.println("ERROR " + e.getMessage());
             return 64;
         }
+        Tls tls = connection.tls;
+        long maxMessageBytes = connection.maxMessageBytes;
         DeviceLayer layer = layer(job);
         int[] shape = ints((List<?>) job.get("shape"));     // all images: [N, 3, H, W]
         float[] images = pixels((byte[]) job.get("images"));
@@ -199,21 +198,104 @@ public final class Cli {
                 }
             }
             return 0;
-        } catch (RemoteError e) {
-            System.err.println("ERROR " + e.getMessage());
-            return 2;
-        } catch (BudgetGuard.BudgetExceeded e) {
+        } catch (RemoteError | BudgetGuard.BudgetExceeded | Transport.ConnectionLost | UntrustedServer
+                 | BudgetGuard.LostState e) {
+            return stopped(e);
+        }
+    }
+
+    /** The exit status of a run that stopped on `e`, with its reason on stderr. */
+    static int stopped(Exception e) {
+        if (e instanceof BudgetGuard.BudgetExceeded) {
             System.err.println("STOPPED privacy budget spent: " + e.getMessage());
             return 3;
-        } catch (Transport.ConnectionLost e) {
+        }
+        System.err.println("ERROR " + e.getMessage());
+        if (e instanceof RemoteError) return 2;
+        if (e instanceof Transport.ConnectionLost) return 4;
+        if (e instanceof UntrustedServer) return 5;
+        if (e instanceof BudgetGuard.LostState || e instanceof BudgetGuard.StateFileError) return 6;
+        if (e instanceof AppBundle.Invalid) return 65;
+        throw new IllegalStateException("no exit status for " + e, e);
+    }
+
+    /** The options of `train` and `app`: --ca-file, --insecure, --max-message-bytes, and the TLS they make for `url`. */
+    record Connection(Tls tls, long maxMessageBytes) {
+        static Connection parse(String url, String[] options) {
+            Path caFile = null;
+            boolean insecure = false;
+            long maxMessageBytes = Messages.DEFAULT_MAX_MESSAGE_BYTES;
+            for (int j = 0; j < options.length; j++) {
+                switch (options[j]) {
+                    case "--ca-file": caFile = Path.of(value(options, ++j)); break;
+                    case "--insecure": insecure = true; break;
+                    case "--max-message-bytes": maxMessageBytes = Long.parseLong(value(options, ++j)); break;
+                    default: throw new IllegalArgumentException("unknown option " + options[j] + "; " + USAGE);
+                }
+            }
+            return new Connection(Tls.forUrl(url, caFile, insecure), maxMessageBytes);
+        }
+    }
+
+    /**
+     * `app DIR DEVICE`: the app's run ({@link AppRun}) on the folder of splitface-export --app, as the Activity runs
+     * it, with what the phone's user and its storage give in DEVICE (msgpack): "library" (libsplitface_jni),
+     * "device_id", "token", "url" (else the job's), "images" (uint8 NCHW), "shape", "labels", optional "state_dir"
+     * and "weights_out" (as `train`). A JVM has no battery: every batch's energy is "not reported". Exit status as
+     * `train`, and 65 for a folder that does not match its manifest or whose programs do not fit its layer.
+     */
+    @SuppressWarnings("unchecked")
+    static int app(Path dir, Map<String, Object> device, String[] options) throws Exception {
+        AppBundle bundle;
+        String url;
+        Connection connection;
+        try {
+            bundle = AppBundle.load(dir);
+            url = bundle.url((String) device.get("url"));
+        } catch (AppBundle.Invalid e) {
+            return stopped(e);
+        }
+        try {
+            connection = Connection.parse(url, options);
+        } catch (IllegalArgumentException e) {
             System.err.println("ERROR " + e.getMessage());
-            return 4;
-        } catch (UntrustedServer e) {
-            System.err.println("ERROR " + e.getMessage());
-            return 5;
-        } catch (BudgetGuard.LostState e) {
-            System.err.println("ERROR " + e.getMessage());
-            return 6;
+            return 64;
+        }
+        NativeProgram.loadLibrary(Path.of((String) device.get("library")));
+        int[] shape = ints((List<?>) device.get("shape"));
+        byte[] pixels = (byte[]) device.get("images");
+        int[] labels = ints((List<?>) device.get("labels"));
+        AppRun.Faces faces = new AppRun.Faces() {
+            @Override public int count() { return shape[0]; }
+            @Override public int label(int index) { return labels[index]; }
+            @Override public float[] image(int index, int size) {
+                if (shape[2] != size || shape[3] != size)
+                    throw new IllegalArgumentException("images of " + shape[2] + " x " + shape[3]
+                            + ", the job takes " + size);
+                int plane = shape[1] * size * size;
+                return pixels(Arrays.copyOfRange(pixels, index * plane, (index + 1) * plane));
+            }
+        };
+        Path stateDir = device.get("state_dir") == null ? null : Path.of((String) device.get("state_dir"));
+        Path weightsOut = device.get("weights_out") == null ? null : Path.of((String) device.get("weights_out"));
+        if (weightsOut != null) Files.write(weightsOut, new byte[0]);
+        BatteryCounters none = () -> new BatteryCounters.Reading(System.nanoTime(), null, null, null, null, false);
+        try (EnergyMeter meter = new EnergyMeter(none, 0);
+             AppRun run = new AppRun(bundle, faces, false, url, (String) device.get("device_id"),
+                     (String) device.get("token"), JdkWebSocketTransport.factory(connection.tls), stateDir, meter,
+                     connection.maxMessageBytes)) {
+            run.connect();
+            while (!run.done()) {
+                AppRun.Batch batch = run.next();
+                if (batch == null) continue;   // rolled back to the server's checkpoint
+                System.out.println(batch.toJson());
+                System.err.println(batch.describe());
+                if (weightsOut != null) appendWeights(weightsOut, batch.metrics().batchId(), run.layer);
+            }
+            return 0;
+        } catch (RemoteError | BudgetGuard.BudgetExceeded | Transport.ConnectionLost | UntrustedServer
+                 | BudgetGuard.LostState | BudgetGuard.StateFileError | AppBundle.Invalid e) {
+            return stopped(e);
         }
     }
 
