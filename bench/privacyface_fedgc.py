@@ -179,7 +179,9 @@ def main() -> None:
         + (["--dlib-linkage"] if any("inverted_linkage_top1" in row for row in rows) else []) \
         + (["--max-users", str(args.max_users)] if args.max_users != 200 else []) \
         + (["--only", *(repr(name) for name, _ in runs() if name in ran)] if missing else [])
-    started_from = rows[0].get("start", {"start": args.start, "file": str(args.backbone)}) if rows else {}
+    # rows made before runs recorded their start: the public-split one these options name
+    started_from = rows[0].get("start", {"start": args.start, "file": str(args.backbone),
+                                         "pretrain_epochs": args.pretrain_epochs}) if rows else {}
     args.out.write_text(json.dumps({"command": " ".join(command), "max_users": args.max_users,
                                     "backbone": started_from.get("file", str(args.backbone)), "start": started_from,
                                     "not_run": missing, "rows": rows,
@@ -205,24 +207,28 @@ def table(rows: list[dict], start: dict, missing: list[str], max_users: int, com
         return "-" if x is None else f"{x:.3g}" if abs(x) >= 100 else f"{x:.3f}"
     head = BASE["head"]
     lines = ["# PrivacyFace, FedGC, FedPE and the fixed head: reduced run"
-             + (f", from the {start['start']} start" if start.get("start") != "public-split" else ""), "",
-             f"**Reduced**: IResNet-small at 64x64 on a shared 2-core CPU; {max_users} private users (a seeded subset of "
-             f"the View 1 DevTrain people with 2-9 photos), {BASE['users_per_client']} per client, "
+             + (f", from the {start['start']} start" if start.get("start", "public-split") != "public-split" else ""),
+             "",
+             f"**Reduced**: IResNet-small at 64x64 on a shared 2-core CPU; {max_users} private users (a seeded subset "
+             f"of the View 1 DevTrain people with 2-9 photos), {BASE['users_per_client']} per client, "
              f"{BASE['clients_per_round']} clients per round, {BASE['rounds']} rounds, {head.epochs} local epochs "
-             f"(batch {head.batch_size}, lr {head.lr}, head lr x{head.head_lr_scale:g}, {head.kind} s = {head.scale:g}, "
-             f"m = {head.margin}); " + (describe_start(start) if start else "start unknown") + ". epsilon: "
+             f"(batch {head.batch_size}, lr {head.lr}, head lr x{head.head_lr_scale:g}, {head.kind} "
+             f"s = {head.scale:g}, m = {head.margin}); " + (describe_start(start) if start else "start unknown")
+             + ". epsilon: "
              "PrivacyFace's composed identity-level epsilon (the backbone averaging is not private in any run). "
              f"Regenerate: `{command}`.", ""]
     if missing:
         lines += [f"**Partial**: {len(rows)} of the bench's {len(rows) + len(missing)} runs; not run here: "
                   f"{', '.join(missing)}.", ""]
     before = " public-split start: View 1 (TAR) |" if reference else ""
-    lines += ["| run | method | epsilon | View 1 acc | std | AUC | TAR@FAR=1e-2 | head linkage top-1 (chance) |" + before,
+    lines += ["| run | method | epsilon | View 1 acc | std | AUC | TAR@FAR=1e-2 | head linkage top-1 (chance) |"
+              + before,
               "|---|---|---|---|---|---|---|---|" + ("---|" if reference else "")]
     for r in rows:
         link = "-" if r.get("linkage_top1") is None else f"{r['linkage_top1']:.3f} ({r['linkage_chance']:.3f})"
         ref = reference.get(r["run"])
-        same = (f" {ref['view1_accuracy']:.3f} ({ref['tar_at_far_1e-2']:.3f}) |" if ref else " - |") if reference else ""
+        same = "" if not reference else f" {ref['view1_accuracy']:.3f} ({ref['tar_at_far_1e-2']:.3f}) |" if ref \
+            else " - |"
         lines.append(f"| {r['run']} | {r['method']} | {num(r['epsilon'])} | {r['view1_accuracy']:.3f} "
                      f"| {r['view1_std']:.3f} | {r['roc_auc']:.3f} | {r['tar_at_far_1e-2']:.3f} | {link} |" + same)
     return "\n".join(lines) + "\n"

@@ -160,7 +160,8 @@ def run_centralized(shared: Shared, out: Path, epochs: int, lr: float, batch_siz
         for name, p in backbone.named_parameters():
             p += result.delta[name]
     report = shared.evaluator(backbone)
-    extra = {"start": shared.start["start"], "users": len(population.users), "seed": seed, "epochs": epochs, "lr": lr, "batch_size": batch_size,
+    extra = {"start": shared.start["start"], "users": len(population.users), "seed": seed, "epochs": epochs, "lr": lr,
+             "batch_size": batch_size,
              "head_lr_scale": head_lr_scale, "momentum": momentum,
              "client_images_trained": epochs * len(population.labels), "train_loss": result.loss,
              "wall_s": time.time() - started}
