@@ -1,7 +1,9 @@
 """Federated experiments (issue 13): DP-FedEmb against its baselines on LFW DevTrain people, scored on View 1
 DevTest pairs. Writes results/federated/{summary.json, table.md, utility_vs_epsilon.png, utility_vs_rounds.png}.
 
-Runs (all from one backbone pre-trained on the public split, see edge_server/federated/population.py):
+Runs (all from one start: by default the backbone pre-trained on the public split, see
+edge_server/federated/population.py; with --start distilled the backbone distilled from dlib's recognizer on the
+"federated" public set, edge_server/distill.py, which holds no private user and no View 1 DevTest person):
 public-only (that backbone), centralized (non-private, every private user's photos at once), fedavg and
 fedemb (non-private), dp-fedemb at several noise multipliers (and once with adaptive clipping), dp-fedavg
 at some of the same multipliers; plus extrapolation rows (the seed's: the same noise on the average
@@ -12,6 +14,7 @@ virtual clients. Resumable: a run with result.json is reused, a run with a check
 round (--force starts afresh).
 
     python bench/federated.py --data /path/to/lfw
+    python bench/federated.py --data /path/to/lfw --start distilled      # -> results/federated-distilled
 
 `--wire` instead writes results/federated/wire.json: the bytes of each round message per client and round for
 the bench's model (encoded by the protocol's own builders; f32 sizes do not depend on the values).
@@ -42,8 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 from device_sdk.models import resolve_spec  # noqa: E402
 from device_sdk.options import add_data_root_arg, add_threads_arg, apply_threads  # noqa: E402
 from edge_server.federated import FederatedConfig, extrapolate  # noqa: E402
-from edge_server.federated.experiment import (Shared, load_shared, run_centralized,  # noqa: E402
-                                              run_federated, run_public_only)
+from edge_server.federated.experiment import (STARTS, Shared, describe_start, load_shared,  # noqa: E402
+                                              run_centralized, run_federated, run_public_only)
 from edge_server.federated.population import load_population  # noqa: E402
 
 # The reduced configuration: every federated run shares it (CPU budget: ~45 min for everything). Client lr 0.01:
@@ -151,14 +154,40 @@ def versus(a: str, b: str, measured: dict[str, dict], seeds: dict[str, dict]) ->
     return gap, f"{ra['view1_accuracy']:.3f} vs {rb['view1_accuracy']:.3f} ({gap:+.3f}{within(gap, ra, rb)})"
 
 
+def against_public_split(measured: dict[str, dict]) -> list[str]:
+    """The same runs from the public-split start (results/federated/summary.json), side by side: what the start
+    changes, at the same seeds, private users and configuration."""
+    reference = ROOT / "results" / "federated" / "summary.json"
+    if not reference.exists():
+        return []
+    before = {r["run"]: r for r in json.loads(reference.read_text()) if r.get("run") and r.get("view1_accuracy")}
+    both = [name for name in measured if name in before]
+    if not both:
+        return []
+    lines = ["", "## Against the public-split start", "",
+             "The same runs from the backbone pre-trained on the 111 public DevTrain people (`results/federated/`): "
+             "View 1 accuracy (10-fold std).", "",
+             "| run | epsilon | public-split start | distilled start | difference |", "|---|---|---|---|---|"]
+    for name in both:
+        a, b = before[name], measured[name]
+        lines.append(f"| {name} | {fmt(b['epsilon'])} | {a['view1_accuracy']:.3f} ({a['view1_std']:.3f}) "
+                     f"| {b['view1_accuracy']:.3f} ({b['view1_std']:.3f}) "
+                     f"| {b['view1_accuracy'] - a['view1_accuracy']:+.3f} |")
+    return lines
+
+
 def table(rows: list[dict], config: dict) -> str:
+    """`config`: the private users' count and the start (experiment.start_state's description); a partial table
+    names the bench's runs it lacks."""
     measured = {r["run"]: r for r in rows if "extrapolated" not in r["method"]}
     seeds = across_seeds(measured)
     rows = [r for r in rows if r.get("seed") in (None, CONFIG.seed)]  # the other seeds: their own section
-    lines = ["# Federated face recognition with user-level DP: reduced run", "",
+    distilled = config["start"]["start"] == "distilled"
+    lines = ["# Federated face recognition with user-level DP: reduced run"
+             + (", from the distilled start" if distilled else ""), "",
              "**Reduced**: IResNet-small at 64x64 on a shared 2-core CPU; "
-             f"{config['users']} private users (View 1 DevTrain people with 2-9 photos), the backbone pre-trained "
-             "on the 111 public DevTrain people with >= 10 photos; every federated run "
+             f"{config['users']} private users (View 1 DevTrain people with 2-9 photos); "
+             f"{describe_start(config['start'])}; every federated run "
              f"{CONFIG.rounds} rounds, {CONFIG.users_per_client} users per virtual client, "
              f"{CONFIG.clients_per_round:g} virtual clients per round expected (Poisson), {CONFIG.local_epochs} local "
              f"epochs (batch {CONFIG.batch_size}, client lr {CONFIG.client_lr}, head lr x{CONFIG.head_lr_scale:g}), "
@@ -168,7 +197,13 @@ def table(rows: list[dict], config: dict) -> str:
              f"{CENTRALIZED['lr']}, momentum {CENTRALIZED['momentum']}, head lr x{CENTRALIZED['head_lr_scale']:g}). "
              "View 1: 1000 DevTest pairs (people never trained on), 10-fold accuracy, TAR at FAR = 1e-2 "
              "(500 negative pairs: no lower FAR is meaningful). epsilon: user-level, PLD (RDP in summary.json), "
-             "for the Poisson sampling run; delta = 1/users^1.1. Regenerate: `python bench/federated.py`.", "",
+             "for the Poisson sampling run; delta = 1/users^1.1. Regenerate: `python bench/federated.py"
+             + (" --start distilled" if distilled else "") + "`.", ""]
+    missing = [name for name, _, _ in runs() if name not in measured]
+    if missing:
+        lines += [f"**Partial**: {len(measured)} of the bench's {len(runs())} runs; not run here: "
+                  f"{', '.join(missing)}.", ""]
+    lines += [
              "| run | method | z | rounds | users/round | epsilon | delta | View 1 acc | std | AUC | TAR@FAR=1e-2 |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -192,6 +227,8 @@ def table(rows: list[dict], config: dict) -> str:
                   "`bench/verification_reference.py`):", ""]
         lines += [f"- {r['method']}: {r['view1_accuracy']:.3f} +- {r['view1_std']:.3f}, AUC {r['roc_auc']:.3f}, "
                   f"TAR@FAR=1e-2 {r['tar_at_far_1e-2']:.3f}" for r in json.loads(reference.read_text())]
+    if distilled:
+        lines += against_public_split(measured)
     lines += ["", "## As measured"]
     fedemb, central = measured.get("fedemb"), measured.get("centralized")
     if fedemb and central:
@@ -235,7 +272,9 @@ def table(rows: list[dict], config: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def figures(rows: list[dict], out: Path) -> None:
+def figures(rows: list[dict], out: Path, start: str) -> None:
+    """Utility against epsilon and against rounds; the titles name the start."""
+    run = "reduced run" + (f", {start} start" if start != "public-split" else "")
     measured = [r for r in rows if "extrapolated" not in r["method"] and r.get("seed") in (None, CONFIG.seed)]
     fig, ax = plt.subplots(figsize=(6, 4))
     def on_curve(r: dict) -> bool:
@@ -254,7 +293,7 @@ def figures(rows: list[dict], out: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("user-level epsilon (PLD)")
     ax.set_ylabel("View 1 DevTest accuracy")
-    ax.set_title("Utility against user-level epsilon (reduced run)")
+    ax.set_title(f"Utility against user-level epsilon ({run})")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "utility_vs_epsilon.png", dpi=120)
@@ -269,7 +308,7 @@ def figures(rows: list[dict], out: Path) -> None:
             ax.plot(*zip(*pts), marker=".", label=r["run"])
     ax.set_xlabel("round")
     ax.set_ylabel(f"View 1 accuracy ({measured[0].get('progress_pairs', '?')} DevTest pairs)")
-    ax.set_title("Utility against rounds (reduced run)")
+    ax.set_title(f"Utility against rounds ({run})")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "utility_vs_rounds.png", dpi=120)
@@ -368,9 +407,13 @@ def compare_backends(lfw: str | None, out: Path, users: int = 24, rounds: int = 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_data_root_arg(p)
-    p.add_argument("--out", type=Path, default=ROOT / "results" / "federated")
+    p.add_argument("--start", choices=STARTS, default="public-split",
+                   help="where every run starts: the public-split pre-training (--backbone) or the distilled start "
+                        "on the federated public set (built on first use and cached; docs/pretrain.md)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="default results/federated (public-split) or results/federated-distilled (distilled)")
     p.add_argument("--backbone", type=Path, default=ROOT / "runs" / "federated" / "public_backbone.pt",
-                   help="the public backbone (pre-trained there if missing)")
+                   help="public-split start: the public backbone (pre-trained there if missing)")
     p.add_argument("--pretrain-epochs", type=int, default=4)
     p.add_argument("--max-users", type=int, default=None)
     p.add_argument("--progress-pairs", type=int, default=200, help="DevTest pairs for the per-round curve")
@@ -381,6 +424,8 @@ def main() -> None:
     p.add_argument("--wire", action="store_true", help="only write wire.json (round message sizes); no training")
     p.add_argument("--backends", action="store_true", help="only compare the backends (backends.json)")
     args = p.parse_args()
+    if args.out is None:
+        args.out = ROOT / "results" / ("federated" if args.start == "public-split" else f"federated-{args.start}")
     if args.backends:
         print(json.dumps(compare_backends(args.data, args.out), indent=2))
         return
@@ -392,7 +437,7 @@ def main() -> None:
     apply_threads(args)
     started = time.time()
     shared = load_shared(resolve_spec("iresnet_small"), args.data, args.backbone, args.pretrain_epochs,
-                         args.max_users, progress_pairs=args.progress_pairs)
+                         args.max_users, progress_pairs=args.progress_pairs, start=args.start)
     rows = []
     for name, config, seed in runs():
         run_dir = args.out / "runs" / name
@@ -415,10 +460,10 @@ def main() -> None:
             if row["method"] == "dp-fedemb" and not row.get("adaptive_clipping") and seed == CONFIG.seed \
                     and name != SINGLE_PHOTO:
                 rows.extend({**x, "run": f"{name} @ {x['users']:.0e} users"} for x in extrapolation_rows(row, name))
-    info = {"users": len(shared.population.users)}
+    info = {"users": len(shared.population.users), "start": shared.start}
     (args.out / "summary.json").write_text(json.dumps(rows + neighbour_rows(args.out), indent=2))
     (args.out / "table.md").write_text(table(rows, info))
-    figures(rows, args.out)
+    figures(rows, args.out, shared.start["start"])
     print(f"{len(rows)} rows -> {args.out} ({time.time() - started:.0f} s)")
 
 

@@ -9,6 +9,12 @@ local training (edge_server/federated/methods.py). Resumable: a finished run's r
 runs/privacyface_fedgc/ and reused (--force reruns).
 
     python bench/privacyface_fedgc.py --data /path/to/lfw
+    python bench/privacyface_fedgc.py --data /path/to/lfw --start distilled   # -> privacyface_fedgc_distilled.*
+
+With --start distilled every run starts from the backbone distilled from dlib's recognizer on the "federated"
+public set (edge_server/distill.py; no private user, no View 1 DevTest person) and writes beside the default
+outputs under the suffix _distilled (its runs kept under runs/privacyface_fedgc-distilled/); each output says
+which start, which public set, and which runs (--only: a reduced subset).
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from device_sdk.federated.dplc import DPLCConfig, dplc_sigma
 from device_sdk.federated.private_head import HeadConfig
 from device_sdk.models import build_backbone, resolve_spec
 from device_sdk.options import add_data_root_arg, add_threads_arg, apply_threads
-from edge_server.federated.experiment import load_shared, summary_row
+from edge_server.federated.experiment import STARTS, describe_start, load_shared, summary_row
 from edge_server.federated.methods import (MethodConfig, PrivateHeadRun, class_embedding_linkage,
                                           inverted_class_embedding_linkage)
 from edge_server.federated.privacyface_accounting import identity_epsilon
@@ -95,12 +101,12 @@ def run_one(shared, name: str, config: MethodConfig | None, attack=None) -> dict
         model = build_backbone(shared.spec)
         model.load_state_dict(shared.init_state)
         return summary_row("public-only", 0, None, {}, shared.evaluator(model),
-                           {"run": name, "mode": "federated", "wall_s": time.time() - started})
+                           {"run": name, "mode": "federated", "start": shared.start, "wall_s": time.time() - started})
     run = PrivateHeadRun(config, shared.spec, shared.population, shared.init_state)
     history = run.run(log=lambda s: print(s, flush=True))
     privacy = run.privacy()
     report = shared.evaluator(run.backbone)
-    extra = {"run": name, "mode": "federated", "users": len(shared.population.users),
+    extra = {"run": name, "mode": "federated", "start": shared.start, "users": len(shared.population.users),
              "clients": len(run.clients), "users_per_client": config.users_per_client,
              "clients_per_round": config.clients_per_round, "dplc_calls_max": int(run.dplc_calls.max()),
              "history": history, "config": json.loads(json.dumps(dataclasses.asdict(config), default=str)),
@@ -123,9 +129,16 @@ def run_one(shared, name: str, config: MethodConfig | None, attack=None) -> dict
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_data_root_arg(p)
-    p.add_argument("--out", type=Path, default=ROOT / "results" / "federated" / "privacyface_fedgc.json")
-    p.add_argument("--cache", type=Path, default=ROOT / "runs" / "privacyface_fedgc")
-    p.add_argument("--backbone", type=Path, default=ROOT / "runs" / "federated" / "public_backbone.pt")
+    p.add_argument("--start", choices=STARTS, default="public-split",
+                   help="where every run starts: the public-split pre-training (--backbone) or the distilled start on "
+                        "the federated public set (docs/pretrain.md)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="default results/federated/privacyface_fedgc.json (public-split), "
+                        "privacyface_fedgc_<start>.json otherwise")
+    p.add_argument("--cache", type=Path, default=None,
+                   help="finished runs (default runs/privacyface_fedgc, runs/privacyface_fedgc-<start> otherwise)")
+    p.add_argument("--backbone", type=Path, default=ROOT / "runs" / "federated" / "public_backbone.pt",
+                   help="public-split start: the public backbone (pre-trained there if missing)")
     p.add_argument("--pretrain-epochs", type=int, default=4)
     p.add_argument("--max-users", type=int, default=200)
     p.add_argument("--only", nargs="*", default=None, help="run only these runs (names as in the output)")
@@ -135,6 +148,9 @@ def main() -> None:
     add_threads_arg(p, 1)
     p.add_argument("--force", action="store_true")
     args = p.parse_args()
+    suffix = "" if args.start == "public-split" else f"_{args.start}"
+    args.out = args.out or ROOT / "results" / "federated" / f"privacyface_fedgc{suffix}.json"
+    args.cache = args.cache or ROOT / "runs" / f"privacyface_fedgc{suffix.replace('_', '-')}"
     apply_threads(args)
     started = time.time()
     spec = resolve_spec("iresnet_small")
@@ -143,7 +159,7 @@ def main() -> None:
     todo = [(name, config) for name, config in runs()
             if (args.force or not cache[name].exists()) and (args.only is None or name in args.only)]
     if todo:  # decoding the data and the pairs costs minutes: only when something runs
-        shared = load_shared(spec, args.data, args.backbone, args.pretrain_epochs, args.max_users)
+        shared = load_shared(spec, args.data, args.backbone, args.pretrain_epochs, args.max_users, start=args.start)
         attack = None
         if args.dlib_linkage:
             recognizer, photos = dlib_photo_vectors(args.data, args.max_users, args.audit_cache, spec.input_size)
@@ -156,15 +172,66 @@ def main() -> None:
         print(f"{row['run']}: View 1 {row['view1_accuracy']:.3f} +- {row['view1_std']:.3f}, "
               f"TAR@1e-2 {row['tar_at_far_1e-2']:.3f}, identity-level eps {row['epsilon']}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    command = ["python", "bench/privacyface_fedgc.py", "--data", "LFW", "--backbone", str(args.backbone),
-               "--dlib-linkage"] + (["--max-users", str(args.max_users)] if args.max_users != 200 else [])
+    ran = {row["run"] for row in rows}
+    missing = [name for name, _ in runs() if name not in ran]
+    start = ["--backbone", str(args.backbone)] if args.start == "public-split" else ["--start", args.start]
+    command = ["python", "bench/privacyface_fedgc.py", "--data", "LFW", *start] \
+        + (["--dlib-linkage"] if any("inverted_linkage_top1" in row for row in rows) else []) \
+        + (["--max-users", str(args.max_users)] if args.max_users != 200 else []) \
+        + (["--only", *(repr(name) for name, _ in runs() if name in ran)] if missing else [])
+    # rows made before runs recorded their start: the public-split one these options name
+    started_from = rows[0].get("start", {"start": args.start, "file": str(args.backbone),
+                                         "pretrain_epochs": args.pretrain_epochs}) if rows else {}
     args.out.write_text(json.dumps({"command": " ".join(command), "max_users": args.max_users,
-                                    "backbone": str(args.backbone), "rows": rows,
+                                    "backbone": started_from.get("file", str(args.backbone)), "start": started_from,
+                                    "not_run": missing, "rows": rows,
                                     "dplc_tradeoff": dplc_tradeoff(spec.embedding_dim, BASE["rounds"])}, indent=2))
+    if rows:
+        default = ROOT / "results" / "federated" / "privacyface_fedgc.json"
+        reference = {} if args.start == "public-split" or not default.exists() else \
+            {r["run"]: r for r in json.loads(default.read_text())["rows"]}
+        args.out.with_suffix(".md").write_text(table(rows, started_from, missing, args.max_users, " ".join(command),
+                                                     reference))
     summary = args.out.with_name(args.out.stem + "_summary.json")
     summary.write_text(json.dumps(summary_rows(rows), indent=2))
     epsilon_figure(rows, args.out.with_name(args.out.stem + "_epsilon.png"))
     print(f"wrote {args.out}, {summary.name} and the epsilon figure ({time.time() - started:.0f} s)")
+
+
+def table(rows: list[dict], start: dict, missing: list[str], max_users: int, command: str,
+          reference: dict[str, dict]) -> str:
+    """The runs' View 1, TAR, identity-level epsilon and (FedPE/FedGC) class-embedding linkage, under a header that
+    says the size, the start and which runs are missing; `reference`: the same runs from the public-split start
+    (results/federated/privacyface_fedgc.json), a column beside."""
+    def num(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3g}" if abs(x) >= 100 else f"{x:.3f}"
+    head = BASE["head"]
+    lines = ["# PrivacyFace, FedGC, FedPE and the fixed head: reduced run"
+             + (f", from the {start['start']} start" if start.get("start", "public-split") != "public-split" else ""),
+             "",
+             f"**Reduced**: IResNet-small at 64x64 on a shared 2-core CPU; {max_users} private users (a seeded subset "
+             f"of the View 1 DevTrain people with 2-9 photos), {BASE['users_per_client']} per client, "
+             f"{BASE['clients_per_round']} clients per round, {BASE['rounds']} rounds, {head.epochs} local epochs "
+             f"(batch {head.batch_size}, lr {head.lr}, head lr x{head.head_lr_scale:g}, {head.kind} "
+             f"s = {head.scale:g}, m = {head.margin}); " + (describe_start(start) if start else "start unknown")
+             + ". epsilon: "
+             "PrivacyFace's composed identity-level epsilon (the backbone averaging is not private in any run). "
+             f"Regenerate: `{command}`.", ""]
+    if missing:
+        lines += [f"**Partial**: {len(rows)} of the bench's {len(rows) + len(missing)} runs; not run here: "
+                  f"{', '.join(missing)}.", ""]
+    before = " public-split start: View 1 (TAR) |" if reference else ""
+    lines += ["| run | method | epsilon | View 1 acc | std | AUC | TAR@FAR=1e-2 | head linkage top-1 (chance) |"
+              + before,
+              "|---|---|---|---|---|---|---|---|" + ("---|" if reference else "")]
+    for r in rows:
+        link = "-" if r.get("linkage_top1") is None else f"{r['linkage_top1']:.3f} ({r['linkage_chance']:.3f})"
+        ref = reference.get(r["run"])
+        same = "" if not reference else f" {ref['view1_accuracy']:.3f} ({ref['tar_at_far_1e-2']:.3f}) |" if ref \
+            else " - |"
+        lines.append(f"| {r['run']} | {r['method']} | {num(r['epsilon'])} | {r['view1_accuracy']:.3f} "
+                     f"| {r['view1_std']:.3f} | {r['roc_auc']:.3f} | {r['tar_at_far_1e-2']:.3f} | {link} |" + same)
+    return "\n".join(lines) + "\n"
 
 
 SUMMARY_KEYS = ("run", "method", "mode", "noise_multiplier", "rounds", "users_per_round", "epsilon", "delta",

@@ -19,7 +19,9 @@ student's device part makes each release as a device would (transform, clipping,
 server's tail reads it, so the tail has learned to read noisy releases before any private data arrives.
 
 Public faces: LFW people who are neither in View 1's DevTest pairs nor among the LFW-158 evaluation
-identities (people with >= 10 images). The checkpoint's manifest names them and counts their images.
+identities (people with >= 10 images); for the federated experiments (`public_set="federated"`), LFW people who
+are neither in View 1's DevTest pairs nor possible private users there (View 1 DevTrain people with 1-9 images).
+The checkpoint's manifest states the rule, names the people and counts their images.
 
 Teacher embeddings are cached by the SHA-256 of each image file's bytes (and the teacher's settings), so a
 second run, or another student, skips the teacher. Training is resumable: a partial checkpoint is written
@@ -55,6 +57,7 @@ from device_sdk.privacy.mechanisms import Mechanism, NoNoise
 
 from .audit.recognizer import DlibResNet, dlib_models_dir, load_vectors, save_vectors
 from .evaluation.verification import evaluate_embedder, view1_pairs
+from .federated.population import PUBLIC_MIN_IMAGES, private_people
 from .ressfl import release_stage_state
 
 # The teacher sees the 160 px centre crop at its own chip size (150 px); the students see it at their input size.
@@ -65,15 +68,38 @@ EVALUATION_SEED = 20_221_001   # the evaluator's noise for a noise-aware student
 
 # ---- the public faces ----------------------------------------------------------------------------------------
 
-def public_faces(lfw_root: str | Path | None, limit: int | None = None) -> tuple[FaceSet, dict[str, Any]]:
-    """LFW's people outside View 1's DevTest pairs and outside LFW-158, in name order; `limit`: the first N
-    images (tests). Returns the faces and their manifest."""
+# The public sets a start can be distilled on; each leaves out the people its experiments score or keep private.
+# "lfw158": the split-learning runs (LFW-158 identities and View 1's DevTest pairs); "federated": the federated
+# experiments (edge_server/federated/population.py: every DevTrain person who can be a private user, one-photo
+# people included, and View 1's DevTest pairs; the DevTrain people with >= 10 images are public there).
+PUBLIC_SETS = ("lfw158", "federated")
+
+
+def public_faces(lfw_root: str | Path | None, limit: int | None = None,
+                 public_set: str = "lfw158") -> tuple[FaceSet, dict[str, Any]]:
+    """LFW's people outside View 1's DevTest pairs and outside the people `public_set` keeps out (LFW-158, or
+    the federated private users), in name order; `limit`: the first N images (tests). Returns the faces and
+    their manifest, which states the rule."""
     base = find_lfw_root(lfw_root)
     devtest = view1_pairs(base, "test").people
+    if public_set == "lfw158":
+        def kept_out(person: str, images: int) -> bool:
+            return images >= LFW158_MIN_IMAGES
+        rule = f"nor among the LFW-158 evaluation identities (>= {LFW158_MIN_IMAGES} images)"
+    elif public_set == "federated":
+        private = {person for person, _ in private_people(base, single_photo=True)}
+
+        def kept_out(person: str, images: int) -> bool:
+            return person in private
+        rule = (f"nor among the federated experiments' possible private users ({len(private)} View 1 DevTrain "
+                f"people with 1 to {PUBLIC_MIN_IMAGES - 1} images: the users with 2-9 and the one-photo people); "
+                f"DevTrain people with >= {PUBLIC_MIN_IMAGES} images, public in those experiments, are included")
+    else:
+        raise ValueError(f"public_set must be one of {PUBLIC_SETS}, not {public_set!r}")
     people, paths, labels = [], [], []
     for person in sorted(p.name for p in base.iterdir() if p.is_dir()):
         files = sorted(f for f in (base / person).iterdir() if f.suffix.lower() in (".jpg", ".jpeg", ".png"))
-        if person in devtest or len(files) >= LFW158_MIN_IMAGES:
+        if person in devtest or kept_out(person, len(files)):
             continue
         people.append((person, len(files)))
         paths += files
@@ -84,8 +110,8 @@ def public_faces(lfw_root: str | Path | None, limit: int | None = None) -> tuple
         kept = set(faces.labels.tolist())
         people = [(p, sum(1 for y in faces.labels if y == i)) for i, (p, _) in enumerate(people) if i in kept]
     manifest = {
-        "rule": f"LFW people neither in View 1's DevTest pairs ({len(devtest)} people) nor among the LFW-158 "
-                f"evaluation identities (>= {LFW158_MIN_IMAGES} images)",
+        "public_set": public_set,
+        "rule": f"LFW people neither in View 1's DevTest pairs ({len(devtest)} people) {rule}",
         "people": len(people), "images": len(faces), "content_sha256": content_hash(faces.paths),
         "per_person": {p: n for p, n in people},
     }
@@ -239,12 +265,13 @@ def distill(spec: ModelSpec, split: str, mechanism: Mechanism, lfw_root: str | P
             recipe: Recipe = Recipe(), cache_dir: Path | None = None, init: Path | None = None,
             limit: int | None = None, workers: int = 2, progress: bool = True,
             evaluate: bool = True, view1_limit: int | None = None, stop_after: int | None = None,
-            device: str = "cpu") -> dict[str, Any]:
+            device: str = "cpu", public_set: str = "lfw158") -> dict[str, Any]:
     """Train the student, write it to `out` (a splitface backbone file, with the transform's stages when it has
     one) and return its metadata (manifest, recipe, history, View 1 of the student). `stop_after`: train at most
-    that many epochs now and leave the partial checkpoint, as an interrupted run does (returns the partial meta)."""
+    that many epochs now and leave the partial checkpoint, as an interrupted run does (returns the partial meta);
+    `public_set`: which public faces (PUBLIC_SETS)."""
     started = time.time()
-    faces, manifest = public_faces(lfw_root, limit)
+    faces, manifest = public_faces(lfw_root, limit, public_set)
     cache = TeacherCache(cache_dir)
     keys = [file_hash(f) for f in faces.paths]
     missing = sum(k not in cache.known for k in dict.fromkeys(keys))
@@ -372,29 +399,36 @@ def is_plain(spec: ModelSpec, mechanism: Mechanism) -> bool:
 def distilled_start(spec: ModelSpec, split: str, mechanism: Mechanism, lfw_root: str | Path | None,
                     cache_dir: Path | None = None, progress: bool = True, workers: int = 2,
                     recipes: tuple[Recipe, Recipe] = (PLAIN_RECIPE, NOISE_AWARE_RECIPE),
-                    limit: int | None = None) -> Path:
+                    limit: int | None = None, public_set: str = "lfw158") -> Path:
     """The distilled backbone file for this model, cut and release: the plain student, or a noise-aware start
     made from it. Built on first use (with a stated time and progress bars), then read from the cache.
-    `recipes`: (plain, noise-aware); `limit`: the first N public images only (both for smoke tests)."""
+    `recipes`: (plain, noise-aware); `limit`: the first N public images only (both for smoke tests);
+    `public_set`: the faces it is distilled on (PUBLIC_SETS; "federated" for the federated experiments)."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache()
     plain = _cached_student(plain_spec(spec), DEFAULT_SPLIT, NoNoise(), recipes[0], lfw_root, cache_dir, None,
-                            progress, workers, limit)
+                            progress, workers, limit, public_set)
     if is_plain(spec, mechanism):
         return plain
-    return _cached_student(spec, split, mechanism, recipes[1], lfw_root, cache_dir, plain, progress, workers, limit)
+    return _cached_student(spec, split, mechanism, recipes[1], lfw_root, cache_dir, plain, progress, workers, limit,
+                           public_set)
 
 
 def _cached_student(spec: ModelSpec, split: str, mechanism: Mechanism, recipe: Recipe, lfw_root: str | Path | None,
-                    cache_dir: Path, init: Path | None, progress: bool, workers: int, limit: int | None) -> Path:
-    _, manifest = public_faces(lfw_root, limit)
+                    cache_dir: Path, init: Path | None, progress: bool, workers: int, limit: int | None,
+                    public_set: str) -> Path:
+    """The file's key holds the public set's content hash, so another public set is another file; a set other
+    than the default is named in the file name too (the default's names stay those already cached)."""
+    _, manifest = public_faces(lfw_root, limit, public_set)
     key = checkpoint_key(spec, split, mechanism, recipe, manifest, init)
     name = f"{spec.family}{spec.depth if spec.family == 'iresnet' else ''}-w{spec.width}-{spec.input_size}px"
-    path = cache_dir / "distilled" / f"{name}-{key}.pt"
+    tag = "" if public_set == "lfw158" else f"-{public_set}"
+    path = cache_dir / "distilled" / f"{name}{tag}-{key}.pt"
     if path.exists():
         return path
     if progress:
         print(f"building the distilled start {path} (first use; cached afterwards)", flush=True)
-    distill(spec, split, mechanism, lfw_root, path, recipe, cache_dir, init, limit, workers=workers, progress=progress)
+    distill(spec, split, mechanism, lfw_root, path, recipe, cache_dir, init, limit, workers=workers, progress=progress,
+            public_set=public_set)
     return path
 
 
@@ -444,6 +478,9 @@ def main(argv: list[str] | None = None) -> None:
                                                                         "$SPLITFACE_CACHE or ~/.cache/splitface)")
     d.add_argument("--workers", type=int, default=2, help="teacher processes (dlib uses one core each)")
     d.add_argument("--limit", type=int, default=None, help="only the first N public images (smoke tests)")
+    d.add_argument("--public-set", choices=PUBLIC_SETS, default="lfw158",
+                   help="lfw158: leave out LFW-158 and View 1's DevTest people (the split runs); federated: leave out "
+                        "the federated experiments' private users and View 1's DevTest people (docs/pretrain.md)")
     d.add_argument("--view1-limit", type=int, default=None, help="only this many View 1 pairs (smoke tests)")
     d.add_argument("--no-progress", action="store_true")
     d.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -453,7 +490,7 @@ def main(argv: list[str] | None = None) -> None:
     apply_threads(args)
     meta = distill(model_spec(args), args.split, release_mechanism(args), args.data, args.out, recipe_of(args),
                    args.cache, args.init, args.limit, args.workers, not args.no_progress,
-                   view1_limit=args.view1_limit, device=args.device)
+                   view1_limit=args.view1_limit, device=args.device, public_set=args.public_set)
     print(json.dumps({"out": str(args.out), "view1": meta.get("view1"), "last_epoch": meta["history"][-1],
                       "seconds": meta["seconds"]}, indent=2))
 

@@ -15,16 +15,17 @@ import pytest
 import torch
 from PIL import Image
 
-from device_sdk.data import FaceSet
+from device_sdk.data import FaceSet, dev_people, find_lfw_root
 from device_sdk.models import PRESETS, build_backbone, split_backbone
 from device_sdk.models.weights import load_into
 from device_sdk.privacy.mechanisms import NoNoise, PerImageGaussian
 from edge_server.audit.cli import headline
 from edge_server.audit.recognizer import DlibResNet
-from edge_server.distill import (CROP, LFW158_MIN_IMAGES, TEACHER_SIZE, Recipe, TeacherCache, distill,
-                                 distilled_start, public_faces)
+from edge_server.distill import (CROP, LFW158_MIN_IMAGES, TEACHER_SIZE, Recipe, TeacherCache, checkpoint_key,
+                                 distill, distilled_start, public_faces)
 from edge_server.checkpoint import load_checkpoint
 from edge_server.evaluation.verification import view1_pairs
+from edge_server.federated.population import PUBLIC_MIN_IMAGES, private_people
 from tests.conftest import ROOT
 
 LIMIT = 48
@@ -52,6 +53,32 @@ def test_public_faces_are_neither_view1_test_people_nor_lfw158(lfw):
     # LFW deep-funneled: 13,233 images of 5,749 people, less the 963 people of DevTest's pairs and LFW-158's 158
     assert (manifest["people"], manifest["images"]) == (4671, 7153)
     assert len(manifest["content_sha256"]) == 64
+
+
+def test_the_federated_public_set_holds_no_federated_private_user_and_no_devtest_person(lfw):
+    """The start for the federated experiments: every DevTrain person who can be a private user there (2-9 photos,
+    and the one-photo people) is left out, the public DevTrain people (>= 10 photos) are in; another public set
+    is another file (its content hash is in the key)."""
+    faces, manifest = public_faces(lfw, public_set="federated")
+    people = set(faces.class_names)
+    private = {person for person, _ in private_people(lfw, single_photo=True)}
+    assert len(private) == 1073 + 2854 and not people & private
+    assert not people & view1_pairs(lfw, "test").people
+    devtrain = dev_people(find_lfw_root(lfw), "train")
+    public = {p for p, n in manifest["per_person"].items() if p in devtrain}
+    assert all(manifest["per_person"][p] >= PUBLIC_MIN_IMAGES for p in public)
+    assert len(public) == 111 and sum(manifest["per_person"][p] for p in public) == 3264   # population.py's public
+    # the rest: LFW people in neither of View 1's development lists (744 with fewer than 10 photos, 4 with more)
+    others = {p: n for p, n in manifest["per_person"].items() if p not in devtrain}
+    assert (len(others), sum(others.values()), sum(n >= PUBLIC_MIN_IMAGES for n in others.values())) == (748, 967, 4)
+    assert (manifest["people"], manifest["images"]) == (859, 4231) and manifest["public_set"] == "federated"
+    assert "private users" in manifest["rule"]
+    _, default = public_faces(lfw)
+    assert default["public_set"] == "lfw158" and default["content_sha256"] != manifest["content_sha256"]
+    keys = {checkpoint_key(SPEC, "conv1", NoNoise(), Recipe(), m, None) for m in (default, manifest)}
+    assert len(keys) == 2
+    with pytest.raises(ValueError, match="public_set"):
+        public_faces(lfw, public_set="everyone")
 
 
 def test_the_teacher_cache_is_keyed_by_each_images_bytes(tmp_path, lfw, cache):

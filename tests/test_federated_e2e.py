@@ -1,5 +1,6 @@
 """Federated runs end to end through `python -m edge_server.federated` (slow: LFW decoding, View 1 scoring): the
-documented command's output; `splitface-server serve` takes the same run options."""
+documented command's output; `splitface-server serve` takes the same run options; an experiment starts from the
+distilled start on the federated public set."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +12,10 @@ import torch
 
 from device_sdk.models import ModelSpec, build_backbone
 from device_sdk.models.weights import save_backbone
+from edge_server.distill import Recipe
+from edge_server.federated import FederatedConfig
 from edge_server.federated.__main__ import parser, run
+from edge_server.federated.experiment import load_shared, run_federated
 
 TINY = ModelSpec("iresnet", 16, width=4, depth=18, embedding_size=16, dropout=0.0)
 
@@ -65,3 +69,26 @@ def test_serve_takes_the_same_run_options_and_refuses_bad_ones(lfw, init_file, t
         with pytest.raises(SystemExit) as exit_info:
             cli.main([*base, *prefixed, *bad])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_an_experiment_starts_from_the_distilled_start(lfw, tmp_path):
+    """`start="distilled"` (bench/federated.py --start distilled): the start is distilled on the federated public
+    set (a tiny one here: one epoch on 16 faces, cached in tmp_path), every run begins from its weights, no public
+    split is pre-trained, and a private round trains from there."""
+    tiny = Recipe(epochs=1, batch_size=8)
+    build = {"cache_dir": tmp_path / "cache", "recipes": (tiny, tiny), "limit": 16, "progress": False, "workers": 1}
+    unused = tmp_path / "public_backbone.pt"
+    shared = load_shared(TINY, lfw, unused, 1, max_users=12, view1_limit=20, start="distilled", distill_args=build,
+                         log=lambda _: None)
+    assert not unused.exists()   # the public-split pre-training never ran
+    assert shared.start["start"] == "distilled" and shared.start["public_faces"]["public_set"] == "federated"
+    assert shared.start["public_faces"]["images"] == 16 and "per_person" not in shared.start["public_faces"]
+    saved = torch.load(shared.start["file"], weights_only=True)["state"]
+    assert saved.keys() == shared.init_state.keys()
+    assert all(torch.equal(v, saved[k]) for k, v in shared.init_state.items())
+    config = FederatedConfig(method="dp-fedemb", rounds=1, users_per_client=3, clients_per_round=4, local_epochs=1,
+                             batch_size=4, noise_multiplier=0.1, seed=0)
+    row = run_federated(shared, config, tmp_path / "run", log=lambda _: None)
+    assert row["start"] == "distilled" and row["rounds"] == 1 and 0 <= row["view1_accuracy"] <= 1
+    assert row["history"][0]["clients"] == 4   # sampling rate 1: every virtual client trained from the start

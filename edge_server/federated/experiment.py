@@ -13,9 +13,11 @@ import numpy as np
 import torch
 
 from device_sdk.federated import LocalConfig, train_client
-from device_sdk.models import ModelSpec, build_backbone
+from device_sdk.models import DEFAULT_SPLIT, ModelSpec, build_backbone
 from device_sdk.models.weights import load_into
+from device_sdk.privacy.mechanisms import NoNoise
 
+from ..distill import distilled_start
 from ..pretrain import pretrain
 from .engine import Backend, FederatedConfig, FederatedRun, in_process
 from .evaluate import View1Evaluator
@@ -34,6 +36,45 @@ def public_backbone(path: Path, spec: ModelSpec, lfw_root: str | Path | None, ep
     return backbone.state_dict()
 
 
+# Where every run of an experiment starts: "public-split", the backbone pre-trained on the public DevTrain people
+# (public_backbone); "distilled", splitface's backbone distilled from dlib's recognizer on the "federated" public
+# set (edge_server/distill.py: no private user of these experiments, no View 1 DevTest person), built on first use
+# and cached.
+STARTS = ("public-split", "distilled")
+
+
+def start_state(start: str, spec: ModelSpec, lfw_root: str | Path | None, backbone_path: Path, pretrain_epochs: int,
+                seed: int = 0, log: Callable[[str], None] = print,
+                distill_args: dict[str, Any] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The backbone weights every run starts from, and what they are (the tables say it). `backbone_path` and
+    `pretrain_epochs` are the public-split start's; `distill_args`: distilled_start's keyword options (cache_dir,
+    recipes, limit: tests build a tiny one)."""
+    if start == "public-split":
+        return (public_backbone(backbone_path, spec, lfw_root, pretrain_epochs, seed, log),
+                {"start": start, "file": str(backbone_path), "pretrain_epochs": pretrain_epochs})
+    if start != "distilled":
+        raise ValueError(f"start must be one of {STARTS}, not {start!r}")
+    path = distilled_start(spec, DEFAULT_SPLIT, NoNoise(), lfw_root, public_set="federated", **(distill_args or {}))
+    backbone = build_backbone(spec)
+    meta = load_into(backbone, path, spec)
+    faces = {k: v for k, v in meta["public_faces"].items() if k != "per_person"}
+    log(f"starting from the distilled start {path} ({faces['people']} public people, {faces['images']} images)")
+    return backbone.state_dict(), {"start": start, "file": str(path), "public_faces": faces,
+                                   "view1": meta.get("view1"), "recipe": meta.get("recipe")}
+
+
+def describe_start(start: dict[str, Any]) -> str:
+    """One sentence for a table: which start every run began from, and on which public faces."""
+    if start["start"] == "public-split":
+        return (f"every run starts from the backbone pre-trained ({start['pretrain_epochs']} epochs) on the 111 public "
+                f"DevTrain people with >= 10 photos")
+    faces, view1 = start["public_faces"], start.get("view1") or {}
+    score = f", View 1 {view1['view1_accuracy']:.3f} before any private data" if view1 else ""
+    return (f"every run starts from the **distilled start** (splitface's backbone distilled from dlib's recognizer, "
+            f"`edge_server/distill.py`, public set `{faces['public_set']}`: {faces['rule']}; {faces['people']} "
+            f"people, {faces['images']} images{score})")
+
+
 @dataclass
 class Shared:
     """What every run of an experiment reads: decoded once."""
@@ -41,16 +82,20 @@ class Shared:
     init_state: dict[str, torch.Tensor]
     population: Population
     evaluator: View1Evaluator  # the final score: all DevTest pairs (or --view1-limit)
+    start: dict[str, Any]  # what init_state is (start_state)
     progress: View1Evaluator | None = None  # the per-round curve: fewer pairs, cheaper
 
 
 def load_shared(spec: ModelSpec, lfw_root: str | Path | None, backbone_path: Path, pretrain_epochs: int,
                 max_users: int | None, calibration_images: int = 256, view1_limit: int | None = None,
                 progress_pairs: int | None = None, seed: int = 0, single_photo: bool = False,
-                log: Callable[[str], None] = print) -> Shared:
+                log: Callable[[str], None] = print, start: str = "public-split",
+                distill_args: dict[str, Any] | None = None) -> Shared:
     """`progress_pairs`: score the per-round curve on only this many DevTest pairs (half matched);
-    `single_photo`: people with one photo are private users too (population.py)."""
-    init_state = public_backbone(backbone_path, spec, lfw_root, pretrain_epochs, seed, log)
+    `single_photo`: people with one photo are private users too (population.py); `start`, `distill_args`: see
+    start_state."""
+    init_state, started_from = start_state(start, spec, lfw_root, backbone_path, pretrain_epochs, seed, log,
+                                           distill_args)
     public = public_split(lfw_root).train
     keep = np.sort(np.random.default_rng(seed).permutation(len(public))[:calibration_images])
     calibration = public.subset(keep).load(spec.input_size)
@@ -60,7 +105,7 @@ def load_shared(spec: ModelSpec, lfw_root: str | Path | None, backbone_path: Pat
     evaluator = View1Evaluator(lfw_root, spec.input_size, calibration, limit=view1_limit)
     progress = None if progress_pairs is None else View1Evaluator(lfw_root, spec.input_size, calibration,
                                                                   limit=progress_pairs)
-    return Shared(spec, init_state, population, evaluator, progress)
+    return Shared(spec, init_state, population, evaluator, started_from, progress)
 
 
 def summary_row(method: str, rounds: int | None, users_per_round: float | None, privacy: dict,
@@ -83,7 +128,7 @@ def run_federated(shared: Shared, config: FederatedConfig, out: Path, eval_every
     history = run.run(shared.progress or shared.evaluator, eval_every, crash_in_round, log)
     final = shared.evaluator(run.backbone)
     extra = {"noise_multiplier": config.noise_multiplier if config.private else None,
-             "users": len(shared.population.users), "virtual_clients": len(run.clients),
+             "start": shared.start["start"], "users": len(shared.population.users), "virtual_clients": len(run.clients),
              "users_per_client": config.users_per_client, "sampling_rate": run.sampling_rate,
              "single_photo_users": int(np.sum(np.bincount(shared.population.labels) == 1)),
              "adaptive_clipping": config.target_quantile is not None, "config": dataclasses.asdict(config),
@@ -115,7 +160,8 @@ def run_centralized(shared: Shared, out: Path, epochs: int, lr: float, batch_siz
         for name, p in backbone.named_parameters():
             p += result.delta[name]
     report = shared.evaluator(backbone)
-    extra = {"users": len(population.users), "seed": seed, "epochs": epochs, "lr": lr, "batch_size": batch_size,
+    extra = {"start": shared.start["start"], "users": len(population.users), "seed": seed, "epochs": epochs, "lr": lr,
+             "batch_size": batch_size,
              "head_lr_scale": head_lr_scale, "momentum": momentum,
              "client_images_trained": epochs * len(population.labels), "train_loss": result.loss,
              "wall_s": time.time() - started}
@@ -130,7 +176,7 @@ def run_public_only(shared: Shared, out: Path) -> dict[str, Any]:
     """The public backbone itself, before any private training (where every run starts)."""
     backbone = build_backbone(shared.spec)
     backbone.load_state_dict(shared.init_state)
-    extra = {"users": 0}
+    extra = {"start": shared.start["start"], "users": 0}
     if shared.progress is not None:  # round 0 of the per-round curves
         extra["progress_view1_accuracy"] = shared.progress(backbone)["view1_accuracy"]
     row = summary_row("public-only", 0, None, {}, shared.evaluator(backbone), extra)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from device_sdk.models import ModelSpec, resolve_spec
 
 from .engine import METHODS, FederatedConfig
-from .experiment import Shared, load_shared
+from .experiment import STARTS, Shared, load_shared
 from .population import SINGLE_PHOTO_METHODS, check_single_photo
 
 # the option defaults are FederatedConfig's fields' (one definition; the defaults alone are not a valid run: dp-*
@@ -35,8 +35,12 @@ def add_run_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
     opt("method", choices=(*METHODS, "centralized"), default=DEFAULTS.method)
     opt("out", type=Path, required=not prefix, default=None,
         help="run folder (holds the checkpoint: a rerun resumes)")
+    opt("start", choices=STARTS, default="public-split",
+        help="where every run starts: public-split (the backbone pre-trained on the public DevTrain people, --init) "
+             "or distilled (distilled from dlib's recognizer on public faces that hold no private user; built on "
+             "first use and cached, docs/pretrain.md)")
     opt("init", type=Path, default=None,
-        help="public backbone (default: <out>/public_backbone.pt, pre-trained there if missing)")
+        help="public-split start: its backbone (default: <out>/public_backbone.pt, pre-trained there if missing)")
     opt("pretrain-epochs", type=int, default=2, help="epochs of public pre-training when it is made")
     opt("max-users", type=int, default=None, help="a seeded random subset of the private users")
     opt("single-photo-users", action="store_true",
@@ -101,4 +105,4 @@ def shared_from(args: SimpleNamespace | argparse.Namespace, spec: ModelSpec) -> 
     """The public backbone (pre-trained if missing), the private users and the View 1 evaluators."""
     return load_shared(spec, args.data, args.init or args.out / "public_backbone.pt", args.pretrain_epochs,
                        args.max_users, view1_limit=args.view1_limit, progress_pairs=args.progress_pairs,
-                       seed=args.seed, single_photo=args.single_photo_users)
+                       seed=args.seed, single_photo=args.single_photo_users, start=args.start)

@@ -42,17 +42,25 @@ class Population:
         return self.images[mask], self.labels[mask]
 
 
-def private_faces(lfw_root: str | Path | None, max_users: int | None = None, seed: int = 0,
-                  single_photo: bool = False) -> FaceSet:
-    """The private users' photos, labels in name order; `max_users`: a seeded random subset of them;
-    `single_photo`: DevTrain people with one photo are users too."""
+def private_people(lfw_root: str | Path | None, single_photo: bool = True) -> list[tuple[str, list[Path]]]:
+    """Every DevTrain person who can be a private user, with their photos, in name order: fewer than
+    PUBLIC_MIN_IMAGES photos, and at least two unless `single_photo`. A public start for these experiments must
+    leave all of them out (edge_server/distill.py's "federated" public set)."""
     base = find_lfw_root(lfw_root)
-    people = []
     fewest = 1 if single_photo else 2
+    people = []
     for person in sorted(dev_people(base, "train")):
         files = sorted(p for p in (base / person).iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
         if fewest <= len(files) < PUBLIC_MIN_IMAGES:
             people.append((person, files))
+    return people
+
+
+def private_faces(lfw_root: str | Path | None, max_users: int | None = None, seed: int = 0,
+                  single_photo: bool = False) -> FaceSet:
+    """The private users' photos, labels in name order; `max_users`: a seeded random subset of them;
+    `single_photo`: DevTrain people with one photo are users too."""
+    people = private_people(lfw_root, single_photo)
     if max_users is not None:
         if max_users < 2:
             raise ValueError(f"max_users must be >= 2, got {max_users}")
