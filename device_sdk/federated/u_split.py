@@ -47,7 +47,8 @@ class ConsensusEngine(DeviceEngine):
         self.received: torch.Tensor | None = None  # the other devices' clusters, (P, d)
         self.dplc_calls = 0
 
-    def head_step(self, embeddings: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, float, int]:
+    def head_step(self, embeddings: np.ndarray, labels: np.ndarray,
+                  batch_id: int | None = None) -> tuple[np.ndarray, float, int]:
         self.classifier.train()
         for p in self.classifier.parameters():
             p.grad = None
