@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from device_sdk.models import resolve_spec  # noqa: E402
 from device_sdk.options import add_data_root_arg, add_threads_arg, apply_threads  # noqa: E402
 from edge_server.federated import FederatedConfig, extrapolate  # noqa: E402
-from edge_server.federated.experiment import (STARTS, Shared, describe_start, load_shared,  # noqa: E402
+from edge_server.federated.experiment import (Shared, add_start_args, describe_start, load_shared,  # noqa: E402
                                               run_centralized, run_federated, run_public_only)
 from edge_server.federated.population import load_population  # noqa: E402
 
@@ -407,14 +407,9 @@ def compare_backends(lfw: str | None, out: Path, users: int = 24, rounds: int = 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_data_root_arg(p)
-    p.add_argument("--start", choices=STARTS, default="public-split",
-                   help="where every run starts: the public-split pre-training (--backbone) or the distilled start "
-                        "on the federated public set (built on first use and cached; docs/pretrain.md)")
+    add_start_args(p)
     p.add_argument("--out", type=Path, default=None,
                    help="default results/federated (public-split) or results/federated-distilled (distilled)")
-    p.add_argument("--backbone", type=Path, default=ROOT / "runs" / "federated" / "public_backbone.pt",
-                   help="public-split start: the public backbone (pre-trained there if missing)")
-    p.add_argument("--pretrain-epochs", type=int, default=4)
     p.add_argument("--max-users", type=int, default=None)
     p.add_argument("--progress-pairs", type=int, default=200, help="DevTest pairs for the per-round curve")
     p.add_argument("--eval-every", type=int, default=2)

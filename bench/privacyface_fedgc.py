@@ -29,7 +29,7 @@ from device_sdk.federated.dplc import DPLCConfig, dplc_sigma
 from device_sdk.federated.private_head import HeadConfig
 from device_sdk.models import build_backbone, resolve_spec
 from device_sdk.options import add_data_root_arg, add_threads_arg, apply_threads
-from edge_server.federated.experiment import STARTS, describe_start, load_shared, summary_row
+from edge_server.federated.experiment import add_start_args, describe_start, load_shared, summary_row
 from edge_server.federated.methods import (MethodConfig, PrivateHeadRun, class_embedding_linkage,
                                           inverted_class_embedding_linkage)
 from edge_server.federated.privacyface_accounting import identity_epsilon
@@ -129,17 +129,12 @@ def run_one(shared, name: str, config: MethodConfig | None, attack=None) -> dict
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_data_root_arg(p)
-    p.add_argument("--start", choices=STARTS, default="public-split",
-                   help="where every run starts: the public-split pre-training (--backbone) or the distilled start on "
-                        "the federated public set (docs/pretrain.md)")
+    add_start_args(p)
     p.add_argument("--out", type=Path, default=None,
                    help="default results/federated/privacyface_fedgc.json (public-split), "
                         "privacyface_fedgc_<start>.json otherwise")
     p.add_argument("--cache", type=Path, default=None,
                    help="finished runs (default runs/privacyface_fedgc, runs/privacyface_fedgc-<start> otherwise)")
-    p.add_argument("--backbone", type=Path, default=ROOT / "runs" / "federated" / "public_backbone.pt",
-                   help="public-split start: the public backbone (pre-trained there if missing)")
-    p.add_argument("--pretrain-epochs", type=int, default=4)
     p.add_argument("--max-users", type=int, default=200)
     p.add_argument("--only", nargs="*", default=None, help="run only these runs (names as in the output)")
     p.add_argument("--dlib-linkage", action="store_true",

@@ -2,6 +2,7 @@
 View 1 on DevTest pairs, and its summary row. Shared by the CLI and bench/federated.py."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import time
@@ -41,6 +42,17 @@ def public_backbone(path: Path, spec: ModelSpec, lfw_root: str | Path | None, ep
 # set (edge_server/distill.py: no private user of these experiments, no View 1 DevTest person), built on first use
 # and cached.
 STARTS = ("public-split", "distilled")
+DEFAULT_BACKBONE = Path(__file__).resolve().parents[2] / "runs" / "federated" / "public_backbone.pt"
+
+
+def add_start_args(p: argparse.ArgumentParser) -> None:
+    """--start and the public-split pre-training's options, as every federated bench takes them (`start_state`)."""
+    p.add_argument("--start", choices=STARTS, default="public-split",
+                   help="where every run starts: the public-split pre-training (--backbone) or the distilled start "
+                        "on the federated public set (built on first use and cached; docs/pretrain.md)")
+    p.add_argument("--backbone", type=Path, default=DEFAULT_BACKBONE,
+                   help="public-split start: the public backbone (pre-trained there if missing)")
+    p.add_argument("--pretrain-epochs", type=int, default=4)
 
 
 def start_state(start: str, spec: ModelSpec, lfw_root: str | Path | None, backbone_path: Path, pretrain_epochs: int,
