@@ -17,4 +17,4 @@ DEFAULT_WIRE=(--activation-encoding i8c --gradient-encoding i8c)
 # at 10x the rest's rate, the usual fine-tuning ratio (results/pretrain/). `--init scratch --head-lr-scale 1` is
 # the old start from seeded weights.
 DEFAULT_START=(--init distilled --head-lr-scale 10)
-exec .venv/bin/python -m edge_server.demo "${DEFAULT_START[@]}" "${DEFAULT_RELEASE[@]}" "${DEFAULT_WIRE[@]}" "$@"
+exec .venv/bin/python -m research.demo "${DEFAULT_START[@]}" "${DEFAULT_RELEASE[@]}" "${DEFAULT_WIRE[@]}" "$@"

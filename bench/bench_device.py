@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 MODELS = {"vgg_face": 224, "iresnet18": 112}
 RELOWER = "executorch-relower"  # the release re-lowered to XNNPACK after each weight change
-GEMM = "executorch-xnnpack"  # the im2col programs: XNNPACK with the weights as inputs (export/gemm_programs.py)
+GEMM = "executorch-xnnpack"  # the im2col programs: XNNPACK with the weights as inputs (splitface/export/gemm_programs.py)
 BACKENDS = ("torch", "executorch", "onnxruntime", RELOWER, GEMM)
 BUILDS = {"device": "device part only", "full": "whole backbone, split",
           "banded": "device part only, LRN window as the former banded 1x1 conv"}
@@ -53,7 +53,7 @@ RELEASE_BACKENDS = ("torch", "executorch", "onnxruntime")
 
 def release_spec(model: str, release: str):
     """The model spec and split of a release configuration."""
-    from device_sdk.models import resolve_spec
+    from splitface.common.models import resolve_spec
 
     changes, split = RELEASES[release]
     return replace(resolve_spec(model), **changes), split
@@ -61,7 +61,7 @@ def release_spec(model: str, release: str):
 
 def available_releases() -> list[str]:
     """The transforms this checkout has (FaceMAE's `mask` arrived separately)."""
-    from device_sdk.transforms import TRANSFORMS
+    from splitface.common.transforms import TRANSFORMS
 
     return [r for r, (changes, _) in RELEASES.items() if changes.get("release", "none") in ("none", *TRANSFORMS)]
 
@@ -80,7 +80,7 @@ def wire_bytes_per_image(release) -> dict[str, int]:
     """One image's release as the protocol sends it (the msgpack tensor map), in each encoding."""
     import msgpack
 
-    from protocol.tensor import encode_tensor
+    from splitface.protocol.tensor import encode_tensor
 
     one = release[:1].detach().numpy()
     return {enc: len(msgpack.packb(encode_tensor(one, enc), use_bin_type=True)) for enc in ("f32", "f16", "i8")}
@@ -105,14 +105,14 @@ def measure(model: str, backend: str, threads: int, data: str, runs: int, warmup
     import numpy as np
     import torch
 
-    from device_sdk.data import find_lfw_root, load_lfw
-    from device_sdk.engine import to_input
-    from device_sdk.meter import EnergyCounter, latency_stats, peak_rss_bytes
-    from device_sdk.models import build_backbone, build_device_part, split_backbone
-    from device_sdk.models.lrn import PaperLRN
-    from device_sdk.runtimes import load_runtime
-    from device_sdk.transforms import release_mask
-    from export.verify import reference
+    from splitface.common.data import find_lfw_root, load_lfw
+    from splitface.device.engine import to_input
+    from splitface.device.meter import EnergyCounter, latency_stats, peak_rss_bytes
+    from splitface.common.models import build_backbone, build_device_part, split_backbone
+    from splitface.common.models.lrn import PaperLRN
+    from splitface.device.runtimes import load_runtime
+    from splitface.common.transforms import release_mask
+    from splitface.export.verify import reference
 
     import_rss = peak_rss_bytes()  # Python, torch and the SDK, before any model, data or runtime library
     torch.set_num_threads(threads)
@@ -161,7 +161,7 @@ def measure(model: str, backend: str, threads: int, data: str, runs: int, warmup
         # release program for the new weights and load it (the "update"), then run it.
         from executorch.extension.pybindings import portable_lib
 
-        from export.artifacts import export_release_pte
+        from splitface.export.artifacts import export_release_pte
         program = pte = None
 
         def update() -> None:
@@ -258,8 +258,8 @@ def lrn_window(runs: int, threads: int = 1) -> list[dict]:
     from executorch.extension.pybindings import portable_lib
     import onnxruntime as ort
 
-    from device_sdk.meter import latency_stats
-    from device_sdk.models.lrn import PaperLRN
+    from splitface.device.meter import latency_stats
+    from splitface.common.models.lrn import PaperLRN
 
     torch.set_num_threads(threads)
     lrn = PaperLRN(64)
@@ -313,9 +313,9 @@ def noise_speed(runs: int, threads: list[int]) -> list[dict]:
     import numpy as np
     import torch
 
-    from device_sdk.meter import latency_stats
-    from device_sdk.privacy.discrete import DiscreteGaussian
-    from device_sdk.privacy.fastnoise import NoiseStream, fresh_key, gaussian
+    from splitface.device.meter import latency_stats
+    from splitface.device.privacy.discrete import DiscreteGaussian
+    from splitface.device.privacy.fastnoise import NoiseStream, fresh_key, gaussian
 
     n = NOISE_VALUES
     generator = torch.Generator().manual_seed(int.from_bytes(fresh_key()[:8], "little"))
@@ -432,7 +432,7 @@ def table(results: list[dict], machine: str) -> str:
               "image) times the weight matrix, a bmm of two run-time tensors, which XNNPACK runs, so the whole release "
               "runs in XNNPACK with the weights as inputs (no update cost); its backward is the closed-form weight "
               "gradient (im2col^T times the gradient through LRN and ReLU) as a second XNNPACK program, not a "
-              "training program (export/gemm_programs.py, `splitface-export --gemm`); verified against eager PyTorch "
+              "training program (splitface/export/gemm_programs.py, `splitface-export --gemm`); verified against eager PyTorch "
               "with perturbed weights like every artifact.", ""]
     notes = {r["energy_note"] for r in results if r["energy_note"]}
     lines += [f"Energy: {n}." for n in notes]
@@ -534,8 +534,8 @@ def export_programs(model: str, release: str, keep: Path | None) -> Path:
     export = subprocess.run([sys.executable, "-m", "export", "--model", described, "--split", split,
                              "--batch-size", "8", "--dp-clamp", "--gemm", "--out", str(artifacts)],
                             capture_output=True, text=True, cwd=ROOT)
-    if export.returncode != 0:
-        raise SystemExit(f"export of {model} ({release}) failed:\n{export.stdout[-2000:]}{export.stderr[-3000:]}")
+    if splitface.export.returncode != 0:
+        raise SystemExit(f"export of {model} ({release}) failed:\n{splitface.export.stdout[-2000:]}{splitface.export.stderr[-3000:]}")
     return artifacts
 
 

@@ -28,14 +28,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_native import device_layer, export_for_batch, inputs  # noqa: E402
-from device_sdk.runtimes.native import jni_library  # noqa: E402
-from export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE, write_strip_ptes  # noqa: E402
-from export.java_layer import java_layer_job  # noqa: E402
+from splitface.device.runtimes.native import jni_library  # noqa: E402
+from splitface.export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE, write_strip_ptes  # noqa: E402
+from splitface.export.java_layer import java_layer_job  # noqa: E402
 
 TRAINERS = {"reference": "plain Java (DeviceLayer: loops, its own backward)",
             "gemm": "ExecuTorch via JNI, the batch im2col programs (XNNPACK)",
             "strips": "ExecuTorch via JNI, the strip programs (4 rows, XNNPACK)"}
-STRIP_ROWS = 4  # the native backend's (device_sdk/runtimes/native_runtime.py)
+STRIP_ROWS = 4  # the native backend's (splitface/device/runtimes/native_runtime.py)
 
 
 def java_classes(out: Path) -> list[str]:

@@ -2,7 +2,7 @@
 
 VGG-Face conv1 + ReLU + LRN at 224x224, a batch of 8 images, one thread: the im2col programs
 (`splitface-export --gemm`, XNNPACK with the weights as inputs) run by `splitface_native`
-(device_sdk/runtimes/native), side by side in one run:
+(splitface/device/runtimes/native), side by side in one run:
 - exported for batch 8 (one call per batch) and for batch 1 (eight calls, streaming one image's inputs in
   and its release out at a time), the noise read from a file as before, and the batch-1 programs with the
   noise drawn by the runner into their noise input;
@@ -10,7 +10,7 @@ VGG-Face conv1 + ReLU + LRN at 224x224, a batch of 8 images, one thread: the im2
   stays in cache), the noise drawn by the runner into each strip's rows (ChaCha20 + Box-Muller under a
   fresh OS-CSPRNG key per release), for each of `--strip-rows`;
 - the Python binding running the batch-8 programs (`executorch-xnnpack`, whose process imports PyTorch).
-Every native configuration is checked against eager PyTorch first (export/verify.py's tolerances); where
+Every native configuration is checked against eager PyTorch first (splitface/export/verify.py's tolerances); where
 the runner draws the noise, the check runs once under a known key (`--noise-key`), whose normals
 `reference_normals` recomputes in float64, and the timed runs draw fresh keys. Peak RSS is the runner's
 own high-water mark (VmHWM), runtime libraries included. The rows take turns over `--rounds` rounds, so
@@ -40,12 +40,11 @@ sys.path.insert(0, str(ROOT))
 from bench.machine import cmake_flags, describe, record  # noqa: E402
 from bench_device import minimal_rss  # noqa: E402  (the Python binding's process, same programs)
 
-from device_sdk.models import build_device_part, resolve_spec  # noqa: E402
-from device_sdk.models.lrn import PaperLRN  # noqa: E402
-from device_sdk.runtimes.native import build, etdump_ops, reference_normals, run_native, write_inputs  # noqa: E402
-from export.artifacts import (RELEASE_GEMM_PTE, RELEASE_STRIP_PTE, VJP_GEMM_PTE, VJP_STRIP_PTE,  # noqa: E402
-                              export_gemm_ptes, write_strip_ptes)
-from export.verify import GRAD_RTOL, RELEASE_ATOL, reference  # noqa: E402
+from splitface.common.models import build_device_part, resolve_spec  # noqa: E402
+from splitface.common.models.lrn import PaperLRN  # noqa: E402
+from splitface.device.runtimes.native import build, etdump_ops, reference_normals, run_native, write_inputs  # noqa: E402
+from splitface.export.artifacts import (RELEASE_GEMM_PTE, RELEASE_STRIP_PTE, VJP_GEMM_PTE, VJP_STRIP_PTE, export_gemm_ptes, write_strip_ptes)
+from splitface.export.verify import GRAD_RTOL, RELEASE_ATOL, reference  # noqa: E402
 
 RELEASE_INPUTS = ["images", "noise", "weight", "bias"]
 STRIP_RELEASE_INPUTS = ["images", "weight", "bias"]
@@ -95,7 +94,7 @@ def inputs(layer: torch.nn.Module, samples: int, input_size: int) -> dict[str, t
 
 def errors(report: dict, want_release: torch.Tensor, want_grads: list[torch.Tensor]) -> tuple[float, float]:
     """The runner's release (max abs) and gradient (max relative) errors against eager PyTorch; exits past
-    export/verify.py's tolerances."""
+    splitface/export/verify.py's tolerances."""
     release_err = float(np.abs(report["release"] - want_release.numpy().ravel()).max())
     grad_err = max(float(np.abs(a - b.numpy().ravel()).max() / np.abs(b.numpy()).max())
                    for a, b in zip(report["grads"], want_grads, strict=True))

@@ -1,6 +1,6 @@
 """What a device pays for the `native` backend per batch, beside what the runner computes.
 
-The backend (device_sdk/runtimes/native_runtime.py) feeds one persistent runner process through files in
+The backend (splitface/device/runtimes/native_runtime.py) feeds one persistent runner process through files in
 /dev/shm; bench_native.py times the runner alone, one process per run. This times the backend on
 bench_native.py's layer and inputs (4-row strip programs) and prints per batch, side by side in one run:
 
@@ -33,10 +33,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench.machine import cmake_flags, describe, record  # noqa: E402
 from bench_native import device_layer, inputs  # noqa: E402
-from device_sdk.privacy.fastnoise import fresh_key  # noqa: E402
-from device_sdk.runtimes.native import cache_dir  # noqa: E402
-from device_sdk.runtimes.native_runtime import NativeRuntime  # noqa: E402
-from export.artifacts import example_inputs, manifest_of  # noqa: E402
+from splitface.device.privacy.fastnoise import fresh_key  # noqa: E402
+from splitface.device.runtimes.native import cache_dir  # noqa: E402
+from splitface.device.runtimes.native_runtime import NativeRuntime  # noqa: E402
+from splitface.export.artifacts import example_inputs, manifest_of  # noqa: E402
 
 
 def timed(call) -> tuple[float, dict]:

@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_native import NOISE_STD, STRIP_RELEASE_INPUTS, device_layer, inputs  # noqa: E402
-from device_sdk.privacy.discrete import DiscreteGaussianMechanism  # noqa: E402
-from device_sdk.runtimes.native import build_cached, run_native, write_inputs  # noqa: E402
-from export.artifacts import write_strip_ptes  # noqa: E402
+from splitface.device.privacy.discrete import DiscreteGaussianMechanism  # noqa: E402
+from splitface.device.runtimes.native import build_cached, run_native, write_inputs  # noqa: E402
+from splitface.export.artifacts import write_strip_ptes  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -45,13 +45,13 @@ from typing import Any, Callable
 import msgpack
 import numpy as np
 
-from protocol import messages as m
-from protocol.session import ClientSession, DeviceRecord, ServerInfo, ServerSession
-from protocol.tensor import WIRE_DTYPES, decode_tensor, encode_tensor, payload_bytes
+from splitface.protocol import messages as m
+from splitface.protocol.session import ClientSession, DeviceRecord, ServerInfo, ServerSession
+from splitface.protocol.tensor import WIRE_DTYPES, decode_tensor, encode_tensor, payload_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The project's websocket options (edge_server/app.py serve(...), device_sdk/client.py connect(...)).
+# The project's websocket options (splitface/server/app.py serve(...), splitface/device/connection.py connect(...)).
 SERVER_WS_OPTIONS = dict(compression=None, max_queue=4, write_limit=2 ** 24, ping_interval=30, ping_timeout=120)
 CLIENT_WS_OPTIONS = dict(max_size=None, compression=None, open_timeout=10, ping_interval=30, ping_timeout=120,
                          close_timeout=2, max_queue=4)
@@ -164,9 +164,9 @@ def bench_unsplit(spec, num_classes, batches, warmup, steps) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from device_sdk.engine import to_input
-    from device_sdk.models import build_backbone, build_classifier
-    from device_sdk.optim import exponential_decay, make_sgd
+    from splitface.device.engine import to_input
+    from splitface.common.models import build_backbone, build_classifier
+    from splitface.common.optim import exponential_decay, make_sgd
     torch.manual_seed(0)
     backbone, classifier = build_backbone(spec), build_classifier(spec, num_classes)
     opt = make_sgd(list(backbone.parameters()) + list(classifier.parameters()), 0.01, 0.9)
@@ -189,8 +189,8 @@ def bench_unsplit(spec, num_classes, batches, warmup, steps) -> dict[str, Any]:
 
 
 def bench_inprocess(spec, num_classes, batches, warmup, steps) -> dict[str, Any]:
-    from device_sdk.engine import DeviceEngine
-    from edge_server.trainer import ServerTrainer
+    from splitface.device.engine import DeviceEngine
+    from splitface.server.trainer import ServerTrainer
     engine = DeviceEngine(spec, SPLIT, "server", num_classes)
     trainer = ServerTrainer(spec, SPLIT, num_classes, device="cpu")
     times, parts = [], {"device_forward": [], "server_step": [], "device_commit": []}
@@ -228,17 +228,17 @@ def _ids(step: int, batches: list) -> np.ndarray:
 
 
 def serve_in_thread(trainer, max_batch: int, run_dir: Path):
-    from edge_server.app import EdgeServer, ServerConfig, ServerThread, server_info
-    from edge_server.auth import TokenAuthenticator, hash_token
+    from splitface.server.app import EdgeServer, ServerConfig, ServerThread, server_info
+    from splitface.server.auth import TokenAuthenticator, hash_token
     info = server_info(trainer, max_batch, m.DEFAULT_MAX_MESSAGE_BYTES)
     return ServerThread(EdgeServer(trainer, info, TokenAuthenticator({DEVICE_ID: hash_token(TOKEN)}),
                                    ServerConfig(port=0, run_dir=run_dir, checkpoint_every_s=1e9, log_every_s=1e9)))
 
 
 def bench_websocket(spec, num_classes, batches, warmup, steps, encoding: str) -> dict[str, Any]:
-    from device_sdk.client import DeviceClient
-    from device_sdk.engine import DeviceEngine
-    from edge_server.trainer import ServerTrainer
+    from splitface.device.connection import DeviceClient
+    from splitface.device.engine import DeviceEngine
+    from splitface.server.trainer import ServerTrainer
     batch = len(batches[0][1])
     trainer = ServerTrainer(spec, SPLIT, num_classes, device="cpu")
     with tempfile.TemporaryDirectory(prefix="bench_split_") as run_dir, serve_in_thread(trainer, batch, Path(run_dir)) as st:
@@ -307,7 +307,7 @@ def message_sizes(spec, act_shape, batch, num_classes, encoding, seed: int = 0) 
 
 def bench_bytes(bench_spec_name: str, batch: int, num_classes: int, full_presets: list[str],
                 measured_in_loop: dict[str, tuple[int, int]]) -> list[dict[str, Any]]:
-    from device_sdk.models import activation_shape, resolve_spec
+    from splitface.common.models import activation_shape, resolve_spec
     rows = []
     small = resolve_spec(bench_spec_name)
     small_shape = activation_shape(small, SPLIT)
@@ -668,7 +668,7 @@ def _human(n: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from device_sdk.options import add_model_arg, add_threads_arg, add_training_args, apply_threads
+    from splitface.common.options import add_model_arg, add_threads_arg, add_training_args, apply_threads
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arg(p, "vgg_face_small")  # the training benchmarks' model
@@ -688,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--txt", type=Path, default=None, help="markdown report (default: the JSON path with .txt)")
     args = p.parse_args(argv)
 
-    from device_sdk.models import resolve_spec
+    from splitface.common.models import resolve_spec
     apply_threads(args)
     start = time.perf_counter()
     run_load = OtherLoad().__enter__()

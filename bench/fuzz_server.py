@@ -2,11 +2,11 @@
 
     .venv/bin/python bench/fuzz_server.py [--messages 10000] [--seed 0] [--out results/reliability/fuzz.json]
 
-Starts `python -m edge_server serve` on loopback with a tiny model and its default limits, then sends
+Starts `python -m splitface.server serve` on loopback with a tiny model and its default limits, then sends
 `--messages` messages from a few concurrent workers. About a tenth are pre-HELLO: each on a fresh
 connection from its own loopback address 127.0.0.x (as attackers elsewhere would; the honest devices use
 127.0.0.1). The rest go to authenticated sessions (server and device head). Messages are honest ones and
-the committed vectors, damaged by protocol/mutate.py, plus random bytes, random msgpack values, text frames
+the committed vectors, damaged by splitface/protocol/mutate.py, plus random bytes, random msgpack values, text frames
 and out-of-order or duplicate batch ids. Each must be answered (a reply or a close) within --deadline s.
 
 Counts: crashes (the server process exited: it is restarted and the fuzz goes on), hangs, unhandled
@@ -36,16 +36,16 @@ import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
-from device_sdk.client import DeviceClient
-from device_sdk.engine import DeviceEngine
-from device_sdk.models import activation_shape, resolve_spec
-from device_sdk.options import add_seed_arg
-from edge_server.auth import hash_token
-from protocol import messages as m
-from protocol import mutate
-from protocol.errors import ProtocolError
-from protocol.session import ClientSession
-from protocol.vectors import generate as vectors
+from splitface.device.connection import DeviceClient
+from splitface.device.engine import DeviceEngine
+from splitface.common.models import activation_shape, resolve_spec
+from splitface.common.options import add_seed_arg
+from splitface.server.auth import hash_token
+from splitface.protocol import messages as m
+from splitface.protocol import mutate
+from splitface.protocol.errors import ProtocolError
+from splitface.protocol.session import ClientSession
+from splitface.protocol.vectors import generate as vectors
 
 ROOT = Path(__file__).resolve().parents[1]
 # The tiny configuration: conv1 activations are [4, 32, 32] (16 KiB a sample in f32), embeddings 32 wide.
@@ -345,7 +345,7 @@ def tracebacks(log_text: str) -> Counter:
 
 
 class ServerProcess(Target):
-    """`python -m edge_server serve` in a subprocess, logging to a file; restarted if it dies."""
+    """`python -m splitface.server serve` in a subprocess, logging to a file; restarted if it dies."""
 
     def __init__(self, workdir: Path, server_root: Path = ROOT):
         super().__init__("")
@@ -354,7 +354,7 @@ class ServerProcess(Target):
         self.crashes = 0
         tokens = workdir / "tokens.json"
         tokens.write_text(json.dumps({d: hash_token(t) for d, t in TOKENS.items()}))
-        self.command = [sys.executable, "-m", "edge_server", "serve", "--model", json.dumps(MODEL),
+        self.command = [sys.executable, "-m", "splitface.server", "serve", "--model", json.dumps(MODEL),
                         "--num-classes", str(NUM_CLASSES), "--tokens", str(tokens), "--port", "0",
                         "--run-dir", str(workdir / "run"), "--max-batch", str(MAX_BATCH),
                         "--max-message-mb", str(MAX_MESSAGE_MB), "--threads", "1", "--checkpoint-every", "5"]
@@ -395,9 +395,9 @@ def git_commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "edge_server", "protocol"], cwd=ROOT,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "splitface/server", "splitface/protocol"], cwd=ROOT,
                                capture_output=True, text=True).stdout.strip()
-        return head + ("+uncommitted edge_server/protocol changes" if dirty else "")
+        return head + ("+uncommitted server/protocol changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

@@ -43,8 +43,8 @@ import numpy as np
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
-from protocol import messages as m
-from protocol.session import ClientSession
+from splitface.protocol import messages as m
+from splitface.protocol.session import ClientSession
 
 MODEL, SPLIT, NUM_CLASSES, BATCH = "vgg_face_small", "conv1", 5, 8
 IDLE_FROM, SLOW_FROM, GUESS_FROM = "127.0.0.2", "127.0.0.3", "127.0.0.4"
@@ -228,7 +228,7 @@ async def phase(honest: list[Honest], seconds: float, pid: int) -> dict[str, Any
 
 def start_server(run_dir: Path, tokens: Path, threads: int) -> tuple[subprocess.Popen, int]:
     log = open(run_dir / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "edge_server.cli", "serve", "--model", MODEL, "--split", SPLIT,
+    proc = subprocess.Popen([sys.executable, "-m", "splitface.server.cli", "serve", "--model", MODEL, "--split", SPLIT,
                              "--num-classes", str(NUM_CLASSES), "--tokens", str(tokens), "--port", "0",
                              "--run-dir", str(run_dir / "server"), "--max-batch", str(BATCH), "--device", "cpu",
                              "--threads", str(threads), "--checkpoint-every", "1e9"], stdout=log, stderr=log)
@@ -246,10 +246,10 @@ def start_server(run_dir: Path, tokens: Path, threads: int) -> tuple[subprocess.
 
 async def bench(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     # Imported here: the attackers' process imports this module and needs none of torch.
-    from device_sdk.client import DeviceClient
-    from device_sdk.engine import DeviceEngine
-    from device_sdk.models import resolve_spec
-    from edge_server.auth import issue_tokens
+    from splitface.device.connection import DeviceClient
+    from splitface.device.engine import DeviceEngine
+    from splitface.common.models import resolve_spec
+    from splitface.server.auth import issue_tokens
 
     honest_ids = [f"honest-{i}" for i in range(args.devices)]
     tokens = issue_tokens(run_dir / "tokens.json", honest_ids + ["victim"])
@@ -292,7 +292,7 @@ async def bench(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from device_sdk.options import add_devices_arg, add_threads_arg
+    from splitface.common.options import add_devices_arg, add_threads_arg
 
     parser = argparse.ArgumentParser(prog="python -m bench.hostile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

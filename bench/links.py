@@ -169,13 +169,13 @@ class Relay:
 
 def bench_link(link: Link, encoding: str, batch: int, batches: int, warmup: int, num_classes: int) -> dict[str, Any]:
     """`warmup` + `batches` training batches of the split loop through `link` in `encoding` (both directions)."""
-    from device_sdk.client import DeviceClient
-    from device_sdk.engine import DeviceEngine
-    from device_sdk.models import resolve_spec
-    from edge_server.app import EdgeServer, ServerConfig, ServerThread, server_info
-    from edge_server.auth import TokenAuthenticator, hash_token
-    from edge_server.trainer import ServerTrainer
-    from protocol import messages as m
+    from splitface.device.connection import DeviceClient
+    from splitface.device.engine import DeviceEngine
+    from splitface.common.models import resolve_spec
+    from splitface.server.app import EdgeServer, ServerConfig, ServerThread, server_info
+    from splitface.server.auth import TokenAuthenticator, hash_token
+    from splitface.server.trainer import ServerTrainer
+    from splitface.protocol import messages as m
 
     spec = resolve_spec("iresnet_small")
     trainer = ServerTrainer(spec, "conv1", num_classes, device="cpu")
@@ -241,8 +241,8 @@ def table(res: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from device_sdk.options import add_threads_arg, add_training_args, apply_threads
-    from protocol.tensor import ENCODINGS
+    from splitface.common.options import add_threads_arg, add_training_args, apply_threads
+    from splitface.protocol.tensor import ENCODINGS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--links", nargs="+", default=list(LINKS), choices=list(LINKS))

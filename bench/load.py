@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.load [--devices 32] [--batch-size 16] [--seconds 75] [--out results/reliability/load.json]
 
-Starts `python -m edge_server serve` on loopback with the tiny configuration (vgg_face_small split at conv1,
+Starts `python -m splitface.server serve` on loopback with the tiny configuration (vgg_face_small split at conv1,
 20 LFW identities), then runs `--devices` devices in this process, each a real `DeviceClient` and
 `DeviceEngine` on its own share of the real faces (alternately server head and device head). Shares hold
 33 and 40 images, so at batch 16 every other device's last batch of an epoch holds one image. Devices train
@@ -37,15 +37,15 @@ import numpy as np
 import torch
 
 from bench.hostile import rss_mb
-from device_sdk.client import DeviceClient, Rollback, device_faults
-from device_sdk.data import load_lfw
-from device_sdk.engine import DeviceEngine
-from device_sdk.models import resolve_spec
-from device_sdk.optim import TrainConfig
-from device_sdk.options import add_data_root_arg, add_devices_arg, add_training_args
-from device_sdk.simulator import batch_indices, batches_per_epoch
-from edge_server.auth import issue_tokens
-from edge_server.checkpoint import ReplyStore, load_checkpoint
+from splitface.device.connection import DeviceClient, Rollback, device_faults
+from splitface.common.data import load_lfw
+from splitface.device.engine import DeviceEngine
+from splitface.common.models import resolve_spec
+from splitface.common.optim import TrainConfig
+from splitface.common.options import add_data_root_arg, add_devices_arg, add_training_args
+from splitface.sim.simulator import batch_indices, batches_per_epoch
+from splitface.server.auth import issue_tokens
+from splitface.server.checkpoint import ReplyStore, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 LFW = ROOT.parent / "shared" / "data" / "lfw"
@@ -85,7 +85,7 @@ class ServerProcess:
 
 def _forkserver() -> mp.context.BaseContext:
     # torch._dynamo: the first optimizer imports it (5 s on a busy machine), once here instead of in every process
-    multiprocessing.forkserver.set_forkserver_preload(["edge_server.cli", "torch._dynamo"])
+    multiprocessing.forkserver.set_forkserver_preload(["splitface.server.cli", "torch._dynamo"])
     return mp.get_context("forkserver")
 
 
@@ -95,7 +95,7 @@ def _serve(argv: list[str], log_path: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
-    from edge_server.cli import main
+    from splitface.server.cli import main
     main(argv)
 
 

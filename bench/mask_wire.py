@@ -20,14 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
-from device_sdk.cli import load_selection
-from device_sdk.data import partition
-from device_sdk.engine import DeviceEngine, PrivacyEngine
-from device_sdk.models import ModelSpec
-from device_sdk.options import add_data_root_arg
-from device_sdk.simulator import batch_indices, batches_per_epoch
-from protocol.session import ClientSession
-from protocol.tensor import ENCODINGS
+from splitface.common.options import load_selection
+from splitface.common.data import partition
+from splitface.device.engine import DeviceEngine, PrivacyEngine
+from splitface.common.models import ModelSpec
+from splitface.common.options import add_data_root_arg
+from splitface.sim.simulator import batch_indices, batches_per_epoch
+from splitface.protocol.session import ClientSession
+from splitface.protocol.tensor import ENCODINGS
 
 
 def forward_bytes(run_dir: Path, data_root: Path) -> dict[str, dict[str, float]]:

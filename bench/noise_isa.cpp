@@ -1,4 +1,4 @@
-// Times the native runner's noise generator (device_sdk/runtimes/native/gaussian_noise.cpp) as built by
+// Times the native runner's noise generator (splitface/device/runtimes/native/gaussian_noise.cpp) as built by
 // bench/noise_isa.py for one ISA path, and dumps what it draws for the tests:
 //   noise_isa <key: 64 hex digits> <values> <repetitions> [dump file]
 // prints {"ms_min": .., "ns_per_value": ..}; the dump holds the first `values` normals as float32, then the

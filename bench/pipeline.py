@@ -4,13 +4,13 @@
 Lock-step, a device makes batch n's release, sends it, waits for the gradient, applies it, and only then
 makes batch n+1's. Pipelined (`--pipeline`), it makes batch n+1's release while batch n is at the server, so
 its device compute overlaps the server's and the network's, and that release uses weights one step stale
-(the gradient is taken at them, `device_sdk/engine.py`). Each pair of runs is the main job
+(the gradient is taken at them, `splitface/device/engine.py`). Each pair of runs is the main job
 (`splitface-demo`: an edge server and simulated devices in their own processes on loopback) with the same
 data, seed and release, once each way; reduced size (IResNet-small at 64 px).
 
     python bench/pipeline.py --data ../shared/data/lfw       # results/pipeline/{summary.json,table.md}
 
-Resumable: a finished run is read back (`edge_server.demo.run_recorded`). Throughput is the server's
+Resumable: a finished run is read back (`research.demo.run_recorded`). Throughput is the server's
 samples per second of training (its metrics) and the run's wall time; accuracy is the last epoch's test
 accuracy on the held-out images of the same people.
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from edge_server.demo import run_recorded  # noqa: E402
+from research.demo import run_recorded  # noqa: E402
 
 LOAD_FILE = "load.json"
 

@@ -4,9 +4,9 @@
 
 Each placement trains `--devices` devices for `--epochs` against its own fresh edge server (`splitface-server serve`
 on loopback, one torch thread), each device with its own small share of real LFW faces:
-- processes: `python -m device_sdk --only-devices START:STOP` processes of `--devices-per-part` devices each, one
+- processes: `python -m splitface.sim --only-devices START:STOP` processes of `--devices-per-part` devices each, one
   torch thread each, as `splitface-demo --device-processes` runs them, their results merged by `merge_results`;
-- ray: one `python -m device_sdk --placement ray --devices-per-actor K` that starts a local Ray instance on this
+- ray: one `python -m splitface.sim --placement ray --devices-per-actor K` that starts a local Ray instance on this
   machine's cores and runs actors of the same K devices (Ray's start-up counts).
 The wall time runs from launching the simulator(s) to their exit (loading torch, the data, Ray); `training_span_s`
 from the first batch's start to the last batch's end, over all parts on this machine's clock (the parts' own wall_s,
@@ -28,10 +28,10 @@ from typing import Any
 
 from bench.load import start_server, stop_server
 from bench.machine import describe, record
-from device_sdk.data import load_lfw
-from device_sdk.options import add_data_root_arg, add_devices_arg
-from device_sdk.simulator import device_ranges, merge_results
-from edge_server.auth import issue_tokens
+from splitface.common.data import load_lfw
+from splitface.common.options import add_data_root_arg, add_devices_arg
+from splitface.sim.simulator import device_ranges, merge_results
+from splitface.server.auth import issue_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 LFW = ROOT.parent / "shared" / "data" / "lfw"
@@ -40,7 +40,7 @@ PLACEMENTS = ("processes", "ray")
 
 def sim_argv(args: argparse.Namespace, url: str, tokens: Path, results: Path) -> list[str]:
     """The simulator's options, the same for both placements."""
-    return [sys.executable, "-m", "device_sdk", "--server", url, "--tokens", str(tokens), "--data", str(args.data),
+    return [sys.executable, "-m", "splitface.sim", "--server", url, "--tokens", str(tokens), "--data", str(args.data),
             "--min-images", "10", "--max-identities", str(args.max_identities), "--max-images", str(args.max_images),
             "--model", args.model, "--devices", str(args.devices), "--epochs", str(args.epochs),
             "--batch-size", str(args.batch_size), "--lr", "0.005", "--no-progress", "--results", str(results)]

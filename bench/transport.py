@@ -14,7 +14,7 @@ same load from other processes on this shared machine. Variants:
 
 - protocol, as before: websocket message in one frame, the old settings (the client's default 32 KiB write
   limit), glibc's default allocator behaviour;
-- protocol, fragments only / allocator only: one of the two changes of protocol/transport.py;
+- protocol, fragments only / allocator only: one of the two changes of splitface/net/transport.py;
 - protocol, tuned: both, with the codec before the zero-copy one (msgpack.packb, msgpack.unpackb,
   np.isfinite(...).all());
 - protocol, zero-copy codec: tuned, and the zero-copy codec (the client sends ClientSession.forward_parts, the
@@ -27,14 +27,14 @@ same load from other processes on this shared machine. Variants:
   tensor is aligned (decode views it instead of copying it);
 - protocol, + client's streamed receive too: the client receives with transport.receive as well (measured
   slower: websockets hands a client its unmasked fragments as bytearrays, which recv_streaming copies once more);
-- protocol, + fast connections on both ends (now): both ends on device_sdk.fastws's connections (serve's and
+- protocol, + fast connections on both ends (now): both ends on splitface.net.fastws's connections (serve's and
   connect's create_connection), receiving with transport.receive and sending with send_fragments: a binary
   message's frames read into a reused buffer, unmasked in place and copied once into the message's buffer (its
   tensor aligned); frames masked into their own buffer; what the device client and the edge server do now;
 - websockets alone: the streamed-receive variant's transport (websockets' own connections), but neither end
   decodes (the echo answers every FORWARD with a BACKWARD it encoded once): what the protocol would cost on
   websockets' connections if its codec and checks were free;
-- fast connections alone: the same floor on device_sdk.fastws's connections;
+- fast connections alone: the same floor on splitface.net.fastws's connections;
 - raw blocking sockets: a length prefix, then sendall / recv_into a buffer reused across trips (no protocol,
   no validation, no allocation): the ceiling.
 
@@ -69,14 +69,14 @@ MB = 1e6
 
 class Setting(NamedTuple):
     """What a protocol variant runs with."""
-    fragments: bool            # send_fragments and protocol/transport.py's websocket options
+    fragments: bool            # send_fragments and splitface/net/transport.py's websocket options
     allocator: bool            # reuse_large_buffers
     zero_copy: bool            # today's codec (encode_parts, decode's views, the sum-first finite check)
     reply_parts: bool = False  # the echo sends its reply as messages.encode_parts' parts, not joined
     server_receive: bool = False   # the echo receives with transport.receive, not websockets' recv()
     client_receive: bool = False   # the client too
     codec: bool = True             # False: neither end decodes, the echo answers a BACKWARD made in advance
-    fast: bool = False             # both ends on device_sdk.fastws's connections (frames straight into their buffers)
+    fast: bool = False             # both ends on splitface.net.fastws's connections (frames straight into their buffers)
 
 
 # variant -> its setting; None: raw sockets
@@ -107,8 +107,8 @@ def codec_setting(zero_copy: bool) -> None:
     """This process's codec (once, at its start): today's (encode_parts' views, decode's views, the sum-first finite
     check), or the one before it (msgpack.packb, msgpack.unpackb, np.isfinite(...).all()) for the variants that
     show it. The bytes on the wire are the same."""
-    from protocol import messages as m
-    from protocol import tensor
+    from splitface.protocol import messages as m
+    from splitface.protocol import tensor
     global _all_finite_now
     _all_finite_now = _all_finite_now or tensor.all_finite
     m.ZERO_COPY = zero_copy
@@ -124,7 +124,7 @@ def _all_finite_before(array: np.ndarray) -> bool:
 
 def _with_codec(zero_copy: bool, fn):
     """`fn` run with one codec or the other, whatever this process's own (for the codec table)."""
-    from protocol import messages as m
+    from splitface.protocol import messages as m
 
     def run() -> Any:
         own = m.ZERO_COPY
@@ -137,14 +137,14 @@ def _with_codec(zero_copy: bool, fn):
 
 
 def ws_options(side: str, fragmented: bool) -> dict[str, Any]:
-    """The settings a variant runs with: protocol/transport.py's, or those of the code before it."""
-    from protocol import messages as m
-    from protocol.transport import CLIENT_WS_OPTIONS, SERVER_WS_OPTIONS
+    """The settings a variant runs with: splitface/net/transport.py's, or those of the code before it."""
+    from splitface.protocol import messages as m
+    from splitface.net.transport import CLIENT_WS_OPTIONS, SERVER_WS_OPTIONS
     if fragmented:
         opts = dict(CLIENT_WS_OPTIONS if side == "client" else SERVER_WS_OPTIONS)
-    elif side == "client":   # device_sdk/client.py before: websockets' default write limit
+    elif side == "client":   # splitface/device/connection.py before: websockets' default write limit
         opts = dict(compression=None, open_timeout=10, ping_interval=30, ping_timeout=120, close_timeout=2, max_queue=4)
-    else:                    # edge_server/app.py before
+    else:                    # splitface/server/app.py before
         opts = dict(compression=None, max_queue=4, write_limit=2 ** 24, ping_interval=30, ping_timeout=120)
     opts["max_size"] = m.DEFAULT_MAX_MESSAGE_BYTES
     return opts
@@ -168,9 +168,9 @@ def server_main(conn, variant: str) -> None:
     from websockets.asyncio.server import serve
     from websockets.exceptions import ConnectionClosed
 
-    from protocol import messages as m
-    from protocol.tensor import encode_tensor
-    from protocol.transport import receive, reuse_large_buffers, send_fragments
+    from splitface.protocol import messages as m
+    from splitface.protocol.tensor import encode_tensor
+    from splitface.net.transport import receive, reuse_large_buffers, send_fragments
     if setting.allocator:
         reuse_large_buffers()
     encode = m.encode_parts if setting.reply_parts else m.encode
@@ -203,7 +203,7 @@ def server_main(conn, variant: str) -> None:
     async def main() -> None:
         options = ws_options("server", setting.fragments)
         if setting.fast:
-            from device_sdk.fastws import FastServerConnection
+            from splitface.net.fastws import FastServerConnection
             options["create_connection"] = FastServerConnection
         async with serve(echo, "127.0.0.1", 0, **options) as server:
             conn.send(next(iter(server.sockets)).getsockname()[1])
@@ -276,7 +276,7 @@ def client_main(conn, variant: str, port: int, shape: tuple[int, ...]) -> None:
         s.close()
         return
     codec_setting(setting.zero_copy)
-    from protocol.transport import reuse_large_buffers
+    from splitface.net.transport import reuse_large_buffers
     if setting.allocator:
         reuse_large_buffers()
     asyncio.run(_client_loop(conn, port, setting, activations, labels))
@@ -284,8 +284,8 @@ def client_main(conn, variant: str, port: int, shape: tuple[int, ...]) -> None:
 
 def _protocol_sizes(activations: np.ndarray, labels: np.ndarray) -> tuple[int, int]:
     """Sizes of the protocol's FORWARD and BACKWARD for these tensors: the raw variant moves as many bytes."""
-    from protocol import messages as m
-    from protocol.tensor import encode_tensor
+    from splitface.protocol import messages as m
+    from splitface.protocol.tensor import encode_tensor
     forward = m.encode({"type": m.FORWARD, "batch_id": 1, "activations": encode_tensor(activations, "f32"),
                         "labels": [int(x) for x in labels]})
     backward = m.encode({"type": m.BACKWARD, "batch_id": 1, "grad": encode_tensor(activations, "f32"), "loss": 4.6,
@@ -296,15 +296,15 @@ def _protocol_sizes(activations: np.ndarray, labels: np.ndarray) -> tuple[int, i
 async def _client_loop(conn, port: int, setting: Setting, activations: np.ndarray, labels: np.ndarray) -> None:
     from websockets.asyncio.client import connect
 
-    from protocol import messages as m
-    from protocol.session import ClientSession
-    from protocol.transport import message_size, receive, send_fragments
+    from splitface.protocol import messages as m
+    from splitface.protocol.session import ClientSession
+    from splitface.net.transport import message_size, receive, send_fragments
     session = ClientSession("bench-device", "bench-token", {}, "conv1", "server", len(activations), 1000,
                             {"activations": "f32", "gradients": "f32"})
     trip = 0
     options = ws_options("client", setting.fragments)
     if setting.fast:
-        from device_sdk.fastws import FastClientConnection
+        from splitface.net.fastws import FastClientConnection
         options["create_connection"] = FastClientConnection
     async with connect(f"ws://127.0.0.1:{port}", **options) as ws:
         loop = asyncio.get_running_loop()
@@ -346,9 +346,9 @@ def codec_steps(activations: np.ndarray, labels: np.ndarray, reps: int = 3) -> l
     import msgpack
     from websockets.frames import Frame, Opcode
 
-    from protocol import messages as m
-    from protocol.tensor import encode_tensor
-    from protocol.transport import fragments
+    from splitface.protocol import messages as m
+    from splitface.protocol.tensor import encode_tensor
+    from splitface.net.transport import fragments
     msg = {"type": m.FORWARD, "batch_id": 1, "activations": encode_tensor(activations, "f32"),
            "labels": [int(x) for x in labels]}
     data = msgpack.packb(m.wire_form(msg), use_bin_type=True)

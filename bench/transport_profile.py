@@ -6,7 +6,7 @@
 
 Two variants, each in its own client and echo-server processes, one after the other: websockets' own connections
 (the server receives with transport.receive, the client with recv(): what the edge server and the device client did
-before device_sdk/fastws.py) and device_sdk.fastws's connections on both ends (what they do now). Each process runs
+before splitface/net/fastws.py) and splitface.net.fastws's connections on both ends (what they do now). Each process runs
 the profiler over every trip but the first and reports the functions with the most time of their own (tottime),
 in ms per round trip: the C functions that move the bytes (socket send / recv / recv_into, BytesIO.write,
 bytes.join, ndarray.copy, apply_mask) show up by name, websockets' StreamReader copies as the time of its
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = {"websockets' connections (before)": False, "device_sdk.fastws's connections (now)": True}
+VARIANTS = {"websockets' connections (before)": False, "splitface.net.fastws's connections (now)": True}
 
 
 def _top(prof: cProfile.Profile, trips: int, n: int) -> list[tuple[str, float, int]]:
@@ -46,9 +46,9 @@ def server_main(conn, fast: bool, top: int) -> None:
     from websockets.asyncio.server import serve
     from websockets.exceptions import ConnectionClosed
 
-    from protocol import messages as m
-    from protocol import transport as t
-    from protocol.tensor import encode_tensor
+    from splitface.protocol import messages as m
+    from splitface.net import transport as t
+    from splitface.protocol.tensor import encode_tensor
     t.reuse_large_buffers()
     prof = cProfile.Profile()
     trips = [0]
@@ -72,7 +72,7 @@ def server_main(conn, fast: bool, top: int) -> None:
     async def main() -> None:
         options = dict(t.SERVER_WS_OPTIONS, max_size=m.DEFAULT_MAX_MESSAGE_BYTES)
         if fast:
-            from device_sdk.fastws import FastServerConnection
+            from splitface.net.fastws import FastServerConnection
             options["create_connection"] = FastServerConnection
         async with serve(echo, "127.0.0.1", 0, **options) as server:
             conn.send(next(iter(server.sockets)).getsockname()[1])
@@ -85,9 +85,9 @@ def server_main(conn, fast: bool, top: int) -> None:
 def client_main(port: int, fast: bool, trips: int, shape: tuple[int, ...], top: int):
     from websockets.asyncio.client import connect
 
-    from protocol import messages as m
-    from protocol import transport as t
-    from protocol.session import ClientSession
+    from splitface.protocol import messages as m
+    from splitface.net import transport as t
+    from splitface.protocol.session import ClientSession
     t.reuse_large_buffers()
     rng = np.random.default_rng(1)
     activations, labels = rng.random(shape, dtype=np.float32), rng.integers(0, 1000, shape[0])
@@ -97,7 +97,7 @@ def client_main(port: int, fast: bool, trips: int, shape: tuple[int, ...], top: 
     async def run() -> list[float]:
         options = dict(t.CLIENT_WS_OPTIONS, max_size=m.DEFAULT_MAX_MESSAGE_BYTES)
         if fast:
-            from device_sdk.fastws import FastClientConnection
+            from splitface.net.fastws import FastClientConnection
             options["create_connection"] = FastClientConnection
         times = []
         async with connect(f"ws://127.0.0.1:{port}", **options) as ws:

@@ -10,12 +10,12 @@ the wire) and on View 1 verification of unseen people. The points:
 - i8 up and f16 down; i8 both ways with the gradients rounded stochastically (`--gradient-rounding stochastic`);
 - i8c both ways: int8 with a scale per image and channel (SPEC.md section 4).
 
-View 1 is scored as `python -m edge_server.evaluation` scores a run (device 0's layer, its release, the
+View 1 is scored as `python -m research.evaluation` scores a run (device 0's layer, its release, the
 server's tail), with the release passed through the run's activation encoding and back, as the wire
 carries it (for f32 that round trip is the identity, so the figure equals the evaluator's).
 
 Reduced configuration (2 CPU cores): IResNet-small at 64 x 64, View 1 DevTrain people with >= 10 images
-(111 identities), 2 devices, as the privacy frontier (bench/frontier.py), but 1 epoch by default (a 3-epoch
+(111 identities), 2 devices, as the privacy frontier (research/frontier.py), but 1 epoch by default (a 3-epoch
 point took ~40 min on the shared 2-core machine this was measured on). Resumable: a point
 already trained with the same arguments is read back (--force re-runs).
 
@@ -58,9 +58,9 @@ TARGET = {"bytes_ratio": 0.25, "accuracy_loss": 0.005}
 
 def view1_over_wire(run_dir: Path, data: Path, encoding: str, limit: int | None) -> dict[str, Any]:
     """View 1 of a finished run, the release passed through `encoding` and back as the wire carries it."""
-    from edge_server.evaluation.run import evaluate_run
+    from research.evaluation.run import evaluate_run
 
-    # f32 is exactly `python -m edge_server.evaluation`: the evaluator's release is already f32
+    # f32 is exactly `python -m research.evaluation`: the evaluator's release is already f32
     return evaluate_run(run_dir, data, limit, None if encoding == "f32" else encoding)
 
 
@@ -68,7 +68,7 @@ def run_point(name: str, encoding: str, gradients: str, demo_args: list[str], se
               args: argparse.Namespace) -> dict[str, Any]:
     """One trained point; `encoding` is the activations' (what View 1's release goes through), `gradients` the
     BACKWARD's."""
-    from edge_server.demo import run_recorded
+    from research.demo import run_recorded
 
     run_dir = args.out / "runs" / f"{name}-seed{seed}"
     results = run_recorded(run_dir, ["--data", str(args.data), "--model", args.model, "--epochs", str(args.epochs),
@@ -182,7 +182,7 @@ def table(summary: list[dict[str, Any]], rows: list[dict[str, Any]], config: dic
 
 
 def main(argv: list[str] | None = None) -> None:
-    from device_sdk.options import add_data_root_arg, add_model_arg, add_training_args
+    from splitface.common.options import add_data_root_arg, add_model_arg, add_training_args
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_data_root_arg(p, required=True, help="LFW root (with View 1's people and pairs files)")

@@ -37,7 +37,7 @@ def per_channel_what_if(g: np.ndarray) -> np.ndarray:
 
 
 def encodings(rng: np.random.Generator) -> dict[str, Callable[[np.ndarray], np.ndarray]]:
-    from protocol.tensor import decode_tensor, encode_tensor
+    from splitface.protocol.tensor import decode_tensor, encode_tensor
 
     def wire(encoding: str, dither: np.random.Generator | None = None) -> Callable[[np.ndarray], np.ndarray]:
         return lambda g: np.asarray(decode_tensor(encode_tensor(g, encoding, dither=dither)))
@@ -50,8 +50,8 @@ def relative(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def measure(data: Path, steps: int, every: int, batch: int, seed: int) -> list[dict]:
-    from device_sdk.data import load_lfw
-    from device_sdk.models import build_backbone, build_classifier, resolve_spec, split_backbone, to_input
+    from splitface.common.data import load_lfw
+    from splitface.common.models import build_backbone, build_classifier, resolve_spec, split_backbone, to_input
 
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)   # the batches; the dithering has its own stream, so the columns see the same
@@ -104,7 +104,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from device_sdk.options import add_data_root_arg
+    from splitface.common.options import add_data_root_arg
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_data_root_arg(p, required=True, help="LFW root (with View 1's people files)")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv with torch 2.13.0 (CPU wheel) first, then the project with its test, audit, export and ray extras; installs the
 # JDK-side test jars (JUnit 4, msgpack-java) from Debian for the Android demo's JVM core, CMake and a C++
-# compiler for the native device runner (device_sdk/runtimes/native), and the arm64 cross compiler with qemu-user
+# compiler for the native device runner (splitface/device/runtimes/native), and the arm64 cross compiler with qemu-user
 # for its arm64 tests, when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."

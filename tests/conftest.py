@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import trustme
 
-from device_sdk.models import resolve_spec
-from device_sdk.optim import TrainConfig
-from edge_server.app import EdgeServer, ServerConfig, server_info
-from edge_server.app import ServerThread as EdgeThread
-from edge_server.auth import TokenAuthenticator, hash_token
-from edge_server.trainer import ServerTrainer
+from splitface.common.models import resolve_spec
+from splitface.common.optim import TrainConfig
+from splitface.server.app import EdgeServer, ServerConfig, server_info
+from splitface.server.app import ServerThread as EdgeThread
+from splitface.server.auth import TokenAuthenticator, hash_token
+from splitface.server.trainer import ServerTrainer
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # a pytest-xdist worker shares the cores with the others: one thread each, not one per core each

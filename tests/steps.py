@@ -23,7 +23,7 @@ rounding, nothing amplified across steps. Per step:
   momentum per step), and the float32 stores of the buffer and the weights.
 
 GRAD_RTOL is not derived here but assumed: it is the per-evaluation tolerance every backend is verified to
-(export/verify.py at export, on random and real faces; the parity tests in test_android_core.py and
+(splitface/export/verify.py at export, on random and real faces; the parity tests in test_android_core.py and
 test_native.py). No a-priori bound gets near it for these gradients: each is a sum of n = N H W = 65,536
 products whose signs cancel (sum |terms| is about 200 times the largest gradient on the test faces), so the
 order-free worst case gamma_n sum |terms| would allow 0.8 of the largest gradient. What it takes is blocked or
@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from device_sdk.models.lrn import PaperLRN
-from export.verify import GRAD_RTOL
+from splitface.common.models.lrn import PaperLRN
+from splitface.export.verify import GRAD_RTOL
 
 U = 2.0 ** -24   # float32's unit roundoff
 
@@ -149,7 +149,7 @@ def check_grads(want: list[torch.Tensor], got: list[torch.Tensor], what: str) ->
 
 
 class SgdReplay:
-    """torch.optim.SGD's momentum step (no dampening, no Nesterov, no weight decay: what device_sdk/optim.py and
+    """torch.optim.SGD's momentum step (no dampening, no Nesterov, no weight decay: what splitface/common/optim.py and
     android_demo's Sgd do) replayed in float64 from the device's own weights, with the tolerance of each step."""
 
     def __init__(self, momentum: float):
@@ -187,7 +187,7 @@ def check_step(after: list[torch.Tensor], want: list[torch.Tensor], tolerance: l
 
 
 def lr_at(lr0: float, rate: float, decay_steps: int, step: int) -> float:
-    """device_sdk.optim.exponential_decay's learning rate before step `step` (0-based)."""
+    """splitface.common.optim.exponential_decay's learning rate before step `step` (0-based)."""
     return lr0 * rate ** (step / decay_steps)
 
 

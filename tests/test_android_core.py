@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from device_sdk.client import FAULT_EXIT
-from device_sdk.data import load_lfw
-from device_sdk.engine import to_input
-from device_sdk.models import build_backbone, resolve_spec, split_backbone
-from device_sdk.models.lrn import PaperLRN
-from device_sdk.privacy.planner import release_schedule
-from edge_server.checkpoint import load_checkpoint
-from export.java_layer import java_layer_job
+from splitface.common.faults import FAULT_EXIT
+from splitface.common.data import load_lfw
+from splitface.device.engine import to_input
+from splitface.common.models import build_backbone, resolve_spec, split_backbone
+from splitface.common.models.lrn import PaperLRN
+from splitface.device.privacy.planner import release_schedule
+from splitface.server.checkpoint import load_checkpoint
+from splitface.export.java_layer import java_layer_job
 from tests.conftest import TOKENS, PausingTrainer, recording_trainer, serve_in_thread, small_trainer
 from tests.steps import Float64Layer, check_grads, check_release, check_trajectory, lr_at
 from tests.test_integration import NUM_CLASSES, _setup, _start_server, _stop
@@ -92,8 +92,8 @@ def programs(layer: torch.nn.Module, kind: str, batch: int, size: int, out: Path
     """A job's "programs": the layer's im2col programs for `batch` images ("gemm", `splitface-export --gemm`) or
     its strip programs ("strips", 4 rows, as the native backend runs them), and the JNI library through which the
     Java device runs them on ExecuTorch's C++ runtime."""
-    from device_sdk.runtimes.native import jni_library
-    from export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE, example_inputs, export_gemm_ptes, write_strip_ptes
+    from splitface.device.runtimes.native import jni_library
+    from splitface.export.artifacts import (RELEASE_GEMM_PTE, VJP_GEMM_PTE, example_inputs, export_gemm_ptes, write_strip_ptes)
 
     if kind == "strips":
         release, vjp = write_strip_ptes(layer, 4, size, out)
@@ -361,7 +361,7 @@ def test_java_device_killed_mid_epoch_rejoins_the_same_run(java, faces, tmp_path
 @pytest.fixture(scope="module")
 def app_folder(tmp_path_factory, faces) -> Path:
     """`splitface-export --app` as a developer runs it: the strip programs, the seeded starting layer, the job."""
-    from export.cli import main as export_main
+    from splitface.export.cli import main as export_main
 
     out = tmp_path_factory.mktemp("app") / "bundle"
     (out.parent / "classes.txt").write_text("".join(f"person-{k}\n" for k in range(faces[2])))
@@ -372,7 +372,7 @@ def app_folder(tmp_path_factory, faces) -> Path:
 
 def run_app(java, folder: Path, tmp_path: Path, **device) -> subprocess.CompletedProcess:
     """`Cli app FOLDER DEVICE`: DEVICE holds what the phone's user and storage give (library, id, token, photos)."""
-    from device_sdk.runtimes.native import jni_library
+    from splitface.device.runtimes.native import jni_library
 
     path = tmp_path / "device.msgpack"
     path.write_bytes(msgpack.packb({"library": str(jni_library()), "device_id": "device-0", "token": TOKENS["device-0"],
@@ -415,8 +415,8 @@ def test_app_folder_is_checked_against_its_manifest(java, faces, app_folder, tmp
     import hashlib
     import shutil
 
-    from export.app_bundle import MANIFEST
-    from export.artifacts import RELEASE_STRIP_PTE, write_strip_ptes
+    from splitface.export.app_bundle import MANIFEST
+    from splitface.export.artifacts import RELEASE_STRIP_PTE, write_strip_ptes
 
     def broken(name: str, change) -> Path:
         folder = tmp_path / name
@@ -464,7 +464,7 @@ def test_export_refuses_an_app_folder_the_strip_trainer_cannot_run(tmp_path):
     """The app's trainer runs conv1 + ReLU + LRN released as is: another release or split, noise without the clamp
     its sensitivity needs, a budget without noise, or a class list of the wrong length is refused by the export with
     the reason, and nothing is written."""
-    from export.cli import main as export_main
+    from splitface.export.cli import main as export_main
 
     base = ["--model", MODEL, "--app", "--num-classes", "4", "--out", str(tmp_path / "out")]
     (tmp_path / "three.txt").write_text("a\nb\nc\n")
@@ -482,7 +482,7 @@ def test_app_folder_with_noise_stops_at_its_budget(java, faces, tmp_path):
     """An app folder with the noise and a budget (--dp-clamp --epsilon --budget: schedule.msgpack): the app's run
     noises every release, reports its spent epsilon to the server, and stops before the first release past the
     budget (one release of each image, not two), nothing sent; its budget state is in the device's folder."""
-    from export.cli import main as export_main
+    from splitface.export.cli import main as export_main
 
     schedule = release_schedule(10.0, 1e-5, 16 * 64 * 64, 2)
     budget = (schedule[0] + schedule[1]) / 2

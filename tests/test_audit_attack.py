@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from device_sdk.data import load_lfw
-from device_sdk.engine import to_input
-from device_sdk.models import build_backbone, resolve_spec, split_backbone
-from device_sdk.models.lrn import PaperLRN
-from device_sdk.privacy.mechanisms import NoNoise, PerActivationGaussian
-from edge_server.audit.attack import reconstruction_report, releases
-from edge_server.audit.inversion import RidgeInversion
-from edge_server.audit.recognizer import Eigenfaces
+from splitface.common.data import load_lfw
+from splitface.device.engine import to_input
+from splitface.common.models import build_backbone, resolve_spec, split_backbone
+from splitface.common.models.lrn import PaperLRN
+from splitface.device.privacy.mechanisms import NoNoise, PerActivationGaussian
+from research.audit.attack import reconstruction_report, releases
+from research.audit.inversion import RidgeInversion
+from research.audit.recognizer import Eigenfaces
 
 pytestmark = pytest.mark.slow  # real processes or real-face training: the full tier
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_server.audit.attack import label_leakage, membership_inference
-from edge_server.audit.metrics import chance_risk, linkage_rate, psnr, reidentification_risk, roc_auc, ssim
+from research.audit.attack import label_leakage, membership_inference
+from research.audit.metrics import chance_risk, linkage_rate, psnr, reidentification_risk, roc_auc, ssim
 
 
 def test_psnr_and_ssim_on_known_images():

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from device_sdk.data import load_lfw
-from device_sdk.engine import initial_layer, to_input
-from device_sdk.models import resolve_spec
-from device_sdk.privacy.mechanisms import NoNoise
-from edge_server.audit.attack import layer_outputs
-from edge_server.audit.run import public_faces
-from edge_server.audit.substitute import fit_substitute
+from splitface.common.data import load_lfw
+from splitface.device.engine import initial_layer, to_input
+from splitface.common.models import resolve_spec
+from splitface.device.privacy.mechanisms import NoNoise
+from research.audit.attack import layer_outputs
+from research.audit.run import public_faces
+from research.audit.substitute import fit_substitute
 
 pytestmark = pytest.mark.slow  # real processes or real-face training: the full tier
 

@@ -11,13 +11,13 @@ import torch
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from device_sdk.client import DeviceClient
-from device_sdk.engine import DeviceEngine
-from edge_server.checkpoint import load_checkpoint
-from protocol import messages as m
-from protocol.errors import RemoteError
-from protocol.session import ClientSession
-from protocol.tensor import encode_tensor
+from splitface.device.connection import DeviceClient
+from splitface.device.engine import DeviceEngine
+from splitface.server.checkpoint import load_checkpoint
+from splitface.protocol import messages as m
+from splitface.protocol.errors import RemoteError
+from splitface.protocol.session import ClientSession
+from splitface.protocol.tensor import encode_tensor
 from tests.conftest import TOKENS, serve_in_thread, small_trainer
 
 NUM_CLASSES = 5

@@ -16,11 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol import messages as m
-from protocol import mutate
-from protocol.errors import ProtocolError
-from protocol.tensor import WIRE_DTYPES, all_finite, encode_tensor
-from protocol.vectors import generate as gen
+from splitface.protocol import messages as m
+from splitface.protocol import mutate
+from splitface.protocol.errors import ProtocolError
+from splitface.protocol.tensor import WIRE_DTYPES, all_finite, encode_tensor
+from splitface.protocol.vectors import generate as gen
 
 VECTORS = Path(gen.__file__).resolve().parent
 STEMS = sorted(str(p.relative_to(VECTORS).with_suffix("")) for p in VECTORS.rglob("*.msgpack"))

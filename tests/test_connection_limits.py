@@ -11,12 +11,12 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from device_sdk.models import resolve_spec
-from device_sdk.optim import TrainConfig
-from edge_server.app import Limits
-from edge_server.trainer import ServerTrainer
-from protocol import messages as m
-from protocol.session import ClientSession
+from splitface.common.models import resolve_spec
+from splitface.common.optim import TrainConfig
+from splitface.server.app import Limits
+from splitface.server.trainer import ServerTrainer
+from splitface.protocol import messages as m
+from splitface.protocol.session import ClientSession
 from tests.conftest import TOKENS, serve_in_thread
 
 NUM_CLASSES = 5
@@ -113,7 +113,7 @@ def _rss_mib() -> int:
 @pytest.mark.slow
 def test_a_dropped_message_hands_its_memory_back(tmp_path):
     """Issue #28: 300 MiB parked in a half-sent message kept the server's RSS at 720 MiB after the close (the
-    allocator keeps its peak heap for the next message, protocol/transport.py). Here 128 MiB are parked (the
+    allocator keeps its peak heap for the next message, splitface/net/transport.py). Here 128 MiB are parked (the
     server holds them all), the deadline drops them (4002), and at least half of them are handed back to the
     system (measured on 300 MiB: RSS 1063 -> 431 MiB, 389 before; 1031 MiB stayed without the release)."""
     parked = 128 << 20

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from device_sdk.federated.consensus import cluster_logits, consensus_loss
+from splitface.device.federated.consensus import cluster_logits, consensus_loss
 
 S, M, RHO = 16.0, 0.4, 0.6
 
@@ -84,11 +84,11 @@ def test_bad_input_is_refused():
 def test_privacyface_round_relays_only_other_clients_clusters(lfw):
     import numpy as np
 
-    from device_sdk.federated.dplc import DPLCConfig
-    from device_sdk.federated.private_head import HeadConfig
-    from device_sdk.models import build_backbone, resolve_spec
-    from edge_server.federated.methods import MethodConfig, PrivateHeadRun
-    from edge_server.federated.population import load_population
+    from splitface.common.dplc import DPLCConfig
+    from splitface.device.federated.private_head import HeadConfig
+    from splitface.common.models import build_backbone, resolve_spec
+    from research.federated.methods import MethodConfig, PrivateHeadRun
+    from research.federated.population import load_population
     spec = resolve_spec("iresnet_small")
     torch.manual_seed(0)
     dplc = DPLCConfig(rho=0.01, min_members=1, queries=2, epsilon=math.inf)  # each centre alone in its cap

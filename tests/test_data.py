@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from device_sdk.data import FaceSet, find_lfw_root, load_image_folder, load_lfw, partition
+from splitface.common.data import FaceSet, find_lfw_root, load_image_folder, load_lfw, partition
 from tests.conftest import LFW
 
 

@@ -15,14 +15,14 @@ import torch
 from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 from dp_accounting.privacy_accountant import NeighboringRelation
 
-from device_sdk.privacy import discrete
-from device_sdk.privacy.accountant import epsilon_of
-from device_sdk.privacy.discrete import DiscreteGaussian, DiscreteGaussianMechanism, clip_quantise, squared_norms
-from device_sdk.privacy.fastnoise import NoiseStream, fresh_key, gaussian
+from splitface.device.privacy import discrete
+from splitface.common.accountants.ledger import epsilon_of
+from splitface.device.privacy.discrete import (DiscreteGaussian, DiscreteGaussianMechanism, clip_quantise, squared_norms)
+from splitface.device.privacy.fastnoise import NoiseStream, fresh_key, gaussian
 import msgpack
 
-from protocol.session import ClientSession
-from protocol.tensor import decode_tensor, encode_tensor
+from splitface.protocol.session import ClientSession
+from splitface.protocol.tensor import decode_tensor, encode_tensor
 
 KEY = bytes(range(32))  # tests only: production keys come from fresh_key()
 
@@ -161,7 +161,7 @@ def test_dp_statement_in_quantised_units():
 def test_noise_discrete_option_builds_the_exact_mechanism():
     import argparse
 
-    from device_sdk.options import add_privacy_args, privacy_engines
+    from splitface.device.privacy.options import add_privacy_args, privacy_engines
 
     p = argparse.ArgumentParser()
     add_privacy_args(p)
@@ -179,7 +179,7 @@ def test_noise_discrete_option_builds_the_exact_mechanism():
 
 def test_an_auditor_rebuilds_the_discrete_mechanism_from_a_runs_description():
     """Evaluation and the audit rebuild a run's mechanism from its results (privacy.described)."""
-    from device_sdk.privacy.described import from_description
+    from splitface.device.privacy.described import from_description
     mechanism = DiscreteGaussianMechanism(8.0, 0.5, step=8.0 / 127)
     rebuilt = from_description(mechanism.describe())
     assert isinstance(rebuilt, DiscreteGaussianMechanism) and rebuilt.describe() == mechanism.describe()

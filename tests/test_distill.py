@@ -1,4 +1,4 @@
-"""The distilled public start (edge_server/distill.py) on a few real public LFW faces: the public set keeps out
+"""The distilled public start (research/distill.py) on a few real public LFW faces: the public set keeps out
 View 1's test people and LFW-158, the teacher's embeddings are cached by content, the distillation loss falls, an
 interrupted run resumes to the same weights, a noise-aware start builds on the plain one, `--init distilled`
 finds its files in the cache, and a split run from a distilled file starts where the file says and is audited."""
@@ -15,17 +15,16 @@ import pytest
 import torch
 from PIL import Image
 
-from device_sdk.data import FaceSet, dev_people, find_lfw_root
-from device_sdk.models import PRESETS, build_backbone, split_backbone
-from device_sdk.models.weights import load_into
-from device_sdk.privacy.mechanisms import NoNoise, PerImageGaussian
-from edge_server.audit.cli import headline
-from edge_server.audit.recognizer import DlibResNet
-from edge_server.distill import (CROP, LFW158_MIN_IMAGES, TEACHER_SIZE, Recipe, TeacherCache, checkpoint_key,
-                                 distill, distilled_start, public_faces)
-from edge_server.checkpoint import load_checkpoint
-from edge_server.evaluation.verification import view1_pairs
-from edge_server.federated.population import PUBLIC_MIN_IMAGES, private_people
+from splitface.common.data import FaceSet, dev_people, find_lfw_root
+from splitface.common.models import PRESETS, build_backbone, split_backbone
+from splitface.common.models.weights import load_into
+from splitface.device.privacy.mechanisms import NoNoise, PerImageGaussian
+from research.audit.cli import headline
+from research.audit.recognizer import DlibResNet
+from research.distill import (CROP, LFW158_MIN_IMAGES, TEACHER_SIZE, Recipe, TeacherCache, checkpoint_key, distill, distilled_start, public_faces)
+from splitface.server.checkpoint import load_checkpoint
+from research.evaluation.verification import view1_pairs
+from research.federated.population import PUBLIC_MIN_IMAGES, private_people
 from tests.conftest import ROOT
 
 LIMIT = 48
@@ -164,7 +163,7 @@ def test_a_split_run_starts_from_a_distilled_file_and_is_audited(tmp_path, lfw, 
             progress=False, evaluate=False)
     run = tmp_path / "run"
     demo = subprocess.run(
-        [sys.executable, "-m", "edge_server.demo", "--data", str(lfw), "--init", str(start), "--run-dir", str(run),
+        [sys.executable, "-m", "research.demo", "--data", str(lfw), "--init", str(start), "--run-dir", str(run),
          "--epochs", "1", "--max-identities", "3", "--devices", "1", "--batch-size", "8", "--lr", "0",
          "--device-lr", "0", "--record-max", "8", "--threads", "1", "--no-progress"],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -176,7 +175,7 @@ def test_a_split_run_starts_from_a_distilled_file_and_is_audited(tmp_path, lfw, 
     layer = torch.load(run / "device_layers" / "device-0.pt", weights_only=True)
     assert torch.equal(layer["stages.conv1.0.weight"], file_state["stages.conv1.0.weight"])
     audit = subprocess.run(
-        [sys.executable, "-m", "edge_server.audit.cli", str(run), "--data", str(lfw), "--out", str(tmp_path / "audit"),
+        [sys.executable, "-m", "research.audit.cli", str(run), "--data", str(lfw), "--out", str(tmp_path / "audit"),
          "--recognizers", "eigenfaces", "--public-images", "64", "--decoder-epochs", "1", "--matcher-epochs", "1",
          "--cache", str(tmp_path / "audit-cache")],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -193,7 +192,7 @@ def test_the_full_size_command_runs(tmp_path, lfw, cache, model):
     (512-d, as the teacher's 128-d after a projection that is not saved) and VGG-Face at 224 px."""
     out = tmp_path / f"{model}.pt"
     run = subprocess.run(
-        [sys.executable, "-m", "edge_server.distill", "distill", "--data", str(lfw), "--model", model, "--out", str(out),
+        [sys.executable, "-m", "research.distill", "distill", "--data", str(lfw), "--model", model, "--out", str(out),
          "--limit", "4", "--epochs", "1", "--batch-size", "4", "--view1-limit", "20", "--cache", str(cache),
          "--no-progress", "--threads", "2"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from device_sdk.privacy.accountant import PrivacyAccountant
-from device_sdk.privacy.mechanisms import PerImageGaussian
-from device_sdk.privacy.planner import release_schedule
-from edge_server.checkpoint import load_checkpoint
+from splitface.common.accountants.ledger import PrivacyAccountant
+from splitface.device.privacy.mechanisms import PerImageGaussian
+from splitface.device.privacy.planner import release_schedule
+from splitface.server.checkpoint import load_checkpoint
 from tests.test_integration import DATA, MODEL, _setup, _start_server, _stop
 
 pytestmark = pytest.mark.slow  # real processes or real-face training: the full tier
@@ -22,7 +22,7 @@ RELEASE_NUMEL = 16 * 64 * 64  # what one image releases: IResNet-small's conv1 (
 
 
 def _simulate(port: int, lfw: Path, run_dir: Path, tokens: Path, *extra: str, data: list[str] = DATA) -> dict:
-    cmd = [sys.executable, "-m", "device_sdk", "--server", f"ws://127.0.0.1:{port}", "--tokens", str(tokens),
+    cmd = [sys.executable, "-m", "splitface.sim", "--server", f"ws://127.0.0.1:{port}", "--tokens", str(tokens),
            "--data", str(lfw), *data, "--model", MODEL, "--devices", "2", "--batch-size", "32", "--lr", "0.05",
            "--results", str(run_dir / "results.json"), "--threads", "1", "--no-progress", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

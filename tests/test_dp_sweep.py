@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from device_sdk.privacy.planner import release_schedule
+from splitface.device.privacy.planner import release_schedule
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow  # real processes or real-face training: the full tier
@@ -38,7 +38,7 @@ def test_reduced_sweep_runs_end_to_end(tmp_path, lfw):
 
     audit = tmp_path / "audit"
     runs = [str(out / "runs" / r["name"]) for r in rows]
-    cmd = [sys.executable, "-m", "edge_server.audit.cli", *runs, "--data", str(lfw), "--out", str(audit),
+    cmd = [sys.executable, "-m", "research.audit.cli", *runs, "--data", str(lfw), "--out", str(audit),
            "--public-images", "300", "--decoder-epochs", "2", "--recognizers", "eigenfaces", "--matcher-epochs", "4",
            "--cache", str(tmp_path / "cache")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -90,6 +90,6 @@ def test_reduced_sweep_runs_end_to_end(tmp_path, lfw):
 
 def test_audit_refuses_a_run_without_recordings(tmp_path, lfw):
     (tmp_path / "run").mkdir()
-    proc = subprocess.run([sys.executable, "-m", "edge_server.audit.cli", str(tmp_path / "run"), "--data", str(lfw),
+    proc = subprocess.run([sys.executable, "-m", "research.audit.cli", str(tmp_path / "run"), "--data", str(lfw),
                            "--out", str(tmp_path / "audit")], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "not a finished splitface-demo run" in proc.stderr

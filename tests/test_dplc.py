@@ -7,8 +7,8 @@ import dp_accounting
 import numpy as np
 import pytest
 
-from device_sdk.federated.dplc import DPLCConfig, dplc, dplc_sigma, mean_sensitivity, scaled_rho
-from edge_server.federated.privacyface_accounting import identity_epsilon, query_noise_multiplier
+from splitface.common.dplc import DPLCConfig, dplc, dplc_sigma, mean_sensitivity, scaled_rho
+from splitface.common.accountants.clusters import identity_epsilon, query_noise_multiplier
 
 
 def unit(v: np.ndarray) -> np.ndarray:

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from device_sdk.engine import DeviceEngine
-from device_sdk.privacy.engine import PrivacyEngine
-from device_sdk.models import resolve_spec
-from device_sdk.optim import TrainConfig
-from device_sdk.privacy.budget import BudgetExceeded
-from device_sdk.privacy.mechanisms import NoNoise, PerActivationGaussian, PerImageGaussian
+from splitface.device.engine import DeviceEngine
+from splitface.device.privacy.engine import PrivacyEngine
+from splitface.common.models import resolve_spec
+from splitface.common.optim import TrainConfig
+from splitface.device.privacy.budget import BudgetExceeded
+from splitface.device.privacy.mechanisms import NoNoise, PerActivationGaussian, PerImageGaussian
 
 SPEC = resolve_spec("iresnet_small")
 RNG = np.random.default_rng(0)
@@ -88,8 +88,8 @@ def test_plain_training_with_noise_is_flagged_void():
 def test_discrete_noise_releases_integers_keyed_per_release_and_resumes_its_books(tmp_path):
     """--noise discrete through the engine: int8 multiples of the public step, the same integers for a re-sent
     release (the key derives from the secret and the release), zCDP in the books, and the books on disk."""
-    from device_sdk.privacy.accountant import epsilon_of
-    from device_sdk.privacy.discrete import DiscreteGaussianMechanism
+    from splitface.common.accountants.ledger import epsilon_of
+    from splitface.device.privacy.discrete import DiscreteGaussianMechanism
 
     mech = DiscreteGaussianMechanism(clip_norm=8.0, noise_multiplier=2.0)
     state = tmp_path / "device-0.privacy.json"

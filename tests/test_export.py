@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from device_sdk.data import load_lfw
-from device_sdk.engine import DeviceEngine, PrivacyEngine, to_input
-from device_sdk.models import build_backbone, resolve_spec, split_backbone
-from device_sdk.models.lrn import PaperLRN
-from device_sdk.privacy.mechanisms import PerImageGaussian
-from device_sdk.runtimes import load_runtime
-from export.artifacts import Manifest
-from export.programs import LayerVJP
-from export.verify import ExportMismatch, export_verified, verify
+from splitface.common.data import load_lfw
+from splitface.device.engine import DeviceEngine, PrivacyEngine, to_input
+from splitface.common.models import build_backbone, resolve_spec, split_backbone
+from splitface.common.models.lrn import PaperLRN
+from splitface.device.privacy.mechanisms import PerImageGaussian
+from splitface.device.runtimes import load_runtime
+from splitface.export.artifacts import Manifest
+from splitface.export.programs import LayerVJP
+from splitface.export.verify import ExportMismatch, export_verified, verify
 
 
 def device_layer(model: str, clamp: float | None) -> torch.nn.Module:

@@ -1,4 +1,4 @@
-"""The im2col programs (`export/gemm_programs.py`) are the device layer exactly: their release equals eager
+"""The im2col programs (`splitface/export/gemm_programs.py`) are the device layer exactly: their release equals eager
 PyTorch and their closed-form weight gradient equals autograd, with and without the DP clamp, masked or not;
 they refuse a layer they cannot express. Their strip forms (the native runner's), run over the strips of an
 image and put together, are the same release and gradient. Exported, they run in XNNPACK alone and still
@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from device_sdk.models import build_device_part, resolve_spec
-from device_sdk.models.lrn import PaperLRN
-from export.gemm_programs import GemmReleaseProgram, GemmWeightGrad, gemm_refusal, strip_example
-from export.verify import reference
+from splitface.common.models import build_device_part, resolve_spec
+from splitface.common.models.lrn import PaperLRN
+from splitface.export.gemm_programs import GemmReleaseProgram, GemmWeightGrad, gemm_refusal, strip_example
+from splitface.export.verify import reference
 
 
 def conv1(model: str, clamp: float | None) -> nn.Module:
@@ -85,9 +85,9 @@ def test_im2col_refuses_what_it_cannot_express():
 
 @pytest.mark.slow  # lowering the two programs: several seconds
 def test_exported_im2col_programs_run_in_xnnpack_and_match_eager(tmp_path):
-    from device_sdk.runtimes.executorch_gemm import ExecuTorchGemmRuntime
-    from export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE, Manifest, example_inputs, export_gemm_ptes
-    from export.verify import check
+    from splitface.device.runtimes.executorch_gemm import ExecuTorchGemmRuntime
+    from splitface.export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE, Manifest, example_inputs, export_gemm_ptes
+    from splitface.export.verify import check
 
     layer = conv1("iresnet_small", 1.0).eval()
     images, noise = example_inputs(layer, 2, 32)

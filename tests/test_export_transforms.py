@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from device_sdk.models import PRESETS, build_device_part
-from device_sdk.runtimes import NotTrainable, load_runtime
-from device_sdk.runtimes.base import mask_args, training_args
-from device_sdk.transforms import release_mask
-from export.artifacts import Manifest, transform_mask
-from export.verify import export_verified
+from splitface.common.models import PRESETS, build_device_part
+from splitface.device.runtimes import NotTrainable, load_runtime
+from splitface.device.runtimes.base import mask_args, training_args
+from splitface.common.transforms import release_mask
+from splitface.export.artifacts import Manifest, transform_mask
+from splitface.export.verify import export_verified
 
 DCT_KEEP = replace(PRESETS["iresnet_small"], release="dct", dct_drop=4, dct_keep=36)  # the frontier's point
 DEEP_BOTTLENECK = replace(PRESETS["iresnet_small"], release="bottleneck", bottleneck_channels=4, bottleneck_stride=2)

@@ -1,4 +1,4 @@
-"""FaceMAE (device_sdk/transforms/mask.py, edge_server/facemae.py): the device releases 25% of its patches,
+"""FaceMAE (splitface/common/transforms/mask.py, research/facemae.py): the device releases 25% of its patches,
 drawn per image and release from its keyed generator; what the server records off the websocket is that
 eager release; the server reconstructs with a frozen MAE and trains the rest; the MAE's pre-training with
 the instance-relation-matching loss runs and writes a file the server starts from."""
@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from device_sdk.client import DeviceClient
-from device_sdk.engine import DeviceEngine, to_input
-from device_sdk.models import PRESETS, ModelSpec, activation_shape, build_backbone, split_backbone
-from device_sdk.models.weights import load_into
-from device_sdk.optim import TrainConfig
-from device_sdk.transforms.mask import infer_mask, random_patch_mask, visible_patches
-from edge_server.facemae import irm_loss, pretrain
-from edge_server.recorder import load_recordings
-from edge_server.trainer import ServerTrainer
+from splitface.device.connection import DeviceClient
+from splitface.device.engine import DeviceEngine, to_input
+from splitface.common.models import PRESETS, ModelSpec, activation_shape, build_backbone, split_backbone
+from splitface.common.models.weights import load_into
+from splitface.common.optim import TrainConfig
+from splitface.common.transforms.mask import infer_mask, random_patch_mask, visible_patches
+from research.facemae import irm_loss, pretrain
+from splitface.server.recorder import load_recordings
+from splitface.server.trainer import ServerTrainer
 from tests.conftest import TOKENS, serve_in_thread
 
 MASK = replace(PRESETS["iresnet_small"], release="mask")
@@ -126,11 +126,11 @@ def test_pretraining_smoke_writes_a_file_the_server_loads(tmp_path, lfw):
 
 
 def test_frontier_only_updates_its_rows_and_has_the_facemae_point(tmp_path):
-    """`bench/frontier.py --only P` (how the facemae point was added) keeps the other points' rows, in POINTS order."""
+    """`research/frontier.py --only P` (how the facemae point was added) keeps the other points' rows, in POINTS order."""
     import argparse
     import json
 
-    from bench import frontier
+    from research import frontier
     names = [frontier.point_name(t, p) for t, p, _ in frontier.POINTS]
     assert "facemae-ratio0.75-patch8-lambda_irm1" in names
     (tmp_path / "summary.json").write_text(json.dumps([{"run": n, "old": True} for n in names[:3]] +

@@ -1,4 +1,4 @@
-"""device_sdk/fastws.py: connections that receive binary messages straight into their buffer and mask frames into their
+"""splitface/net/fastws.py: connections that receive binary messages straight into their buffer and mask frames into their
 own behave as websockets' own connections do, on a real loopback connection: the same messages for the same bytes,
 the same close code for every hostile input (compared side by side with websockets' ServerConnection and
 ClientConnection), the same frames on the wire, and the fast path really taken."""
@@ -19,12 +19,12 @@ from websockets.exceptions import ConnectionClosed
 from websockets.frames import Frame, Opcode
 from websockets.utils import apply_mask
 
-from device_sdk import fastws
-from protocol import messages as m
-from protocol import transport
-from device_sdk.fastws import FastClientConnection, FastServerConnection, frame_header, xor_mask
-from protocol.tensor import encode_tensor
-from protocol.transport import CLIENT_WS_OPTIONS, SERVER_WS_OPTIONS, receive, send_fragments
+from splitface.net import fastws
+from splitface.protocol import messages as m
+from splitface.net import transport
+from splitface.net.fastws import FastClientConnection, FastServerConnection, frame_header, xor_mask
+from splitface.protocol.tensor import encode_tensor
+from splitface.net.transport import CLIENT_WS_OPTIONS, SERVER_WS_OPTIONS, receive, send_fragments
 
 SHAPE = (4, 16, 64, 64)   # 1 MiB of f32
 LIMIT = 4 << 20           # the servers' max_size in these tests
@@ -130,7 +130,7 @@ def test_messages_arrive_as_sent(ends, fragment):
 
 
 def test_fast_path_engages_and_aligns_the_tensor():
-    """The take-over depends on reading websockets' parser state (device_sdk.fastws._parser_idle): if a websockets
+    """The take-over depends on reading websockets' parser state (splitface.net.fastws._parser_idle): if a websockets
     release changes it, this test fails instead of the connections silently falling back to websockets' path."""
     async def run():
         results = []
@@ -507,8 +507,8 @@ def test_frames_on_the_wire_are_websockets_frames(server_side):
         from websockets.client import ClientProtocol
         from websockets.uri import parse_uri
         protocol = ServerProtocol() if server_side else ClientProtocol(parse_uri("ws://x/"))
-        protocol.state = fastws.OPEN
-        assert protocol.side is (SERVER if server_side else CLIENT)
+        splitface.protocol.state = fastws.OPEN
+        assert splitface.protocol.side is (SERVER if server_side else CLIENT)
         conn = cls.__new__(cls)
         Connection_init = fastws.Connection.__init__
         Connection_init(conn, protocol)

@@ -14,16 +14,16 @@ import pytest
 from websockets.asyncio.client import connect
 
 from bench.load import check_counts, random_batches, start_device, start_server, stop_server, train_device
-from device_sdk.client import DEVICE_FAULTS, FAULT_ENV, FAULT_EXIT, DeviceClient, Fault, device_faults
-from device_sdk.engine import DeviceEngine
-from device_sdk.models import resolve_spec
-from device_sdk.optim import TrainConfig
-from edge_server.app import SERVER_FAULTS, EdgeServer, ServerConfig, ServerThread, server_info
-from edge_server.auth import TokenAuthenticator, hash_token, issue_tokens
-from edge_server.checkpoint import ReplyStore, load_checkpoint
-from edge_server.trainer import ServerTrainer
-from protocol import messages as m
-from protocol.session import ClientSession
+from splitface.device.connection import DEVICE_FAULTS, FAULT_ENV, FAULT_EXIT, DeviceClient, Fault, device_faults
+from splitface.device.engine import DeviceEngine
+from splitface.common.models import resolve_spec
+from splitface.common.optim import TrainConfig
+from splitface.server.app import SERVER_FAULTS, EdgeServer, ServerConfig, ServerThread, server_info
+from splitface.server.auth import TokenAuthenticator, hash_token, issue_tokens
+from splitface.server.checkpoint import ReplyStore, load_checkpoint
+from splitface.server.trainer import ServerTrainer
+from splitface.protocol import messages as m
+from splitface.protocol.session import ClientSession
 
 # The fuzz's tiny configuration (conv1 activations [4, 32, 32]); N: images per batch.
 MODEL, SPLIT, NUM_CLASSES, N = {"family": "vgg_face", "input_size": 32, "width": 4, "fc_width": 32, "dropout": 0.0}, \

@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from device_sdk.federated import LocalConfig, clip_delta, delta_norm, train_client
-from device_sdk.federated.client import HEAD_PREFIX
-from device_sdk.models import ModelSpec, build_backbone
-from edge_server.federated import (FederatedConfig, FederatedRun, UserLevelAccountant, check_partition, extrapolate,
-                                   load_population, virtual_clients)
-from edge_server.federated.accounting import combined_noise, update_noise
-from edge_server.federated.aggregation import aggregate, check_update, poisson_sample
-from edge_server.federated.engine import SimulatedCrash
+from splitface.device.federated import LocalConfig, clip_delta, delta_norm, train_client
+from splitface.device.federated.client import HEAD_PREFIX
+from splitface.common.models import ModelSpec, build_backbone
+from research.federated import (FederatedConfig, FederatedRun, UserLevelAccountant, check_partition, extrapolate, load_population, virtual_clients)
+from splitface.common.accountants.user_level import combined_noise, update_noise
+from research.federated.aggregation import aggregate, check_update, poisson_sample
+from research.federated.engine import SimulatedCrash
 
 TINY = ModelSpec("iresnet", 16, width=4, depth=18, embedding_size=16, dropout=0.0)
 CONFIG = FederatedConfig(method="dp-fedemb", rounds=3, users_per_client=3, clients_per_round=2.0, local_epochs=1,
@@ -85,7 +84,7 @@ def test_clipping_bounds_every_contribution():
         clipped, norm = clip_delta(delta, 0.5)
         assert delta_norm(clipped) <= 0.5 and norm == pytest.approx(delta_norm(delta))
     # the server re-clips: an upload that lies about its norm is still bounded
-    from device_sdk.federated import ClientResult
+    from splitface.device.federated import ClientResult
     liar = ClientResult({k: torch.full(v.shape, 1e4) for k, v in template.items()}, norm=0.1, examples=2, loss=0.0)
     mean = aggregate([liar], template, clip_norm=0.5, noise_std=0.0, denominator=1.0, generator=g).mean
     assert delta_norm(mean) <= 0.5 + 1e-6
@@ -127,8 +126,8 @@ def test_each_user_is_in_exactly_one_virtual_client():
 def test_private_users_are_disjoint_from_public_and_devtest(population, lfw):
     """Also with --single-photo-users (DevTrain's one-photo people added), which only methods without a global
     class head take."""
-    from device_sdk.data import dev_people, find_lfw_root
-    from edge_server.federated.population import check_single_photo, private_faces, public_split
+    from splitface.common.data import dev_people, find_lfw_root
+    from research.federated.population import check_single_photo, private_faces, public_split
     base = find_lfw_root(lfw)
     users = set(population.users)
     everyone = private_faces(lfw, single_photo=True)

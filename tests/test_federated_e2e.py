@@ -1,4 +1,4 @@
-"""Federated runs end to end through `python -m edge_server.federated` (slow: LFW decoding, View 1 scoring): the
+"""Federated runs end to end through `python -m research.federated` (slow: LFW decoding, View 1 scoring): the
 documented command's output; `splitface-server serve` takes the same run options; an experiment starts from the
 distilled start on the federated public set."""
 from __future__ import annotations
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from device_sdk.models import ModelSpec, build_backbone
-from device_sdk.models.weights import save_backbone
-from edge_server.distill import Recipe
-from edge_server.federated import FederatedConfig
-from edge_server.federated.__main__ import parser, run
-from edge_server.federated.experiment import load_shared, run_federated
+from splitface.common.models import ModelSpec, build_backbone
+from splitface.common.models.weights import save_backbone
+from research.distill import Recipe
+from research.federated import FederatedConfig
+from research.federated.__main__ import parser, run
+from research.federated.experiment import load_shared, run_federated
 
 TINY = ModelSpec("iresnet", 16, width=4, depth=18, embedding_size=16, dropout=0.0)
 
@@ -54,8 +54,8 @@ def test_serve_takes_the_same_run_options_and_refuses_bad_ones(lfw, init_file, t
     """`splitface-server serve --federated-*` declares the experiment's options once with the federated CLI (a
     run started by one resumes under the other: test_federated_ws's kill test); a bad run fails before serving.
     (Exactly-once rounds across a killed process: test_federated_ws, in-process: test_federated.py.)"""
-    from edge_server import cli
-    from edge_server.federated.options import SERVE_PREFIX, add_run_args, run_args
+    from splitface.server import cli
+    from research.federated.options import SERVE_PREFIX, add_run_args, run_args
     run = cli_args(lfw, init_file, tmp_path, "--method", "dp-fedemb", "--noise-multiplier", "1.0")
     del run[run.index("--threads"):run.index("--threads") + 2]  # serve's own option
     prefixed = [f"--{SERVE_PREFIX}{a[2:]}" if a.startswith("--") else a for a in run]
@@ -73,7 +73,7 @@ def test_serve_takes_the_same_run_options_and_refuses_bad_ones(lfw, init_file, t
 
 @pytest.mark.slow
 def test_an_experiment_starts_from_the_distilled_start(lfw, tmp_path):
-    """`start="distilled"` (bench/federated.py --start distilled): the start is distilled on the federated public
+    """`start="distilled"` (research/federated_table.py --start distilled): the start is distilled on the federated public
     set (a tiny one here: one epoch on 16 faces, cached in tmp_path), every run begins from its weights, no public
     split is pre-trained, and a private round trains from there."""
     tiny = Recipe(epochs=1, batch_size=8)

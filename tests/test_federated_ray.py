@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from device_sdk.models import ModelSpec, build_backbone
-from edge_server.federated import FederatedConfig, FederatedRun, load_population
-from edge_server.federated.ray_backend import ray_backend
+from splitface.common.models import ModelSpec, build_backbone
+from research.federated import FederatedConfig, FederatedRun, load_population
+from research.federated.ray_backend import ray_backend
 
 ray = pytest.importorskip("ray", reason="the Ray backend needs the `ray` extra (pip install splitface[ray])")
 

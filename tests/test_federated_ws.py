@@ -18,25 +18,23 @@ import numpy as np
 import pytest
 import torch
 
-from device_sdk.client import UntrustedServer
-from device_sdk.federated import LocalConfig
-from device_sdk.federated.device import FederatedDevice
-from device_sdk.federated.wire import (backbone_template, config_from_wire, config_to_wire, state_from_wire,
-                                       state_to_wire, upload_shapes)
-from device_sdk.models import ModelSpec, build_backbone
-from device_sdk.models.weights import save_backbone
-from device_sdk.optim import TrainConfig
-from edge_server.app import EdgeServer, ServerConfig, ServerThread, server_info
-from edge_server.auth import TokenAuthenticator, hash_token
-from edge_server.checkpoint import load_checkpoint
-from edge_server.federated import FederatedConfig, FederatedRun, load_population, virtual_clients
-from edge_server.federated.engine import CRASH_EXIT_CODE, run_task
-from edge_server.federated.websocket import WebsocketBackend, client_device_id, federated_server
-from edge_server.trainer import ServerTrainer
-from protocol import messages as m
-from protocol.errors import ErrorCode
-from protocol.session import (Admit, ClientSession, FederatedClientSession, Reply, RoundBoard, ServerInfo,
-                              ServerSession)
+from splitface.net.tls import UntrustedServer
+from splitface.device.federated import LocalConfig
+from splitface.device.federated.device import FederatedDevice
+from splitface.device.federated.wire import (backbone_template, config_from_wire, config_to_wire, state_from_wire, state_to_wire, upload_shapes)
+from splitface.common.models import ModelSpec, build_backbone
+from splitface.common.models.weights import save_backbone
+from splitface.common.optim import TrainConfig
+from splitface.server.app import EdgeServer, ServerConfig, ServerThread, server_info
+from splitface.server.auth import TokenAuthenticator, hash_token
+from splitface.server.checkpoint import load_checkpoint
+from research.federated import FederatedConfig, FederatedRun, load_population, virtual_clients
+from research.federated.engine import CRASH_EXIT_CODE, run_task
+from research.federated.websocket import WebsocketBackend, client_device_id, federated_server
+from splitface.server.trainer import ServerTrainer
+from splitface.protocol import messages as m
+from splitface.protocol.errors import ErrorCode
+from splitface.protocol.session import (Admit, ClientSession, FederatedClientSession, Reply, RoundBoard, ServerInfo, ServerSession)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ModelSpec("iresnet", 16, width=4, depth=18, embedding_size=16, dropout=0.0)
@@ -286,7 +284,7 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_device_processes_across_a_server_kill_equal_the_in_process_run(lfw, tmp_path):
     """Three device processes train a 3-round DP-FedEmb run over websockets. The run starts under
-    `python -m edge_server.federated --backend websocket`, whose process dies in round 2 (update applied in memory,
+    `python -m research.federated --backend websocket`, whose process dies in round 2 (update applied in memory,
     not checkpointed); `splitface-server serve` resumes it with the same options (as --federated-*) while serving a
     split session at once (a `splitface-sim` device process trains an epoch); the federated devices reconnect. The
     final global model and accountant equal the uninterrupted in-process run's bit for bit (all on one thread)."""
@@ -307,7 +305,7 @@ def test_device_processes_across_a_server_kill_equal_the_in_process_run(lfw, tmp
 
     def options(prefix: str) -> list[str]:  # the same run's options, as either command declares them
         return [a for k, v in run.items() for a in (f"--{prefix}{k}", str(v))]
-    crashed = subprocess.Popen([sys.executable, "-m", "edge_server.federated", *options(""), "--threads", "1",
+    crashed = subprocess.Popen([sys.executable, "-m", "research.federated", *options(""), "--threads", "1",
                                 "--backend", "websocket", "--port", str(port), "--tokens", str(tmp_path / "tokens.json"),
                                 "--crash-in-round", "2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
@@ -317,7 +315,7 @@ def test_device_processes_across_a_server_kill_equal_the_in_process_run(lfw, tmp
         np.savez(tmp_path / f"c{c}.npz", images=images, labels=labels)
         (tmp_path / f"c{c}.token").write_text(tokens[client_device_id(c)])
         devices.append(subprocess.Popen(
-            [sys.executable, "-m", "device_sdk.federated", "--url", f"ws://127.0.0.1:{port}", "--device-id",
+            [sys.executable, "-m", "splitface.device.federated", "--url", f"ws://127.0.0.1:{port}", "--device-id",
              client_device_id(c), "--token-file", str(tmp_path / f"c{c}.token"), "--data", str(tmp_path / f"c{c}.npz"),
              "--model", json.dumps(TINY.to_dict())], cwd=ROOT, stdout=open(tmp_path / f"c{c}.log", "w"),
             stderr=subprocess.STDOUT, text=True))
@@ -328,12 +326,12 @@ def test_device_processes_across_a_server_kill_equal_the_in_process_run(lfw, tmp
         assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["round"] == 1
         log = tmp_path / "serve.log"
         served = subprocess.Popen(
-            [sys.executable, "-m", "edge_server.cli", "serve", "--model", json.dumps(TINY.to_dict()), "--num-classes",
+            [sys.executable, "-m", "splitface.server.cli", "serve", "--model", json.dumps(TINY.to_dict()), "--num-classes",
              "2", "--tokens", str(tmp_path / "tokens.json"), "--port", str(port), "--run-dir", str(tmp_path / "split"),
              "--max-batch", "8", "--threads", "1", *options("federated-")], cwd=ROOT, stdout=open(log, "w"),
             stderr=subprocess.STDOUT)
         split = subprocess.Popen(
-            [sys.executable, "-m", "device_sdk", "--server", f"ws://127.0.0.1:{port}", "--tokens",
+            [sys.executable, "-m", "splitface.sim", "--server", f"ws://127.0.0.1:{port}", "--tokens",
              str(tmp_path / "split-tokens.json"), "--data", str(lfw), "--model", json.dumps(TINY.to_dict()),
              "--min-images", "10", "--max-images", "11", "--max-identities", "2", "--devices", "1", "--epochs", "1",
              "--batch-size", "8", "--crop", "160", "--threads", "1", "--no-progress", "--reconnect-timeout", "120",
@@ -378,7 +376,7 @@ def device_logs(folder: Path) -> str:
 def test_device_trains_from_the_round_messages_as_in_process(population, init_state):
     """The device's path (ROUND_START + MODEL bytes -> train_client -> UPDATE bytes) gives the in-process client's
     update bit for bit, here with the global head in MODEL (FedAvg; FedEmb's local head: the socket tests)."""
-    from edge_server.federated.engine import ClientTask
+    from research.federated.engine import ClientTask
     images, labels = population.of_users(np.array([0, 1, 2]))
     torch.manual_seed(1)
     head = {"weight": torch.randn(6, 16) * 0.01, "bias": torch.zeros(6)}
@@ -398,12 +396,12 @@ def test_device_trains_from_the_round_messages_as_in_process(population, init_st
 
 
 def test_hostile_round_messages_get_protocol_errors_and_store_nothing_bad():
-    """Seeded mutations (protocol.mutate) of every federated vector fed to an admitted federated session with a
+    """Seeded mutations (splitface.protocol.mutate) of every federated vector fed to an admitted federated session with a
     round open: each gets a well-formed reply, never an exception, and whatever was stored is a valid update."""
     import random
 
-    from protocol.mutate import mutate
-    from protocol.vectors import generate as gen
+    from splitface.protocol.mutate import mutate
+    from splitface.protocol.vectors import generate as gen
     vectors = [p.read_bytes() for p in sorted((Path(gen.__file__).parent / "federated").glob("*.msgpack"))]
     rng = random.Random(0)
     codes: set[str] = set()

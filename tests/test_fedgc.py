@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edge_server.federated.fedgc import gradient_correction, regularizer_gradient, softmax_regularizer, stack_heads
+from research.federated.fedgc import gradient_correction, regularizer_gradient, softmax_regularizer, stack_heads
 
 
 def closed_form_gradient(v: np.ndarray, owners: np.ndarray, s: float) -> np.ndarray:
@@ -74,8 +74,8 @@ def test_bad_input_is_refused():
 @pytest.fixture(scope="module")
 def tiny_federation(lfw):
     """Four real LFW private users (2 per client), the IResNet-small backbone from its seeded start."""
-    from device_sdk.models import build_backbone, resolve_spec
-    from edge_server.federated.population import load_population
+    from splitface.common.models import build_backbone, resolve_spec
+    from research.federated.population import load_population
     spec = resolve_spec("iresnet_small")
     torch.manual_seed(0)
     return spec, load_population(lfw, spec.input_size, max_users=4), build_backbone(spec).state_dict()
@@ -85,8 +85,8 @@ def tiny_federation(lfw):
 def test_a_fedgc_round_trains_and_corrects_every_head_it_holds(tiny_federation):
     import dataclasses
 
-    from device_sdk.federated.private_head import HeadConfig
-    from edge_server.federated.methods import MethodConfig, PrivateHeadRun
+    from splitface.device.federated.private_head import HeadConfig
+    from research.federated.methods import MethodConfig, PrivateHeadRun
     spec, population, init = tiny_federation
     head = HeadConfig(epochs=1, batch_size=4)
     runs = {lam: PrivateHeadRun(MethodConfig("fedgc", rounds=1, users_per_client=2, clients_per_round=2, head=head,
@@ -110,9 +110,9 @@ def test_a_fedgc_round_trains_and_corrects_every_head_it_holds(tiny_federation):
 
 @pytest.mark.slow
 def test_class_embedding_linkage_finds_a_head_row_equal_to_a_photos_embedding(tiny_federation):
-    from device_sdk.federated.private_head import HeadConfig
-    from edge_server.federated.evaluate import recalibrate_bn
-    from edge_server.federated.methods import MethodConfig, PrivateHeadRun, class_embedding_linkage
+    from splitface.device.federated.private_head import HeadConfig
+    from research.federated.evaluate import recalibrate_bn
+    from research.federated.methods import MethodConfig, PrivateHeadRun, class_embedding_linkage
     spec, population, init = tiny_federation
     run = PrivateHeadRun(MethodConfig("fedpe", rounds=1, users_per_client=2, clients_per_round=2,
                                       head=HeadConfig(epochs=1, batch_size=4)), spec, population, init)
@@ -128,8 +128,8 @@ def test_class_embedding_linkage_finds_a_head_row_equal_to_a_photos_embedding(ti
     assert link["linkage_chance"] == pytest.approx(sum(shares) / 4)
     # the stronger attack's plumbing, with the audit's fast real recognizer (dlib in the bench): the rows
     # inverted into faces, matched against the same photos in the recognizer's own space
-    from edge_server.audit.recognizer import Eigenfaces
-    from edge_server.federated.methods import inverted_class_embedding_linkage
+    from research.audit.recognizer import Eigenfaces
+    from research.federated.methods import inverted_class_embedding_linkage
     faces = Eigenfaces(components=4).fit(public.astype(np.float32) / 255)
     photos = faces.embed(population.images.astype(np.float32) / 255)
     inverted = inverted_class_embedding_linkage(run, public, faces.embed, photos)

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from device_sdk.engine import DeviceEngine, PrivacyEngine, privatize
-from device_sdk.models import PRESETS
-from device_sdk.options import add_privacy_args, privacy_engines
-from device_sdk.privacy.described import from_description
-from device_sdk.privacy.mechanisms import PerImageGaussian
-from device_sdk.transforms.dct import frequency_weights, zigzag
+from splitface.device.engine import DeviceEngine, PrivacyEngine, privatize
+from splitface.common.models import PRESETS
+from splitface.device.privacy.options import add_privacy_args, privacy_engines
+from splitface.device.privacy.described import from_description
+from splitface.device.privacy.mechanisms import PerImageGaussian
+from splitface.common.transforms.dct import frequency_weights, zigzag
 
 DCT = replace(PRESETS["iresnet_small"], release="dct", dct_drop=4)
 

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from device_sdk.models import ModelSpec
-from edge_server.demo import audited_point
+from splitface.common.models import ModelSpec
+from research.demo import audited_point
 from tests.conftest import ROOT
 
 
@@ -57,7 +57,7 @@ def test_frontier_runs_its_full_size_configuration_and_resumes(tmp_path, lfw):
 
 
 def test_the_main_job_releases_the_frontiers_best_point():
-    """run.sh's default release is the point bench/frontier.py chose (results/frontier/best.json)."""
+    """run.sh's default release is the point research/frontier.py chose (results/frontier/best.json)."""
     best = json.loads((ROOT / "results" / "frontier" / "best.json").read_text())
     line = next(l for l in (ROOT / "run.sh").read_text().splitlines() if l.startswith("DEFAULT_RELEASE="))
     assert line == f"DEFAULT_RELEASE=({' '.join(best['demo_args'])})"
@@ -66,7 +66,7 @@ def test_the_main_job_releases_the_frontiers_best_point():
 def test_the_main_job_sends_the_encoding_its_wire_results_measured():
     """run.sh's DEFAULT_WIRE is what the device CLI takes and what results/wire-default-release compared with f32
     on this very release (i8c both ways)."""
-    from protocol.tensor import ENCODINGS
+    from splitface.protocol.tensor import ENCODINGS
 
     line = next(l for l in (ROOT / "run.sh").read_text().splitlines() if l.startswith("DEFAULT_WIRE="))
     words = line.removeprefix("DEFAULT_WIRE=(").removesuffix(")").split()
@@ -104,7 +104,7 @@ def test_a_run_from_a_distilled_start_is_not_the_scratch_runs_audited_point():
 def test_accuracies_are_seed_means_relative_to_the_references_mean_on_the_same_seeds():
     """A point trained at seeds 0-2 against a reference that has them too: means over the three; a point with
     seed 0 only is compared with the reference's seed 0 alone (not with its mean over seeds it lacks)."""
-    from bench import frontier
+    from research import frontier
 
     reference = {0: (0.4, 0.70), 1: (0.6, 0.80), 2: (0.5, 0.75)}
     point = {0: (0.4, 0.70), 1: (0.3, 0.60), 2: (0.5, 0.65)}

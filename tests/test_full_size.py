@@ -1,4 +1,4 @@
-"""bench/full_size.py (issue #31) end to end at --tiny size on the CPU: the GPU run is the same code at full size.
+"""research/full_size.py (issue #31) end to end at --tiny size on the CPU: the GPU run is the same code at full size.
 
 A tiny pack of real LFW faces (4 of LFW-158's people, their original JPEG bytes) and the wheels the CUDA machine
 lacks (for CPython 3.12, checked installable there by a pip dry run); then the run from that pack alone: the
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from device_sdk.simulator import device_ranges
+from splitface.sim.simulator import device_ranges
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "full_size.py"

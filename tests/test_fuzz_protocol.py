@@ -4,7 +4,7 @@ Property: every input gives either a valid message or a ProtocolError with a kno
 another exception; the session answers everything with a decodable reply and its batch bookkeeping
 stays consistent (applied exactly once, in order, retries replayed byte for byte, closed means
 closed). Inputs: random msgpack values and bytes, and mutations of the committed vectors
-(protocol/mutate.py, shared with bench/fuzz_server.py). Settings are derandomized so CI is
+(splitface/protocol/mutate.py, shared with bench/fuzz_server.py). Settings are derandomized so CI is
 reproducible; the slow tier runs many more examples of the same properties.
 """
 from __future__ import annotations
@@ -18,12 +18,12 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from protocol import messages as m
-from protocol import mutate
-from protocol.errors import FATAL_CODES, ErrorCode, ProtocolError, RemoteError
-from protocol.session import Admit, DeviceRecord, Embed, Evaluate, Reply, ServerSession, Train, TrainTail
-from protocol.tensor import MAX_DIM, MAX_RANK, WIRE_DTYPES, decode_tensor, encode_tensor
-from protocol.vectors import generate as gen
+from splitface.protocol import messages as m
+from splitface.protocol import mutate
+from splitface.protocol.errors import FATAL_CODES, ErrorCode, ProtocolError, RemoteError
+from splitface.protocol.session import Admit, DeviceRecord, Embed, Evaluate, Reply, ServerSession, Train, TrainTail
+from splitface.protocol.tensor import MAX_DIM, MAX_RANK, WIRE_DTYPES, decode_tensor, encode_tensor
+from splitface.protocol.vectors import generate as gen
 
 VECTORS = sorted(Path(gen.__file__).parent.glob("*.msgpack"))
 VALID = [p.read_bytes() for p in VECTORS if "_invalid_" not in p.name]
@@ -176,7 +176,7 @@ def test_mutated_vectors_and_values_many(vector, rng, value):
 
 # ---- the sans-I/O server session ------------------------------------------------------------------
 class Shell:
-    """Plays the server shell around ServerSession (what edge_server/app.py does, minus the model)
+    """Plays the server shell around ServerSession (what splitface/server/app.py does, minus the model)
     and checks the session's invariants after every message."""
 
     def __init__(self, fail_some: bool):

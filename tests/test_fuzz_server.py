@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from bench import fuzz_server as fz
-from device_sdk.models import resolve_spec
-from device_sdk.optim import TrainConfig
-from edge_server.app import EdgeServer, ServerConfig, ServerThread, server_info
-from edge_server.auth import TokenAuthenticator, hash_token
-from edge_server.trainer import ServerTrainer
-from protocol.errors import ErrorCode
+from splitface.common.models import resolve_spec
+from splitface.common.optim import TrainConfig
+from splitface.server.app import EdgeServer, ServerConfig, ServerThread, server_info
+from splitface.server.auth import TokenAuthenticator, hash_token
+from splitface.server.trainer import ServerTrainer
+from splitface.protocol.errors import ErrorCode
 
 KNOWN = ({f"error:{c.value}" for c in ErrorCode} | {f"reply:{t}" for t in ("welcome", "backward", "embeddings",
                                                                             "eval_result")}

@@ -12,16 +12,16 @@ from websockets.asyncio.client import connect
 from websockets.asyncio.server import serve
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from device_sdk.client import DeviceClient
-from device_sdk.engine import DeviceEngine
-from device_sdk.models import resolve_spec
-from device_sdk.optim import TrainConfig
-from edge_server.app import Limits
-from edge_server.auth import AuthThrottle
-from edge_server.checkpoint import NonFiniteState, load_checkpoint, save_checkpoint
-from edge_server.trainer import ServerTrainer, StepGuard
-from protocol import messages as m
-from protocol.session import ClientSession
+from splitface.device.connection import DeviceClient
+from splitface.device.engine import DeviceEngine
+from splitface.common.models import resolve_spec
+from splitface.common.optim import TrainConfig
+from splitface.server.app import Limits
+from splitface.server.auth import AuthThrottle
+from splitface.server.checkpoint import NonFiniteState, load_checkpoint, save_checkpoint
+from splitface.server.trainer import ServerTrainer, StepGuard
+from splitface.protocol import messages as m
+from splitface.protocol.session import ClientSession
 from tests.conftest import TOKENS, serve_in_thread
 
 NUM_CLASSES = 5
@@ -313,7 +313,7 @@ def test_limits_are_options_declared_once():
     import argparse
     import dataclasses
 
-    from edge_server.cli import add_dataclass_options, from_args
+    from splitface.server.cli import add_dataclass_options, from_args
     parser = argparse.ArgumentParser()
     add_dataclass_options(parser, Limits, "limits")
     add_dataclass_options(parser, StepGuard, "guard")

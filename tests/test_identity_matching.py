@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from device_sdk.data import load_lfw
-from device_sdk.engine import bound_for, initial_layer, to_input
-from device_sdk.models import resolve_spec
-from device_sdk.privacy.mechanisms import NoNoise, PerActivationGaussian
-from edge_server.audit.attack import layer_outputs, privatized, retrieval_report
-from edge_server.audit.matcher import IdentityMatcher
-from edge_server.audit.recognizer import CachedFaces, DlibResNet
-from edge_server.audit.run import public_faces
+from splitface.common.data import load_lfw
+from splitface.device.engine import bound_for, initial_layer, to_input
+from splitface.common.models import resolve_spec
+from splitface.device.privacy.mechanisms import NoNoise, PerActivationGaussian
+from research.audit.attack import layer_outputs, privatized, retrieval_report
+from research.audit.matcher import IdentityMatcher
+from research.audit.recognizer import CachedFaces, DlibResNet
+from research.audit.run import public_faces
 
 pytestmark = pytest.mark.slow
 

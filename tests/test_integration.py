@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from device_sdk.client import FAULT_EXIT
-from device_sdk.data import load_lfw
-from edge_server.auth import issue_tokens
-from edge_server.checkpoint import load_checkpoint
+from splitface.common.faults import FAULT_EXIT
+from splitface.common.data import load_lfw
+from splitface.server.auth import issue_tokens
+from splitface.server.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.slow  # real processes or real-face training: the full tier
 
@@ -30,7 +30,7 @@ LEARN_EPOCHS = 2
 
 def _start_server(run_dir: Path, port: int = 0, num_classes: int = NUM_CLASSES,
                   **extra: str) -> tuple[subprocess.Popen, int]:
-    cmd = [sys.executable, "-m", "edge_server", "serve", "--model", MODEL, "--num-classes", str(num_classes),
+    cmd = [sys.executable, "-m", "splitface.server", "serve", "--model", MODEL, "--num-classes", str(num_classes),
            "--tokens", str(run_dir / "tokens.json"), "--port", str(port), "--run-dir", str(run_dir),
            "--lr", "0.05", "--decay-steps", "400", "--threads", "1"]
     for k, v in extra.items():
@@ -44,7 +44,7 @@ def _start_server(run_dir: Path, port: int = 0, num_classes: int = NUM_CLASSES,
 
 def _simulator(port: int, lfw: Path, run_dir: Path, tokens: Path, epochs: int, head: str = "server",
                pipeline: bool = False) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "device_sdk", "--server", f"ws://127.0.0.1:{port}", "--tokens", str(tokens),
+    cmd = [sys.executable, "-m", "splitface.sim", "--server", f"ws://127.0.0.1:{port}", "--tokens", str(tokens),
            "--data", str(lfw), *DATA, "--model", MODEL, "--head", head, *(["--pipeline"] if pipeline else []),
            "--devices", "2", "--epochs", str(epochs),
            "--batch-size", "32", "--lr", "0.005", "--results", str(run_dir / "results.json"), "--threads", "1",

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from device_sdk.meter import BatchCost, EnergyCounter, latency_stats, peak_rss_bytes, summarize_costs
+from splitface.device.meter import BatchCost, EnergyCounter, latency_stats, peak_rss_bytes, summarize_costs
 
 
 def test_latency_stats_drop_warmup_and_trim():
@@ -47,7 +47,7 @@ def test_peak_memory_is_the_processs_own_not_its_parents():
     """Linux carries ru_maxrss over fork and exec; a device process started by a large parent must not
     report the parent's peak."""
     held = np.ones(300 * 2**20 // 8)  # 300 MB touched in this process
-    child = subprocess.run([sys.executable, "-c", "from device_sdk.meter import peak_rss_bytes; "
+    child = subprocess.run([sys.executable, "-c", "from splitface.device.meter import peak_rss_bytes; "
                             "print(peak_rss_bytes())"], capture_output=True, text=True, check=True)
     assert int(child.stdout) < 250 * 2**20 < peak_rss_bytes()
     del held

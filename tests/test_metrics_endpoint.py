@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from device_sdk.client import DeviceClient, Rollback
-from device_sdk.engine import DeviceEngine
-from device_sdk.privacy.engine import PrivacyEngine
-from device_sdk.privacy.mechanisms import PerImageGaussian
-from device_sdk.privacy.state import LostPrivacyState, spent_epsilon
-from protocol import messages as m
-from protocol.errors import RemoteError
+from splitface.device.connection import DeviceClient, Rollback
+from splitface.device.engine import DeviceEngine
+from splitface.device.privacy.engine import PrivacyEngine
+from splitface.device.privacy.mechanisms import PerImageGaussian
+from splitface.device.privacy.state import LostPrivacyState, spent_epsilon
+from splitface.protocol import messages as m
+from splitface.protocol.errors import RemoteError
 from tests.conftest import TOKENS, serve_in_thread, small_trainer
 
 NUM_CLASSES = 5
@@ -130,7 +130,7 @@ def test_metrics_survive_a_crash_and_are_scraped(tmp_path):
 def test_metrics_state_round_trips_into_the_exposition():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from edge_server.metrics import Metrics, PrometheusCollector
+    from splitface.server.metrics import Metrics, PrometheusCollector
     metrics = Metrics()
     for seconds in (0.003, 0.003, 7.0, 60.0):
         metrics.batch("d1", 4, seconds, loss=1.0, n_correct=1)

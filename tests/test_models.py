@@ -8,19 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from device_sdk.models import (
-    DEFAULT_SPLIT,
-    PRESETS,
-    ModelSpec,
-    PaperLRN,
-    activation_shape,
-    build_backbone,
-    build_device_part,
-    build_classifier,
-    resolve_spec,
-    split_backbone,
-    stage_names,
-)
+from splitface.common.models import (DEFAULT_SPLIT, PRESETS, ModelSpec, PaperLRN, activation_shape, build_backbone, build_device_part, build_classifier, resolve_spec, split_backbone, stage_names)
 
 SMALL = ["vgg_face_small", "iresnet_small"]
 

@@ -1,11 +1,11 @@
-"""The native device runner (device_sdk/runtimes/native): built with CMake against the executorch wheel's
+"""The native device runner (splitface/device/runtimes/native): built with CMake against the executorch wheel's
 C++ runtime, it links no libtorch, and its release and summed weight gradient over chunks of batch-1 and
 batch-2 programs, and over the strips of each image with the strip programs, equal eager PyTorch. The noise
 it draws is ChaCha20's keystream (checked against the `cryptography` package's) through Box-Muller, Gaussian,
 and under a fresh key per release unless a key file is given. Bad inputs stop it with a message naming the
 file. Without cmake or a C++ compiler the build fails with a message (it is not skipped).
 
-The `native` backend (device_sdk/runtimes/native_runtime.py): one runner process serves a device's releases
+The `native` backend (splitface/device/runtimes/native_runtime.py): one runner process serves a device's releases
 and weight gradients, each step's weights read at run time, equal to eager PyTorch over steps whose weights
 change and batches that shrink; layers and exports the strip programs do not cover are refused before
 anything is built. (Training through it against a real server: tests/test_runtimes.py.)
@@ -24,16 +24,15 @@ import numpy as np
 import pytest
 import torch
 
-from device_sdk.models import build_device_part, resolve_spec
-from device_sdk.models.lrn import PaperLRN
-from device_sdk.runtimes import native as native_module
-from device_sdk.privacy.discrete import DiscreteGaussian, DiscreteGaussianMechanism, clip_quantise, squared_norms
-from device_sdk.privacy.fastnoise import NoiseStream
-from device_sdk.runtimes.native import StripServer, build, draw_integers, reference_normals, run_native, write_inputs
-from device_sdk.runtimes.native_runtime import NativeRuntime
-from export.artifacts import (RELEASE_GEMM_PTE, VJP_GEMM_PTE, Manifest, example_inputs, export_gemm_ptes,
-                              export_strip_ptes, manifest_of)
-from export.verify import GRAD_RTOL, RELEASE_ATOL, reference
+from splitface.common.models import build_device_part, resolve_spec
+from splitface.common.models.lrn import PaperLRN
+from splitface.device.runtimes import native as native_module
+from splitface.device.privacy.discrete import (DiscreteGaussian, DiscreteGaussianMechanism, clip_quantise, squared_norms)
+from splitface.device.privacy.fastnoise import NoiseStream
+from splitface.device.runtimes.native import (StripServer, build, draw_integers, reference_normals, run_native, write_inputs)
+from splitface.device.runtimes.native_runtime import NativeRuntime
+from splitface.export.artifacts import (RELEASE_GEMM_PTE, VJP_GEMM_PTE, Manifest, example_inputs, export_gemm_ptes, export_strip_ptes, manifest_of)
+from splitface.export.verify import GRAD_RTOL, RELEASE_ATOL, reference
 
 SAMPLES, SIZE, ROWS = 4, 24, 8
 STRIP_RELEASE, STRIP_GRAD = ["images", "weight", "bias"], ["images", "grad", "weight", "bias"]
@@ -412,8 +411,8 @@ def vgg_engine(mechanism, runtime=None, layer=None):
     same keys), holding `layer`'s weights and the LRN clamp that the runner's programs hold."""
     import dataclasses
 
-    from device_sdk.engine import DeviceEngine, PrivacyEngine
-    from device_sdk.optim import TrainConfig
+    from splitface.device.engine import DeviceEngine, PrivacyEngine
+    from splitface.common.optim import TrainConfig
 
     spec = dataclasses.replace(resolve_spec("vgg_face_small"), input_size=32)
     engine = DeviceEngine(spec, "conv1", "server", 4, TrainConfig(lr=0.5, momentum=0.0),
@@ -495,7 +494,7 @@ def test_native_backend_draws_the_engines_noise_under_the_release_key(tmp_path):
     std 0 adds nothing. Through the engine, the release's key is the engine's per-release key, a re-sent release
     is bit-identical and counted once, the accountant's figures are the eager engine's, and the step equals
     eager PyTorch's (the noise does not enter the weight gradient)."""
-    from device_sdk.privacy.mechanisms import NoNoise, PerActivationGaussian
+    from splitface.device.privacy.mechanisms import NoNoise, PerActivationGaussian
 
     layer = vgg_layer()
     runtime = NativeRuntime(layer, tmp_path, backend_manifest(layer, 2, 32))
@@ -551,10 +550,10 @@ def simulate_exact(backend: str, lfw, tmp_path) -> dict:
     import argparse
     import asyncio
 
-    from device_sdk.data import load_lfw
-    from device_sdk.optim import TrainConfig
-    from device_sdk.options import add_privacy_args, privacy_engines
-    from device_sdk.simulator import SimConfig, simulate
+    from splitface.common.data import load_lfw
+    from splitface.common.optim import TrainConfig
+    from splitface.device.privacy.options import add_privacy_args, privacy_engines
+    from splitface.sim.simulator import SimConfig, simulate
     from tests.conftest import TOKENS, serve_in_thread, small_trainer
 
     parser = argparse.ArgumentParser()

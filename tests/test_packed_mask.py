@@ -17,20 +17,20 @@ import pytest
 import torch
 
 from bench.mask_wire import forward_bytes
-from device_sdk.cli import load_selection
-from device_sdk.client import DeviceClient
-from device_sdk.engine import DeviceEngine, PrivacyEngine
-from device_sdk.models import PRESETS
-from device_sdk.optim import TrainConfig
-from device_sdk.transforms.mask import infer_mask
-from edge_server.trainer import ServerTrainer
-from protocol import messages as m
-from protocol.errors import ErrorCode
-from protocol.mutate import mutate
-from protocol.patches import pack
-from protocol.session import Admit, ClientSession, DeviceRecord, Embed, Evaluate, Reply, ServerInfo, ServerSession, Train
-from protocol.tensor import encode_tensor
-from protocol.vectors import generate as gen
+from splitface.common.options import load_selection
+from splitface.device.connection import DeviceClient
+from splitface.device.engine import DeviceEngine, PrivacyEngine
+from splitface.common.models import PRESETS
+from splitface.common.optim import TrainConfig
+from splitface.common.transforms.mask import infer_mask
+from splitface.server.trainer import ServerTrainer
+from splitface.protocol import messages as m
+from splitface.protocol.errors import ErrorCode
+from splitface.protocol.mutate import mutate
+from splitface.protocol.patches import pack
+from splitface.protocol.session import (Admit, ClientSession, DeviceRecord, Embed, Evaluate, Reply, ServerInfo, ServerSession, Train)
+from splitface.protocol.tensor import encode_tensor
+from splitface.protocol.vectors import generate as gen
 from tests.conftest import TOKENS, serve_in_thread
 
 MASK = replace(PRESETS["iresnet_small"], release="mask")
@@ -256,7 +256,7 @@ def test_the_packed_vectors_unpack_to_the_dense_release():
 
 
 def test_mutated_packed_vectors_are_messages_or_known_errors():
-    """protocol.mutate's hostile variants (bit flips, truncation, wrong types, huge shapes, ...) of the packed
+    """splitface.protocol.mutate's hostile variants (bit flips, truncation, wrong types, huge shapes, ...) of the packed
     vectors: the server session answers each with an action or an ERROR, never another failure."""
     rng = random.Random(0)
     vectors = [p.read_bytes() for p in PACKED_VECTORS if "_invalid_" not in p.name and "error_" not in p.name]

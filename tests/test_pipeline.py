@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from device_sdk.engine import DeviceEngine
-from device_sdk.models import resolve_spec
-from device_sdk.privacy.engine import PrivacyEngine
-from device_sdk.optim import TrainConfig
-from export.verify import GRAD_RTOL
+from splitface.device.engine import DeviceEngine
+from splitface.common.models import resolve_spec
+from splitface.device.privacy.engine import PrivacyEngine
+from splitface.common.optim import TrainConfig
+from splitface.export.verify import GRAD_RTOL
 
 SPEC = resolve_spec("iresnet_small")
 rng = np.random.default_rng(0)
@@ -22,7 +22,7 @@ LABELS, IDS = np.array([0, 1, 0, 1]), np.arange(4)
 
 def gradient_at(engine: DeviceEngine, weights: list[torch.Tensor], images: np.ndarray, grad: np.ndarray):
     """d sum(layer(images) * grad) / d weights at `weights`: what a lock-step device would apply there."""
-    from device_sdk.models import to_input
+    from splitface.common.models import to_input
 
     names = [n for n, _ in engine.layer.named_parameters()]
     leaves = [w.clone().requires_grad_(True) for w in weights]
@@ -75,7 +75,7 @@ def test_pipelining_is_refused_where_the_step_needs_the_current_weights(head, tr
 
 @pytest.mark.slow  # exports and verifies the ONNX programs
 def test_a_runtime_takes_the_pipelined_gradient_at_the_same_weights(tmp_path):
-    from device_sdk.runtimes import load_runtime
+    from splitface.device.runtimes import load_runtime
 
     eager = DeviceEngine(SPEC, "conv1", "server", 2, TrainConfig(lr=0.1), pipeline=True)
     onnx = DeviceEngine(SPEC, "conv1", "server", 2, TrainConfig(lr=0.1), pipeline=True)
@@ -108,7 +108,7 @@ def test_a_runtime_takes_the_pipelined_gradient_at_the_same_weights(tmp_path):
 def test_a_release_is_made_ahead_only_within_an_epoch():
     """Not after the last batch, and not across an epoch's end: the epoch's evaluation releases come between, and
     a FORWARD made before them would carry a lower spent epsilon than the server has already seen."""
-    from device_sdk.simulator import prepares_ahead
+    from splitface.sim.simulator import prepares_ahead
 
     assert [b for b in range(1, 10) if prepares_ahead(True, b, total=9, per_epoch=3)] == [1, 2, 4, 5, 7, 8]
     assert not any(prepares_ahead(False, b, total=9, per_epoch=3) for b in range(1, 10))

@@ -14,12 +14,12 @@ import pytest
 import torch
 from websockets.asyncio.client import connect
 
-from device_sdk.models import build_backbone, resolve_spec, split_backbone, to_input
-from device_sdk.optim import TrainConfig
-from edge_server.checkpoint import load_checkpoint
-from edge_server.trainer import STAT_VAR_RATIO, ServerTrainer, StepGuard
-from protocol import messages as m
-from protocol.session import ClientSession
+from splitface.common.models import build_backbone, resolve_spec, split_backbone, to_input
+from splitface.common.optim import TrainConfig
+from splitface.server.checkpoint import load_checkpoint
+from splitface.server.trainer import STAT_VAR_RATIO, ServerTrainer, StepGuard
+from splitface.protocol import messages as m
+from splitface.protocol.session import ClientSession
 from tests.conftest import TOKENS, serve_in_thread
 
 # copies of one trained server (copy.deepcopy) step an optimizer that torch's scheduler no longer wraps: its warning
@@ -184,7 +184,7 @@ def test_the_release_bound_follows_the_release_and_leaves_room_for_noise():
     masked image; none for a later stage released as it is; widened by 10 noise std and the wire's rounding."""
     from dataclasses import replace
 
-    from device_sdk.models import release_range
+    from splitface.common.models import release_range
     assert release_range(SPEC, "conv1") == (0.0, 1.0) == release_range(replace(SPEC, release_pool=4), "conv1")
     assert release_range(SPEC, "layer1") is None and StepGuard(release_noise_std=0.0).release_bound(SPEC, "layer1") is None
     assert release_range(replace(SPEC, release="bottleneck"), "layer1") == (-1.0, 1.0)

@@ -12,19 +12,12 @@ from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 from dp_accounting.privacy_accountant import NeighboringRelation
 from torch import nn
 
-from device_sdk.models import PaperLRN
-from device_sdk.privacy.accountant import PrivacyAccountant, epsilon_of
-from device_sdk.privacy.budget import BudgetExceeded, BudgetGuard
-from device_sdk.privacy.dpsgd import clipped_noisy_grad, dpsgd_event, per_sample_grads
-from device_sdk.privacy.mechanisms import (
-    PAPER_LRN_SENSITIVITY,
-    NoNoise,
-    PerActivationGaussian,
-    PerImageGaussian,
-    classic_gaussian_sigma,
-    noise_generator,
-)
-from device_sdk.privacy.planner import per_activation_view, plan_per_image
+from splitface.common.models import PaperLRN
+from splitface.common.accountants.ledger import PrivacyAccountant, epsilon_of
+from splitface.device.privacy.budget import BudgetExceeded, BudgetGuard
+from splitface.device.privacy.dpsgd import clipped_noisy_grad, dpsgd_event, per_sample_grads
+from splitface.device.privacy.mechanisms import (PAPER_LRN_SENSITIVITY, NoNoise, PerActivationGaussian, PerImageGaussian, classic_gaussian_sigma, noise_generator)
+from splitface.device.privacy.planner import per_activation_view, plan_per_image
 
 DELTA = 1e-5
 G = dp_event.GaussianDpEvent

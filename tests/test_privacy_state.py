@@ -15,16 +15,16 @@ import torch
 from dp_accounting import dp_event
 from PIL import Image
 
-from device_sdk.client import FAULT_ENV, FAULT_EXIT
-from device_sdk.engine import DeviceEngine
-from device_sdk.models import resolve_spec
-from device_sdk.optim import TrainConfig
-from device_sdk.privacy.accountant import epsilon_of
-from device_sdk.privacy.budget import BudgetExceeded
-from device_sdk.privacy.engine import PrivacyEngine, attempt_key
-from device_sdk.privacy.mechanisms import PerImageGaussian
-from device_sdk.privacy.state import StateFileError, read_state, state_path, write_state
-from edge_server.trainer import ServerTrainer
+from splitface.device.connection import FAULT_ENV, FAULT_EXIT
+from splitface.device.engine import DeviceEngine
+from splitface.common.models import resolve_spec
+from splitface.common.optim import TrainConfig
+from splitface.common.accountants.ledger import epsilon_of
+from splitface.device.privacy.budget import BudgetExceeded
+from splitface.device.privacy.engine import PrivacyEngine, attempt_key
+from splitface.device.privacy.mechanisms import PerImageGaussian
+from splitface.device.privacy.state import StateFileError, read_state, state_path, write_state
+from splitface.server.trainer import ServerTrainer
 from tests.conftest import ROOT, TOKENS, serve_in_thread
 
 MODEL = {"family": "vgg_face", "input_size": 32, "width": 4, "fc_width": 32, "dropout": 0.0}
@@ -136,7 +136,7 @@ def _image_folder(root: Path) -> None:
 
 def _device_process(url: str, tmp_path: Path, budget: float, fault: str = "") -> subprocess.CompletedProcess:
     """`splitface-sim` for one device: frozen public layer, per-image noise z = 2, 3 epochs of 3 batches."""
-    argv = [sys.executable, "-m", "device_sdk", "--server", url, "--tokens", str(tmp_path / "tokens.json"),
+    argv = [sys.executable, "-m", "splitface.sim", "--server", url, "--tokens", str(tmp_path / "tokens.json"),
             "--data", str(tmp_path / "faces"), "--image-folder", "--model", json.dumps(MODEL), "--devices", "1",
             "--epochs", "3", "--batch-size", "8", "--mechanism", "per-image", "--noise-multiplier", str(Z),
             "--layer-training", "frozen", "--budget-epsilon", str(budget), "--results",

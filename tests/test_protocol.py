@@ -9,22 +9,11 @@ import msgpack
 import numpy as np
 import pytest
 
-from protocol import messages as m
-from protocol.errors import FATAL_CODES, ErrorCode, ProtocolError, RemoteError
-from protocol.session import (
-    Admit,
-    ClientSession,
-    DeviceRecord,
-    Embed,
-    Evaluate,
-    Reply,
-    ServerInfo,
-    ServerSession,
-    Train,
-    TrainTail,
-)
-from protocol.tensor import decode_tensor, encode_tensor, payload_bytes
-from protocol.vectors import generate as gen
+from splitface.protocol import messages as m
+from splitface.protocol.errors import FATAL_CODES, ErrorCode, ProtocolError, RemoteError
+from splitface.protocol.session import (Admit, ClientSession, DeviceRecord, Embed, Evaluate, Reply, ServerInfo, ServerSession, Train, TrainTail)
+from splitface.protocol.tensor import decode_tensor, encode_tensor, payload_bytes
+from splitface.protocol.vectors import generate as gen
 
 VECTORS = Path(gen.__file__).resolve().parent
 # the split set at the top, the federated rounds' set in federated/ (SPEC.md section 13)
@@ -39,7 +28,7 @@ def test_vectors_on_disk_match_the_generator(tmp_path):
     gen.generate(tmp_path)
     fresh = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     on_disk = sorted(str(p.relative_to(VECTORS)) for p in VECTORS.rglob("*") if p.suffix in (".msgpack", ".json"))
-    assert fresh == on_disk, "run `python -m protocol.vectors.generate`"
+    assert fresh == on_disk, "run `python -m splitface.protocol.vectors.generate`"
     for name in fresh:
         assert (tmp_path / name).read_bytes() == (VECTORS / name).read_bytes(), name
 

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from device_sdk.cli import main as sim_main
-from device_sdk.engine import initial_layer
-from device_sdk.models import ModelSpec
-from device_sdk.ray_placement import cpus_per_actor
-from device_sdk.simulator import batches_per_epoch, merge_results
+from splitface.sim.cli import main as sim_main
+from splitface.device.engine import initial_layer
+from splitface.common.models import ModelSpec
+from splitface.sim.ray_placement import cpus_per_actor
+from splitface.sim.simulator import batches_per_epoch, merge_results
 from tests.conftest import ROOT, TOKENS, serve_in_thread, small_trainer
 
 ray = pytest.importorskip("ray", reason="the Ray placement needs the `ray` extra (pip install splitface[ray])")
@@ -55,12 +55,12 @@ def token_file(tmp_path: Path, devices: int) -> Path:
 
 
 def on_local_processes(lfw: Path, tmp_path: Path, devices: int, lr: float) -> dict:
-    """One `python -m device_sdk` process per device (--only-devices k:k+1, one torch thread), at once, against a fresh
+    """One `python -m splitface.sim` process per device (--only-devices k:k+1, one torch thread), at once, against a fresh
     server; their parts merged as splitface-demo merges them."""
     tokens = token_file(tmp_path, devices)
     with serve_in_thread(small_trainer(IDENTITIES, TINY, lr=lr), tmp_path / "server-local") as server:
         parts = [tmp_path / "local" / f"results.part-{k}.json" for k in range(devices)]
-        procs = [subprocess.Popen([sys.executable, "-m", "device_sdk",
+        procs = [subprocess.Popen([sys.executable, "-m", "splitface.sim",
                                    *sim_argv(lfw, server.url, tokens, parts[k], devices, lr), "--threads", "1",
                                    *(["--only-devices", f"{k}:{k + 1}"] if devices > 1 else [])],
                                   cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

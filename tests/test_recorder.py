@@ -7,14 +7,14 @@ import asyncio
 import numpy as np
 import torch
 
-from device_sdk.client import DeviceClient
-from device_sdk.data import load_lfw
-from device_sdk.engine import DeviceEngine, PrivacyEngine, to_input
-from device_sdk.models import resolve_spec
-from device_sdk.optim import TrainConfig
-from device_sdk.privacy.accountant import epsilon_of
-from device_sdk.privacy.discrete import DiscreteGaussianMechanism
-from edge_server.recorder import Recorder, load_recordings
+from splitface.device.connection import DeviceClient
+from splitface.common.data import load_lfw
+from splitface.device.engine import DeviceEngine, PrivacyEngine, to_input
+from splitface.common.models import resolve_spec
+from splitface.common.optim import TrainConfig
+from splitface.common.accountants.ledger import epsilon_of
+from splitface.device.privacy.discrete import DiscreteGaussianMechanism
+from splitface.server.recorder import Recorder, load_recordings
 from tests.conftest import TOKENS, serve_in_thread, small_trainer
 
 MODEL = "vgg_face_small"

@@ -1,4 +1,4 @@
-"""Attacker-aware pre-training (edge_server/ressfl.py): NoPeek's distance correlation, NoPeek's penalty in the
+"""Attacker-aware pre-training (research/ressfl.py): NoPeek's distance correlation, NoPeek's penalty in the
 device's own training step, and a tiny pre-training whose file carries the trained bottleneck that devices then
 load frozen."""
 from __future__ import annotations
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from device_sdk.engine import DeviceEngine, PrivacyEngine, initial_layer
-from device_sdk.models import PRESETS
-from device_sdk.privacy.nopeek import distance_correlation
-from edge_server.ressfl import attacker_aware_pretrain
+from splitface.device.engine import DeviceEngine, PrivacyEngine, initial_layer
+from splitface.common.models import PRESETS
+from splitface.device.privacy.nopeek import distance_correlation
+from research.ressfl import attacker_aware_pretrain
 
 
 def test_distance_correlation_is_one_for_a_copy_and_small_for_independent_batches():

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from device_sdk.data import load_lfw
-from device_sdk.engine import DeviceEngine, PrivacyEngine
-from device_sdk.models import resolve_spec
-from device_sdk.optim import TrainConfig
-from device_sdk.privacy.mechanisms import NoNoise, PerActivationGaussian
-from device_sdk.simulator import SimConfig, simulate
+from splitface.common.data import load_lfw
+from splitface.device.engine import DeviceEngine, PrivacyEngine
+from splitface.common.models import resolve_spec
+from splitface.common.optim import TrainConfig
+from splitface.device.privacy.mechanisms import NoNoise, PerActivationGaussian
+from splitface.sim.simulator import SimConfig, simulate
 from tests.conftest import TOKENS, serve_in_thread, small_trainer
 from tests.steps import check_trajectory
 
@@ -92,7 +92,7 @@ def test_native_backend_trains_vgg_face_like_eager_pytorch(lfw, tmp_path, monkey
     weight gradient is eager PyTorch's along the run (tests/steps.py). With noise every release is drawn in the
     runner under the engine's key (another sampler than torch's, so its releases are not checked here;
     tests/test_native.py holds that noise to its reference) and training runs."""
-    from device_sdk.runtimes.native_runtime import NativeRuntime
+    from splitface.device.runtimes.native_runtime import NativeRuntime
 
     small = {"model": "vgg_face_small", "images": 6, "batch_size": 2, "epochs": 2, "mechanism": NoNoise}
     calls = {"weight_grads": 0, "keyed_release": 0}

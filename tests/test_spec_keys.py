@@ -1,7 +1,7 @@
-"""SPEC.md's model-key table, the HELLO vectors and device_sdk's ModelSpec are one key set.
+"""SPEC.md's model-key table, the HELLO vectors and splitface.common.models' ModelSpec are one key set.
 
 The server compares HELLO's `model` map whole with its own spec, so a client written to SPEC.md
-is refused if the table misses a key (as it once missed `release_pool`). protocol/ cannot import
+is refused if the table misses a key (as it once missed `release_pool`). splitface/protocol/ cannot import
 the device SDK; this test is where the two meet.
 """
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import msgpack
 
-from device_sdk.models import PRESETS, RELEASE_KEYS, ModelSpec
-from protocol import messages as m
-from protocol.vectors import generate as gen
+from splitface.common.models import PRESETS, RELEASE_KEYS, ModelSpec
+from splitface.protocol import messages as m
+from splitface.protocol.vectors import generate as gen
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "protocol" / "SPEC.md"

@@ -9,11 +9,11 @@ import math
 import msgpack
 import pytest
 
-from device_sdk.privacy.state import LostPrivacyState, StateFileError, check_server_figure
-from protocol import messages as m
-from protocol.errors import ErrorCode
-from protocol.session import Reply, Train
-from protocol.vectors import generate as gen
+from splitface.device.privacy.state import LostPrivacyState, StateFileError, check_server_figure
+from splitface.protocol import messages as m
+from splitface.protocol.errors import ErrorCode
+from splitface.protocol.session import Reply, Train
+from splitface.protocol.vectors import generate as gen
 
 DEVICE = gen.DEVICE_ID
 

@@ -5,7 +5,7 @@ norm then normalises with its running statistics and leaves them unchanged).
 
 Bit for bit, not within a tolerance: both sides run the same float32 kernels on the same values (the wire's
 float32 is lossless) with the same thread count (torch.set_num_threads reaches the server's compute thread before
-its first op, edge_server/app.py), so every sum is taken in the same order; on AVX2 or AVX-512, with 1 or 2
+its first op, splitface/server/app.py), so every sum is taken in the same order; on AVX2 or AVX-512, with 1 or 2
 threads alike. A difference in the last bit is a difference in what was computed."""
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from device_sdk.client import DeviceClient
-from device_sdk.engine import DeviceEngine, to_input
-from device_sdk.models import build_backbone, build_classifier, resolve_spec, split_backbone
-from device_sdk.optim import TrainConfig, exponential_decay, make_sgd
-from edge_server.trainer import ServerTrainer
+from splitface.device.connection import DeviceClient
+from splitface.device.engine import DeviceEngine, to_input
+from splitface.common.models import build_backbone, build_classifier, resolve_spec, split_backbone
+from splitface.common.optim import TrainConfig, exponential_decay, make_sgd
+from splitface.server.trainer import ServerTrainer
 from tests.conftest import TOKENS, serve_in_thread, small_trainer
 
 NUM_CLASSES = 5

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from device_sdk.client import DeviceClient, UntrustedServer
-from device_sdk.engine import DeviceEngine
-from edge_server.app import EdgeServer, ServerConfig, server_info
-from edge_server.auth import TokenAuthenticator, issue_tokens
+from splitface.device.connection import DeviceClient, UntrustedServer
+from splitface.device.engine import DeviceEngine
+from splitface.server.app import EdgeServer, ServerConfig, server_info
+from splitface.server.auth import TokenAuthenticator, issue_tokens
 from tests.conftest import TOKENS, serve_in_thread, small_trainer
 
 NUM_CLASSES = 5
@@ -42,7 +42,7 @@ def test_wss_trains_and_untrusted_servers_fail_clearly(tmp_path, pki):
             result = await good.train_batch(1, rng.integers(0, 256, (4, 3, 64, 64), dtype=np.uint8),
                                             rng.integers(0, NUM_CLASSES, 4), np.arange(4))
             assert np.isfinite(result.loss)
-            assert good._ws.fast_messages >= 1   # the reply was taken over by device_sdk/fastws.py, over TLS too
+            assert good._ws.fast_messages >= 1   # the reply was taken over by splitface/net/fastws.py, over TLS too
             await good.close()
             with pytest.raises(UntrustedServer, match="certificate verify failed|unable to get local issuer"):
                 await _client(f"wss://localhost:{port}", trainer, ca_file=pki / "other-ca.pem").connect()
@@ -80,7 +80,7 @@ def test_serve_command_with_tls_and_metrics(tmp_path, pki):
     tokens = issue_tokens(tmp_path / "tokens.json", ["device-0"])
     log = tmp_path / "server.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "edge_server.cli", "serve", "--model", "vgg_face_small",
+        proc = subprocess.Popen([sys.executable, "-m", "splitface.server.cli", "serve", "--model", "vgg_face_small",
                                  "--num-classes", str(NUM_CLASSES), "--tokens", str(tmp_path / "tokens.json"),
                                  "--port", "0", "--run-dir", str(tmp_path / "run"), "--max-batch", "8",
                                  "--threads", "1", "--tls-cert", str(pki / "cert.pem"), "--tls-key",
@@ -128,7 +128,7 @@ def test_the_simulator_trains_over_wss_with_its_ca_file(tmp_path, pki):
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps({"device-0": TOKENS["device-0"]}))
     with serve_in_thread(trainer, tmp_path, max_batch=8, tls_cert=pki / "cert.pem", tls_key=pki / "key.pem") as server:
-        cmd = [sys.executable, "-m", "device_sdk", "--server", f"wss://localhost:{server.server.port}",
+        cmd = [sys.executable, "-m", "splitface.sim", "--server", f"wss://localhost:{server.server.port}",
                "--tokens", str(tokens), "--data", str(tmp_path / "faces"), "--image-folder", "--model", "vgg_face_small", "--devices", "1", "--epochs", "1", "--batch-size",
                "8", "--results", str(tmp_path / "results.json"), "--threads", "1", "--no-progress",
                "--reconnect-timeout", "5"]

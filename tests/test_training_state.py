@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from bench.load import random_batches, train_device
-from device_sdk.client import DeviceClient
-from device_sdk.engine import DeviceEngine
-from device_sdk.models import resolve_spec
-from device_sdk.optim import TrainConfig
-from device_sdk.privacy.state import StateFileError, read_state
-from device_sdk.progress import FORMAT, progress_path
-from edge_server.trainer import ServerTrainer
+from splitface.device.connection import DeviceClient
+from splitface.device.engine import DeviceEngine
+from splitface.common.models import resolve_spec
+from splitface.common.optim import TrainConfig
+from splitface.device.privacy.state import StateFileError, read_state
+from splitface.device.progress import FORMAT, progress_path
+from splitface.server.trainer import ServerTrainer
 from tests.conftest import ROOT, TOKENS, PausingTrainer, serve_in_thread
 
 # A tiny model without dropout (the server draws nothing at random: two runs of the same batches are the same run)
@@ -150,7 +150,7 @@ def test_a_restarted_device_rejoins_its_run_exactly_once(tmp_path, head):
 def _sim(url: str, tmp_path: Path, run: str) -> subprocess.Popen:
     """`splitface-sim` for one device: its layer trains (plain), no noise, 3 epochs of 3 batches of 8; its
     privacy and training state in <run>/privacy_state."""
-    argv = [sys.executable, "-m", "device_sdk", "--server", url, "--tokens", str(tmp_path / "tokens.json"),
+    argv = [sys.executable, "-m", "splitface.sim", "--server", url, "--tokens", str(tmp_path / "tokens.json"),
             "--data", str(tmp_path / "faces"), "--image-folder", "--model", json.dumps(MODEL), "--devices", "1",
             "--epochs", "3", "--batch-size", "8", "--results", str(tmp_path / run / "results.json"), "--no-progress",
             "--threads", "1", "--reconnect-timeout", "30"]

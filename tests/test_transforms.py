@@ -1,4 +1,4 @@
-"""Release transforms (device_sdk/transforms): the spec and CLI carry them, the DCT is the orthonormal
+"""Release transforms (splitface/common/transforms): the spec and CLI carry them, the DCT is the orthonormal
 block DCT, dropped frequencies never leave the device, device + server is still one model (trained
 over the real websocket), and the exported device programs match eager PyTorch."""
 from __future__ import annotations
@@ -12,17 +12,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from device_sdk.cli import add_model_args, model_argv, model_spec
-from device_sdk.client import DeviceClient
-from device_sdk.engine import DeviceEngine, PrivacyEngine, to_input
-from device_sdk.models import PRESETS, ModelSpec, activation_shape, build_backbone, build_classifier, split_backbone
-from device_sdk.models.weights import load_into, save_backbone
-from device_sdk.optim import TrainConfig, exponential_decay, make_sgd
-from device_sdk.privacy.mechanisms import PerActivationGaussian, PerImageGaussian
-from device_sdk.runtimes import load_runtime
-from device_sdk.transforms.dct import BlockDCT, zigzag
-from edge_server.trainer import ServerTrainer
-from export.verify import export_verified
+from splitface.common.options import add_model_args, model_argv, model_spec
+from splitface.device.connection import DeviceClient
+from splitface.device.engine import DeviceEngine, PrivacyEngine, to_input
+from splitface.common.models import (PRESETS, ModelSpec, activation_shape, build_backbone, build_classifier, split_backbone)
+from splitface.common.models.weights import load_into, save_backbone
+from splitface.common.optim import TrainConfig, exponential_decay, make_sgd
+from splitface.device.privacy.mechanisms import PerActivationGaussian, PerImageGaussian
+from splitface.device.runtimes import load_runtime
+from splitface.common.transforms.dct import BlockDCT, zigzag
+from splitface.server.trainer import ServerTrainer
+from splitface.export.verify import export_verified
 from tests.conftest import TOKENS, serve_in_thread
 
 SMALL = PRESETS["iresnet_small"]

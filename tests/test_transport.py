@@ -1,4 +1,4 @@
-"""protocol/transport.py: fragmented sends carry the same message under the same size limit, on a real
+"""splitface/net/transport.py: fragmented sends carry the same message under the same size limit, on a real
 websockets connection on loopback."""
 from __future__ import annotations
 
@@ -12,17 +12,9 @@ from websockets.asyncio.client import connect
 from websockets.asyncio.server import serve
 from websockets.exceptions import ConnectionClosed
 
-from protocol import messages as m
-from protocol.tensor import encode_tensor
-from protocol.transport import (
-    CLIENT_WS_OPTIONS,
-    SERVER_WS_OPTIONS,
-    Message,
-    fragments,
-    message_size,
-    reuse_large_buffers,
-    send_fragments,
-)
+from splitface.protocol import messages as m
+from splitface.protocol.tensor import encode_tensor
+from splitface.net.transport import (CLIENT_WS_OPTIONS, SERVER_WS_OPTIONS, Message, fragments, message_size, reuse_large_buffers, send_fragments)
 
 
 def test_fragments_are_views_that_cover_the_message():

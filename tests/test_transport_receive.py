@@ -13,12 +13,12 @@ from websockets.asyncio.client import connect
 from websockets.asyncio.server import serve
 from websockets.exceptions import ConnectionClosed
 
-from protocol import messages as m
-from protocol import transport
-from protocol.errors import ProtocolError
-from protocol.session import DeviceRecord, ServerInfo, ServerSession
-from protocol.tensor import encode_tensor
-from protocol.transport import CLIENT_WS_OPTIONS, SERVER_WS_OPTIONS, Message, receive, send_fragments
+from splitface.protocol import messages as m
+from splitface.net import transport
+from splitface.protocol.errors import ProtocolError
+from splitface.protocol.session import DeviceRecord, ServerInfo, ServerSession
+from splitface.protocol.tensor import encode_tensor
+from splitface.net.transport import CLIENT_WS_OPTIONS, SERVER_WS_OPTIONS, Message, receive, send_fragments
 
 SHAPE = (4, 16, 64, 64)   # 1 MiB of f32: decode views tensors of messages this large
 
@@ -178,7 +178,7 @@ def test_backward_as_parts_is_the_bytes_of_backward(encoding):
 
 
 def test_reply_parts_are_checkpointed_as_their_bytes(tmp_path):
-    from edge_server.checkpoint import ReplyStore   # torch: only for this test
+    from splitface.server.checkpoint import ReplyStore   # torch: only for this test
     grad = np.random.default_rng(4).standard_normal(SHAPE).astype(np.float32)
     parts = _server_session("f32").applied_parts(9, grad)
     store = ReplyStore(tmp_path)
@@ -191,7 +191,7 @@ def test_the_trainer_returns_a_fresh_gradient_each_step():
     """applied_parts sends an f32 gradient from its own memory and keeps those views for a retry: the edge server's
     trainer must hand back a new array every step, never one it writes into again."""
     from tests.conftest import small_trainer   # torch: only for this test
-    from device_sdk.models import activation_shape
+    from splitface.common.models import activation_shape
 
     trainer = small_trainer()
     shape = activation_shape(trainer.spec, trainer.split)

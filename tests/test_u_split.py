@@ -9,16 +9,16 @@ import pytest
 import torch
 
 from tests.conftest import TOKENS, serve_in_thread, small_trainer
-from device_sdk.client import DeviceClient
-from device_sdk.federated.consensus import consensus_loss
-from device_sdk.federated.dplc import DPLCConfig
-from device_sdk.models import resolve_spec
-from device_sdk.federated.u_split import ConsensusEngine, ConsensusHead, train_u_split
-from edge_server.federated.population import private_faces
-from protocol import messages as m
-from protocol.clusters import ClusterRelay, HeadBoard
-from protocol.errors import ErrorCode
-from protocol.session import Admit, ClientSession, Reply, ServerInfo, ServerSession
+from splitface.device.connection import DeviceClient
+from splitface.device.federated.consensus import consensus_loss
+from splitface.common.dplc import DPLCConfig
+from splitface.common.models import resolve_spec
+from splitface.device.federated.u_split import ConsensusEngine, ConsensusHead, train_u_split
+from research.federated.population import private_faces
+from splitface.protocol import messages as m
+from splitface.protocol.clusters import ClusterRelay, HeadBoard
+from splitface.protocol.errors import ErrorCode
+from splitface.protocol.session import Admit, ClientSession, Reply, ServerInfo, ServerSession
 
 DIM = 4
 INFO = ServerInfo(model={"family": "toy"}, split="conv1", activation_shape=(2,), embedding_dim=DIM, num_classes=3,
@@ -71,7 +71,7 @@ def test_relay_refusals_leave_the_session_open_and_store_nothing():
 
 
 def test_fedgc_head_board_corrects_each_upload_with_the_others_latest():
-    from edge_server.federated.fedgc import device_head_board, gradient_correction
+    from research.federated.fedgc import device_head_board, gradient_correction
     board = device_head_board(DIM, lr=0.1, lam=20.0, scale=4.0)
     (a, ca), (b, cb) = _session("phone-a", "device", None, board), _session("phone-b", "device", None, board)
     rng = np.random.default_rng(0)
@@ -117,7 +117,7 @@ def test_two_devices_exchange_clusters_over_a_real_server(tmp_path, lfw):
     images, labels = faces.load(64, 160), faces.labels
     trainer = small_trainer(num_classes=2)
     config = DPLCConfig(min_members=1, queries=2, epsilon=1.0)  # T = 1: a 2-person device always releases
-    from edge_server.federated.fedgc import device_head_board
+    from research.federated.fedgc import device_head_board
     with serve_in_thread(trainer, tmp_path, max_batch=8) as server:
         server.server.heads = device_head_board(trainer.spec.embedding_dim, lr=0.1)  # opt-in, before any connection
         async def device(k: int) -> tuple[ConsensusEngine, list[float]]:

@@ -13,15 +13,15 @@ import pytest
 import torch
 from PIL import Image
 
-from device_sdk.cli import add_data_args, data_argv, data_selection
-from device_sdk.data import dev_people, find_lfw_root, load_lfw
-from device_sdk.engine import initial_layer, to_input
-from device_sdk.models import resolve_spec
-from device_sdk.optim import TrainConfig
-from device_sdk.simulator import SimConfig, simulate
-from edge_server.audit.recognizer import Eigenfaces
-from edge_server.evaluation import evaluate_embedder, evaluate_run, verification_report, view1_pairs
-from edge_server.evaluation.run import load_split_model, seen_people
+from splitface.common.options import add_data_args, data_argv, data_selection
+from splitface.common.data import dev_people, find_lfw_root, load_lfw
+from splitface.device.engine import initial_layer, to_input
+from splitface.common.models import resolve_spec
+from splitface.common.optim import TrainConfig
+from splitface.sim.simulator import SimConfig, simulate
+from research.audit.recognizer import Eigenfaces
+from research.evaluation import evaluate_embedder, evaluate_run, verification_report, view1_pairs
+from research.evaluation.run import load_split_model, seen_people
 from tests.conftest import LFW, TOKENS, serve_in_thread, small_trainer
 
 

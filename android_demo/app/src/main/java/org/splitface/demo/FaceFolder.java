@@ -8,7 +8,7 @@ import java.util.Arrays;
 import java.util.List;
 import org.splitface.core.AppRun;
 
-/** faces/<identity>/<image>.jpg on the phone: centre crop 160 px, resize, CHW floats in [0, 1] (as device_sdk.data). */
+/** faces/<identity>/<image>.jpg on the phone: centre crop 160 px, resize, CHW floats in [0, 1] (as splitface.common.data). */
 final class FaceFolder implements AppRun.Faces {
     final List<File> images = new ArrayList<>();
     final List<Integer> labels = new ArrayList<>();

@@ -10,7 +10,7 @@ import java.util.List;
 import java.util.Map;
 
 /**
- * The app's folder from {@code splitface-export --app} (export/app_bundle.py, which names the same files): the
+ * The app's folder from {@code splitface-export --app} (splitface/export/app_bundle.py, which names the same files): the
  * strip programs, the starting layer, the job and bundle.msgpack, the manifest of every file's size and SHA-256.
  * {@link #load} checks the folder against its manifest and the job against itself before anything is built; the
  * programs' geometry is checked against the layer and the image size when the trainer is built ({@link #trainer}).

@@ -12,10 +12,10 @@ import java.util.TreeMap;
 /**
  * Refuses a release that would take any image past its budget, before anything is sent. The
  * epsilon after k releases comes from a schedule the Python accountant (dp_accounting's PLD)
- * computed for this mechanism ({@code python -m device_sdk.privacy schedule}); the phone does no
+ * computed for this mechanism ({@code python -m splitface.device.privacy schedule}); the phone does no
  * composition of its own.
  *
- * <p>With {@link #persistIn} the releases are durable (as device_sdk/privacy/state.py): one file per
+ * <p>With {@link #persistIn} the releases are durable (as splitface/device/privacy/state.py): one file per
  * device id, written whole (temp file, fsync, atomic rename, fsync of the folder) with a SHA-256 of
  * its content, before a release is admitted; a restarted app resumes from it. A file that cannot be
  * trusted is an error, never a reason to start at epsilon 0, and a device whose books say less than

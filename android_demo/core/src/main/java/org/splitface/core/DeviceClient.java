@@ -5,7 +5,7 @@ import java.util.Set;
 import java.util.TreeMap;
 
 /**
- * A device training its layer against the edge server (server head), as device_sdk/client.py:
+ * A device training its layer against the edge server (server head), as splitface/device/connection.py:
  * one batch in flight; a lost connection is re-opened and the same bytes re-sent (the server
  * applies a batch once and replays its reply for a retry); after a server restart the device
  * rolls back to the server's checkpoint using the snapshots it keeps back to durable_through.
@@ -38,7 +38,7 @@ public final class DeviceClient implements AutoCloseable {
     private long committed;
 
     /**
-     * maxMessageBytes: the largest server message accepted (as device_sdk/client.py: the spec's floor is 2^30,
+     * maxMessageBytes: the largest server message accepted (as splitface/device/connection.py: the spec's floor is 2^30,
      * raised to the server's announced limit if that is larger); the device never accepts unbounded messages.
      */
     public DeviceClient(String url, Transport.Factory transports, ClientSession session, LayerTrainer layer,

@@ -6,7 +6,7 @@ import java.util.List;
 import java.util.Map;
 import java.util.function.Predicate;
 
-/** Message types and their fields (protocol/messages.py), decoding with the SPEC's validation order. */
+/** Message types and their fields (splitface/protocol/messages.py), decoding with the SPEC's validation order. */
 public final class Messages {
     private Messages() {}
 

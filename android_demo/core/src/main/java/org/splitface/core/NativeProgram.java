@@ -5,7 +5,7 @@ import java.nio.file.Path;
 
 /**
  * A .pte program through ExecuTorch's C++ runtime (libsplitface_jni, built from
- * device_sdk/runtimes/native/splitface_jni.cpp with the runner): XNNPACK, the optimized kernels, no Python and
+ * splitface/device/runtimes/native/splitface_jni.cpp with the runner): XNNPACK, the optimized kernels, no Python and
  * no PyTorch in the process. Inputs are checked against the program's shapes in C++ before it runs; a mismatch
  * throws {@link IllegalArgumentException} naming the input. One call at a time (the runtime's method and its
  * buffers are not reentrant), and {@link #close} waits for a call in progress.
@@ -17,7 +17,7 @@ public final class NativeProgram implements Program {
     public static synchronized void loadLibrary(Path library) {
         if (!Files.isRegularFile(library))
             throw new IllegalArgumentException("no JNI library at " + library + ": it is built with the native "
-                    + "runner (device_sdk.runtimes.native.jni_library(); needs a JDK's jni.h, cmake and g++)");
+                    + "runner (splitface.device.runtimes.native.jni_library(); needs a JDK's jni.h, cmake and g++)");
         System.load(library.toAbsolutePath().toString());
     }
 

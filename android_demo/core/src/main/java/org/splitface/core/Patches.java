@@ -5,7 +5,7 @@ import java.util.Map;
 import java.util.Set;
 
 /**
- * The packed form of a patch-masked release (protocol/SPEC.md section 5.12, protocol/patches.py): a FORWARD whose
+ * The packed form of a patch-masked release (splitface/protocol/SPEC.md section 5.12, splitface/protocol/patches.py): a FORWARD whose
  * {@code activations} are the {@code [T, C, P, P]} patches that travel and whose {@code visible} is
  * {@code {grid: [GH, GW], bits: bin}}, one bit per grid patch per image, least significant bit first. This core
  * never sends one; it validates them as the reference does, so that it conforms to protocol/vectors/packed.

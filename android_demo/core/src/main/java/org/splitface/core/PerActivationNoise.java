@@ -5,7 +5,7 @@ import java.util.Random;
 
 /**
  * The source paper's mechanism: N(0, (S_f sigma)^2) on every activation, sigma = sqrt(2 ln(1.25/delta)) / epsilon
- * (device_sdk/privacy/mechanisms.py). What this means per image and per run is the Python accountant's
+ * (splitface/device/privacy/mechanisms.py). What this means per image and per run is the Python accountant's
  * job; the device only enforces the schedule it computed ({@link BudgetGuard}).
  */
 public final class PerActivationNoise {

@@ -1,6 +1,6 @@
 package org.splitface.core;
 
-/** A protocol violation detected locally; {@code code} is one of protocol/SPEC.md's error codes. */
+/** A protocol violation detected locally; {@code code} is one of splitface/protocol/SPEC.md's error codes. */
 public class ProtocolException extends RuntimeException {
     public static final String BAD_MESSAGE = "bad_message", UNKNOWN_TYPE = "unknown_type", BAD_TENSOR = "bad_tensor",
             TOO_LARGE = "too_large", BAD_STATE = "bad_state", OUT_OF_ORDER = "out_of_order";

@@ -1,6 +1,6 @@
 package org.splitface.core;
 
-/** The plain-Java device layer with SGD: same arithmetic as device_sdk's torch layer and optimiser. */
+/** The plain-Java device layer with SGD: same arithmetic as splitface's torch layer and optimiser. */
 public final class ReferenceLayerTrainer extends SgdLayerTrainer {
     public ReferenceLayerTrainer(DeviceLayer layer, Sgd sgd) { super(layer, sgd); }
 

@@ -2,7 +2,7 @@ package org.splitface.core;
 
 /**
  * torch.optim.SGD (momentum, weight decay) with the source paper's exponential decay
- * lr_t = lr_0 * rate^(t / decaySteps), as device_sdk/optim.py, so a Java device trains like a Python one.
+ * lr_t = lr_0 * rate^(t / decaySteps), as splitface/common/optim.py, so a Java device trains like a Python one.
  */
 public final class Sgd {
     private final double lr0, momentum, weightDecay, rate;

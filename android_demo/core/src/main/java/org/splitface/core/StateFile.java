@@ -16,7 +16,7 @@ import java.util.Map;
 import java.util.regex.Pattern;
 
 /**
- * A device's durable state file (as device_sdk/privacy/state.py): msgpack {format, version, sha256, state}, written
+ * A device's durable state file (as splitface/device/privacy/state.py): msgpack {format, version, sha256, state}, written
  * whole (temp file, fsync, atomic rename, fsync of the folder) so that after a crash it is the old state or the new
  * one, and read back only if its format, version and SHA-256 check. A file that fails is an error, never a reason
  * to start afresh: the budget guard would spend again, the training state would replay applied batches.
@@ -25,7 +25,7 @@ final class StateFile {
     private StateFile() {}
 
     static final long VERSION = 1;
-    // A device id becomes a file name: no path separators, no leading dot (as device_sdk/privacy/state.py).
+    // A device id becomes a file name: no path separators, no leading dot (as splitface/device/privacy/state.py).
     private static final Pattern SAFE_ID = Pattern.compile("^[A-Za-z0-9_][A-Za-z0-9_.@+-]{0,127}$");
 
     /** The file {@code <dir>/<device id>.<kind>.msgpack}; the device id must be a safe file name. */

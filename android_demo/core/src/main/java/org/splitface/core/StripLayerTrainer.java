@@ -4,7 +4,7 @@ import java.nio.file.Files;
 import java.nio.file.Path;
 
 /**
- * The device layer on the strip programs (release_strip.pte and vjp_strip.pte, `export.artifacts.write_strip_ptes`)
+ * The device layer on the strip programs (release_strip.pte and vjp_strip.pte, `splitface.export.artifacts.write_strip_ptes`)
  * through the native runner's strip layer in C++ (libsplitface_jni, loaded by {@link NativeProgram#loadLibrary}):
  * each image is cut into strips of a few rows whose every intermediate stays in the core's cache, so a batch never
  * holds more than one strip's activations besides its release. The weights and SGD are here, in Java; the programs

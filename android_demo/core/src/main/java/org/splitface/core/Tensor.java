@@ -7,7 +7,7 @@ import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
 
-/** The wire tensor {dtype, shape, data[, scale | scales]} of protocol/SPEC.md, as protocol/tensor.py encodes it. */
+/** The wire tensor {dtype, shape, data[, scale | scales]} of splitface/protocol/SPEC.md, as splitface/protocol/tensor.py encodes it. */
 public final class Tensor {
     public static final int MAX_RANK = 8;
     public static final int I8C_MIN_RANK = 3;   // SPEC.md 5.10: fewer axes asked for as i8c go as i8
@@ -91,7 +91,7 @@ public final class Tensor {
     /** Python's math.frexp exponent: x = m * 2^e with m in [0.5, 1). */
     private static int frexpExponent(double x) { return Math.getExponent(x) + 1; }
 
-    /** Validate a decoded wire map (BAD_TENSOR on any mismatch), as protocol/tensor.py decode_tensor. */
+    /** Validate a decoded wire map (BAD_TENSOR on any mismatch), as splitface/protocol/tensor.py decode_tensor. */
     public static Tensor fromWire(Object obj, String field) {
         if (!(obj instanceof Map)) throw bad(field + ": expected a map");
         Map<?, ?> m = (Map<?, ?>) obj;

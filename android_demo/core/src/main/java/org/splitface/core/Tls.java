@@ -21,7 +21,7 @@ import javax.net.ssl.TrustManagerFactory;
 import javax.net.ssl.X509TrustManager;
 
 /**
- * The TLS settings for a server URL, with the rule of device_sdk/client.py's tls_context: wss:// verifies the
+ * The TLS settings for a server URL, with the rule of splitface/device/connection.py's tls_context: wss:// verifies the
  * server's certificate (against a CA file, else the platform's CAs) and its host name; plain ws:// sends the
  * device token in clear, so it is refused unless the host is loopback or insecure is asked for explicitly.
  * OkHttp needs the trust manager beside the context, so both are kept.

@@ -12,7 +12,7 @@ import java.util.Map;
 import java.util.TreeMap;
 
 /**
- * A device's training progress on disk, beside its budget state (as device_sdk/progress.py): the last batch it
+ * A device's training progress on disk, beside its budget state (as splitface/device/progress.py): the last batch it
  * committed and its layer snapshots back to the server's durable_through (SPEC.md section 11), so that an app killed
  * mid-epoch and restarted rejoins the same server run where it stopped, with the same batches. Without it a restarted
  * device begins again at batch 0 and cannot reconcile with a server that applied its later batches. One file per

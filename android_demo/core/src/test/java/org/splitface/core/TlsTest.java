@@ -13,7 +13,7 @@ import java.security.cert.CertificateException;
 import javax.net.ssl.SSLHandshakeException;
 import org.junit.Test;
 
-/** The URL rule of device_sdk/client.py's tls_context; the real handshakes run in tests/test_android_core.py. */
+/** The URL rule of splitface/device/connection.py's tls_context; the real handshakes run in tests/test_android_core.py. */
 public class TlsTest {
     static void refused(String url, Path ca, boolean insecure, String words) {
         try {

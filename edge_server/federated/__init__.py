@@ -1,8 +1,0 @@
-"""Federated face recognition with user-level DP (DP-FedEmb, DP-FedAvg, their non-private forms) and a
-centralized baseline: `python -m edge_server.federated --help`, docs/federated.md."""
-from .accounting import UserLevelAccountant, extrapolate
-from .engine import METHODS, ClientTask, FederatedConfig, FederatedRun, in_process
-from .population import Population, check_partition, load_population, virtual_clients
-
-__all__ = ["METHODS", "ClientTask", "FederatedConfig", "FederatedRun", "Population", "UserLevelAccountant",
-           "check_partition", "extrapolate", "in_process", "load_population", "virtual_clients"]

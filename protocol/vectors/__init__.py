@@ -1,1 +1,0 @@
-"""Wire-protocol test vectors; regenerate with `python -m protocol.vectors.generate`."""

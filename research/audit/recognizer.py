@@ -1,0 +1,170 @@
+"""The attacker's face recognizer, trained on public faces only.
+
+`Eigenfaces`: PCA of standardised greyscale faces, whitened (Turk & Pentland 1991). Weak against
+modern recognizers but honest and fast; the audit always reports its re-identification rate on
+clean photos next to every attack result, so the attack's numbers can be read against it.
+
+`PublicBackbone`: a face-recognition backbone pre-trained on public LFW people
+(`splitface-pretrain classify`), its embedding as the recognizer.
+
+`DlibResNet`: dlib's ResNet face recognizer (the `face-recognition-models` wheel, trained on
+about 3 million public faces; about 0.99 on LFW pairs). The strong attacker: the audit's
+headline figures use it, and a risk measured with a recognizer that is weak on clean photos says
+little either way. Needs the `audit` extra (`pip install -e .[audit]`).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from splitface.common.models import ModelSpec, build_backbone
+from splitface.common.models.weights import load_into
+
+from research.audit.inversion import resized
+
+
+class Recognizer(Protocol):
+    def embed(self, images: np.ndarray) -> np.ndarray: ...
+
+
+def grey(images: np.ndarray, size: int) -> np.ndarray:
+    g = resized(images, size).mean(axis=1).reshape(len(images), -1).astype(np.float64)
+    g -= g.mean(axis=1, keepdims=True)             # per-image brightness and contrast do not identify anyone
+    return g / np.maximum(g.std(axis=1, keepdims=True), 1e-8)
+
+
+class Eigenfaces:
+    def __init__(self, components: int = 64, size: int = 32, skip: int = 1):
+        # the first components mostly code lighting; skipping them is the classic remedy
+        self.components, self.size, self.skip = components, size, skip
+
+    def fit(self, public_images: np.ndarray) -> "Eigenfaces":
+        x = grey(public_images, self.size)
+        self.mean = x.mean(0)
+        _, s, vt = np.linalg.svd(x - self.mean, full_matrices=False)
+        keep = slice(self.skip, self.skip + self.components)
+        self.basis, self.scale = vt[keep], s[keep] / np.sqrt(len(x))
+        return self
+
+    def embed(self, images: np.ndarray) -> np.ndarray:
+        return ((grey(images, self.size) - self.mean) @ self.basis.T) / self.scale
+
+
+class PublicBackbone:
+    def __init__(self, weights: Path):
+        saved = torch.load(Path(weights), map_location="cpu", weights_only=True)
+        self.spec = ModelSpec.from_dict(saved["spec"])
+        torch.manual_seed(0)
+        self.net = build_backbone(self.spec)
+        load_into(self.net, weights, self.spec)
+        self.net.eval()
+
+    @torch.no_grad()
+    def embed(self, images: np.ndarray, batch: int = 256) -> np.ndarray:
+        """(N, 3, H, W) in [0, 1], any size: resized to the backbone's input (reconstructions are smaller)."""
+        size = self.spec.input_size
+        out = []
+        for i in range(0, len(images), batch):
+            x = torch.from_numpy(np.asarray(images[i:i + batch], np.float32))
+            if x.shape[-1] != size:
+                x = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
+            out.append(self.net(x).numpy())
+        return np.concatenate(out)
+
+
+def dlib_models_dir() -> Path:
+    """The `models/` folder of the face-recognition-models wheel, found without importing it (its
+    __init__ needs pkg_resources, which new setuptools no longer ships)."""
+    spec = importlib.util.find_spec("face_recognition_models")
+    if spec is None or spec.origin is None:
+        raise ImportError("the strong recognizer needs dlib's models: pip install -e .[audit] "
+                          "(dlib-bin and face-recognition-models)")
+    return Path(spec.origin).parent / "models"
+
+
+class DlibResNet:
+    """dlib's face recognizer on (N, 3, H, W) images in [0, 1] of centred face crops.
+
+    Each image is upsampled to `work_size` (the reconstructions and the 64 px inputs are small),
+    aligned by dlib's 5-point landmark model inside the central 80% (the crop is the face: no
+    detector is needed, and one would miss faces this small), cut into dlib's 150 px chip and
+    embedded (128-d, Euclidean; about 0.1 s per image on one core)."""
+
+    def __init__(self, work_size: int = 150):
+        try:
+            import dlib
+        except ImportError as exc:
+            raise ImportError("the strong recognizer needs dlib: pip install -e .[audit] (dlib-bin)") from exc
+        models = dlib_models_dir()
+        self._dlib = dlib
+        self.landmarks = dlib.shape_predictor(str(models / "shape_predictor_5_face_landmarks.dat"))
+        self.net = dlib.face_recognition_model_v1(str(models / "dlib_face_recognition_resnet_model_v1.dat"))
+        self.work_size = work_size
+        self.fingerprint = f"w{work_size}-chip150-pad0.25"   # names the on-disk cache: other settings, other file
+
+    def chip(self, image: np.ndarray) -> np.ndarray:
+        """One (3, H, W) image in [0, 1] -> dlib's aligned 150 x 150 uint8 chip."""
+        x = torch.from_numpy(np.asarray(image, np.float32))[None]
+        if x.shape[-1] != self.work_size:
+            x = torch.nn.functional.interpolate(x, size=(self.work_size, self.work_size), mode="bilinear",
+                                                align_corners=False)
+        rgb = np.ascontiguousarray((x[0].clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy())
+        lo, hi = int(0.1 * self.work_size), int(0.9 * self.work_size)
+        shape = self.landmarks(rgb, self._dlib.rectangle(lo, lo, hi, hi))
+        return self._dlib.get_face_chip(rgb, shape, 150, 0.25)
+
+    def embed(self, images: np.ndarray, batch: int = 64) -> np.ndarray:
+        out = []
+        for i in range(0, len(images), batch):
+            chips = [self.chip(im) for im in images[i:i + batch]]
+            out.extend(np.array(d, dtype=np.float32) for d in self.net.compute_face_descriptor(chips))
+        return np.stack(out) if out else np.empty((0, 128), np.float32)
+
+
+class CachedFaces:
+    """A slow recognizer's embeddings of clean LFW photos, kept on disk by (image path, size, crop):
+    dlib takes about 0.1 s a face, and every audit embeds the same public faces and photos again."""
+
+    def __init__(self, recognizer: Recognizer, name: str, cache_dir: Path | None):
+        self.recognizer, self.name = recognizer, name
+        self.file = Path(cache_dir) / f"{name}.npz" if cache_dir else None
+        self.known = load_vectors(self.file)
+
+    def embed_faces(self, faces, size: int, crop: int | None, images: np.ndarray | None = None) -> np.ndarray:
+        """`faces`: a FaceSet; `images`: the same faces already decoded to [0, 1] (else decoded here)."""
+        keys = [f"{Path(p).resolve()}|{size}|{crop}" for p in faces.paths]
+        missing = [i for i, k in enumerate(keys) if k not in self.known]
+        if missing:
+            if images is None:
+                images = faces.subset(missing).load(size, crop).astype(np.float32) / 255
+            else:
+                images = images[missing]
+            for i, v in zip(missing, self.recognizer.embed(images)):
+                self.known[keys[i]] = v
+            self._save()
+        return np.stack([self.known[k] for k in keys]) if keys else np.empty((0, 0), np.float32)
+
+    def _save(self) -> None:
+        if self.file is not None:
+            save_vectors(self.file, self.known)
+
+
+def load_vectors(file: Path | None) -> dict[str, np.ndarray]:
+    """A key -> vector store written by `save_vectors` ({} if there is none yet)."""
+    if file is None or not Path(file).exists():
+        return {}
+    with np.load(file) as saved:
+        return dict(zip(saved["keys"].tolist(), saved["vectors"]))
+
+
+def save_vectors(file: Path, known: dict[str, np.ndarray]) -> None:
+    """Atomically: a killed process leaves the previous store, never half of one."""
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_suffix(f".{os.getpid()}.tmp.npz")
+    np.savez(tmp, keys=np.array(list(known)), vectors=np.stack(list(known.values())))
+    tmp.replace(file)

@@ -1,0 +1,337 @@
+"""`splitface-demo`: the main job. Starts an edge server and N simulated devices as separate
+processes on loopback, trains on LFW (or the data given), and prints the results.
+
+The server and the devices share nothing but the websocket: the launcher only issues
+tokens, starts the two programs, and stops the server (which checkpoints on the way out).
+Killing the launcher (SIGTERM or SIGINT) stops both programs too, on its way out, so nothing is
+left orphaned; they stay in its process group, so a signal to the whole group reaches them all.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, TextIO
+
+from splitface.common.options import load_data
+from splitface.common.models import ModelSpec
+from splitface.common.options import add_data_args, add_devices_args, add_model_args, add_training_args, data_argv, model_argv, model_spec
+from splitface.device.privacy.options import add_privacy_args, release_mechanism
+from splitface.sim.simulator import device_ranges, merge_results
+
+from splitface.server.auth import issue_tokens
+from splitface.server.cli import add_tail_args
+from research.distill import distilled_start
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="splitface-demo", description=__doc__)
+    add_data_args(p)
+    add_model_args(p, model="iresnet_small")
+    p.add_argument("--init", default="scratch",
+                   help="where the model starts: scratch (seeded weights), distilled (the public start distilled from "
+                        "dlib's recognizer for this model, cut and release: built on first use, then cached; "
+                        "splitface-pretrain distill), or a backbone file; the server's tail and the devices' layer "
+                        "start from it")
+    p.add_argument("--server-init", type=Path, default=None,
+                   help="start only the server's tail from this saved backbone (the devices' weights are set apart)")
+    add_tail_args(p)
+    add_devices_args(p)
+    add_training_args(p, epochs=3, batch_size=64, lr=0.05, lr_help="the server's learning rate")
+    p.add_argument("--device-lr", type=float, default=0.005,
+                   help="the devices' learning rate for their own layer; kept small so that the devices' layers "
+                        "stay close to their shared start (see README: batch norm in the server tail)")
+    p.add_argument("--head-lr-scale", type=float, default=1.0,
+                   help="the classifier's lr over the rest's, on the server (server head) or the devices (device "
+                        "head): a fresh head on a distilled start learns at the usual fine-tuning ratio (e.g. 10)")
+    p.add_argument("--device-processes", type=int, default=1,
+                   help="run the devices in this many simulator processes (devices dealt in contiguous ranges, "
+                        "each process with the CPU cores / this many torch threads unless --threads is given); "
+                        "their results are merged into one results.json")
+    p.add_argument("--run-dir", type=Path, default=None, help="default: runs/demo-<time>")
+    p.add_argument("--port", type=int, default=0)
+    args, extra = p.parse_known_args(argv)
+    if not 1 <= args.device_processes <= args.devices:
+        p.error(f"--device-processes must be between 1 and --devices ({args.devices})")
+    run_dir = args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    data = load_data(args)  # fails early, with instructions, if there is no data
+    init = initial_weights(args, extra)
+    if init is not None:
+        if args.server_init is not None:
+            p.error("--init and --server-init both set where the server starts: give one")
+        args.server_init = init
+        if "--device-weights" not in extra:
+            extra = [*extra, "--device-weights", str(init)]
+    device_ids = [f"device-{i}" for i in range(args.devices)]
+    tokens = issue_tokens(run_dir / "server" / "tokens.json", device_ids)
+    token_file = run_dir / "device_tokens.json"
+    token_file.write_text(json.dumps(tokens))
+    token_file.chmod(0o600)
+    per_device = math.ceil(len(data.train) / args.devices / args.batch_size) + 1
+    decay_steps = per_device * args.devices * args.epochs
+
+    common = model_argv(args)  # the same model and release options to the server and the devices
+    data_args = data_argv(args)
+    server_cmd = [sys.executable, "-m", "splitface.server", "serve", *common, "--num-classes", str(len(data.class_names)),
+                  "--tokens", str(run_dir / "server" / "tokens.json"), "--port", str(args.port),
+                  "--run-dir", str(run_dir / "server"), "--lr", str(args.lr), "--decay-steps", str(decay_steps),
+                  "--max-batch", str(args.batch_size), "--seed", str(args.seed), "--train-only", args.train_only,
+                  "--record-max", str(args.record_max), "--gradient-rounding", args.gradient_rounding,
+                  "--head-lr-scale", str(args.head_lr_scale),
+                  "--release-noise-std", repr(devices_noise_std(args, extra))]
+    if args.server_init:
+        server_cmd += ["--init", str(args.server_init)]
+    server_log = open(run_dir / "server.log", "w")
+    previous = _stop_on_signals()
+    server = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    copier, sims = None, []
+    try:
+        port = _wait_ready(server, server_log)
+        # Keep draining the server's output: a full pipe would block the server.
+        copier = threading.Thread(target=_copy, args=(server.stdout, server_log), daemon=True)
+        copier.start()
+        print(f"edge server on ws://127.0.0.1:{port} (log: {run_dir / 'server.log'})", flush=True)
+        sim_cmd = [sys.executable, "-m", "splitface.sim", "--server", f"ws://127.0.0.1:{port}", "--tokens", str(token_file),
+                   *common, *data_args, "--head", args.head, *(["--pipeline"] if args.pipeline else []),
+                   "--devices", str(args.devices), "--epochs", str(args.epochs),
+                   "--batch-size", str(args.batch_size), "--lr", str(args.device_lr),
+                   "--head-lr-scale", str(args.head_lr_scale), *extra]
+        parts = device_ranges(args.devices, args.device_processes)
+        if len(parts) == 1:
+            sims = [subprocess.Popen([*sim_cmd, "--results", str(run_dir / "results.json")])]
+        else:
+            threads = [] if "--threads" in extra else ["--threads", str(max(1, (os.cpu_count() or 1) // len(parts)))]
+            sims = [subprocess.Popen([*sim_cmd, *threads, "--only-devices", f"{start}:{stop}",
+                                      "--results", str(part_results(run_dir, k))])
+                    for k, (start, stop) in enumerate(parts)]
+        failed = _wait_all(sims)
+        if failed is not None:
+            raise SystemExit(f"the device simulator failed (exit {failed}); server log: {run_dir / 'server.log'}")
+        if len(parts) > 1:
+            merged = merge_results([json.loads(part_results(run_dir, k).read_text()) for k in range(len(parts))],
+                                   processes=len(parts))
+            (run_dir / "results.json").write_text(json.dumps(merged, indent=2))
+    except Stopped as stop:
+        print(f"splitface-demo: {stop.name}: stopping the devices and the edge server", file=sys.stderr, flush=True)
+        raise SystemExit(128 + stop.signum) from None
+    finally:
+        for sig in previous:  # a second signal must not cut the stopping short
+            signal.signal(sig, signal.SIG_IGN)
+        for sim in sims:
+            _stop(sim, signal.SIGTERM, timeout=30)
+        _stop(server, signal.SIGINT, timeout=120)  # SIGINT: the server checkpoints on its way out
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        if copier is not None:
+            copier.join(10)
+        server_log.close()
+    _report(run_dir, data)
+
+
+def part_results(run_dir: Path, k: int) -> Path:
+    """Simulator process k's results (beside results.json, so that the device layers and privacy states of every
+    process land in the run's one device_layers/ and privacy_state/)."""
+    return run_dir / f"results.part-{k}.json"
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> int | None:
+    """Wait for every process; at the first that fails, return its exit status (the caller stops the others)."""
+    while True:
+        codes = [proc.poll() for proc in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            return failed[0]
+        if all(c == 0 for c in codes):
+            return None
+        time.sleep(0.2)
+
+
+def initial_weights(args: argparse.Namespace, extra: list[str]) -> Path | None:
+    """The backbone file that --init names: None from scratch; with `distilled`, the distilled start for this
+    model, cut, release and the devices' noise (their privacy options in `extra`), built on first use."""
+    if args.init == "scratch":
+        return None
+    if args.init != "distilled":
+        path = Path(args.init)
+        if not path.is_file():
+            raise SystemExit(f"--init: {path} is not a file (give scratch, distilled or a backbone file)")
+        return path
+    return distilled_start(model_spec(args), args.split, release_mechanism(_privacy_options(extra)), args.data,
+                           progress="--no-progress" not in extra)
+
+
+def _privacy_options(extra: list[str]) -> argparse.Namespace:
+    """The devices' privacy options among the simulator's arguments in `extra`."""
+    privacy = argparse.ArgumentParser(add_help=False)
+    add_privacy_args(privacy)
+    known, _ = privacy.parse_known_args(extra)
+    return known
+
+
+def devices_noise_std(args: argparse.Namespace, extra: list[str]) -> float:
+    """The noise std per released value of the devices' mechanism, for the server's release-aware bound
+    (--release-noise-std): the simulator plans --target-epsilon over --epochs releases per image, and so does this."""
+    return release_mechanism(_privacy_options(extra), releases_per_image=args.epochs).value_noise_std()
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Stopped(Exception):
+    """The launcher was asked to stop by a signal; raised in its main thread so that its cleanup runs."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum, self.name = signum, signal.Signals(signum).name
+        super().__init__(self.name)
+
+
+def _stop_on_signals() -> dict[int, object]:
+    """SIGTERM and SIGINT raise `Stopped` (SIGTERM would otherwise end the launcher at once, leaving the server
+    and the devices running). Returns the handlers replaced, to restore. Only the main thread may install
+    handlers; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum: int, frame) -> None:
+        raise Stopped(signum)
+    return {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+
+
+def _stop(proc: subprocess.Popen, sig: int, timeout: float) -> None:
+    """Stop a child: `sig`, then SIGKILL if it has not exited within `timeout` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def same_arguments(recorded: list[str], wanted: list[str]) -> bool:
+    """Equal command lines, a --data path given relatively or absolutely counting as the same."""
+    def normal(argv: list[str]) -> list[str]:
+        return [str(Path(a).resolve()) if i and argv[i - 1] == "--data" else a for i, a in enumerate(argv)]
+    return normal(recorded) == normal(wanted)
+
+
+def run_recorded(run_dir: Path, demo_args: list[str], force: bool = False,
+                 on_trained: Callable[[], None] | None = None) -> dict:
+    """One experiment run in fresh processes (the sweep's and the frontier's unit), logged to
+    `run_dir/demo.log`. Resumable: a run that finished with the same arguments (its results.json and
+    demo_args.json) is read back, not re-run, unless `force`; any other is removed first (the server
+    would otherwise resume its checkpoint). `on_trained` is called after a run that was trained here."""
+    import shutil
+
+    results, recorded_args = run_dir / "results.json", run_dir / "demo_args.json"
+    if results.exists() and recorded_args.exists() and not force \
+            and same_arguments(json.loads(recorded_args.read_text()), demo_args):
+        return json.loads(results.read_text())
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    recorded_args.write_text(json.dumps(demo_args))
+    cmd = [sys.executable, "-m", "research.demo", "--run-dir", str(run_dir), "--no-progress", *demo_args]
+    started = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    (run_dir / "demo.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise SystemExit(f"{run_dir.name} failed; see {run_dir / 'demo.log'}")
+    print(f"{run_dir.name}: trained in {time.time() - started:.0f}s", flush=True)
+    if on_trained is not None:
+        on_trained()
+    return json.loads(results.read_text())
+
+
+def _wait_ready(server: subprocess.Popen, log: TextIO) -> int:
+    """The port from the server's READY line (copying what it prints before that to the log)."""
+    assert server.stdout is not None
+    for line in server.stdout:
+        log.write(line)
+        if line.startswith("READY "):
+            log.flush()
+            return int(line.split()[1])
+    raise SystemExit(f"the edge server exited before it was ready (exit {server.wait()}); see {log.name}")
+
+
+def _copy(stream: TextIO, log: TextIO) -> None:
+    for line in stream:
+        log.write(line)
+        log.flush()
+
+
+def _report(run_dir: Path, data) -> None:
+    results = json.loads((run_dir / "results.json").read_text())
+    metrics = json.loads((run_dir / "server" / "metrics.json").read_text())
+    labels = data.test.labels
+    majority = max((labels == c).mean() for c in set(labels.tolist()))
+    print(f"\n{len(data.class_names)} identities; chance = 1/{len(data.class_names)} = {1 / len(data.class_names):.3f}, "
+          f"majority class = {majority:.3f}")
+    print(f"{'epoch':>5} {'train acc':>9} {'train loss':>10} {'test acc':>8} {'test loss':>9} {'MB up':>8} {'MB down':>8} "
+          f"{'dev ms/batch':>12} {'eps/image':>9}")
+    for e in results["epochs"]:
+        print(f"{e['epoch']:>5} {e['train_acc']:>9.3f} {e['train_loss']:>10.3f} {e['test_acc']:>8.3f} {e['test_loss']:>9.3f} "
+              f"{e['bytes_sent'] / 1e6:>8.1f} {e['bytes_received'] / 1e6:>8.1f} {e['device_s_per_batch'] * 1e3:>12.0f} "
+              f"{e['epsilon_image_max']:>9.3g}")
+    g = metrics["global"]
+    print(f"server: {g['samples']} samples, {g['samples_per_s']:.1f} samples/s, "
+          f"{g['bytes_in'] / 1e6:.1f} MB in, {g['bytes_out'] / 1e6:.1f} MB out")
+    print(f"results: {run_dir / 'results.json'}  server metrics: {run_dir / 'server' / 'metrics.json'}")
+    print(audit_line(results))
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+# the privacy frontiers, from scratch and from the distilled start (research/frontier.py --start distilled)
+FRONTIERS = (RESULTS / "frontier", RESULTS / "frontier-distilled")
+
+
+def audited_point(results: dict, frontiers: tuple[Path, ...] = FRONTIERS) -> tuple[Path, dict] | None:
+    """(frontier, its row) for this run's release (same model, split, head, device weights, layer training and
+    mechanism), if measured. Device weights compare by file name: a distilled start's name holds the hash of
+    everything it was made from, wherever its cache is."""
+    def release(r: dict) -> tuple:
+        privacy = r["devices"][0]["privacy"]
+        # a run recorded before a ModelSpec field existed holds that field's default
+        model = ModelSpec.from_dict(r["config"]["model"]).to_dict()
+        weights = r["config"].get("device_weights")
+        return (model, r["config"]["split"], r["config"]["head"], Path(weights).name if weights else None,
+                privacy["mechanism"], privacy["layer_training"])
+
+    for frontier in frontiers:
+        summary = frontier / "summary.json"
+        if not summary.exists():
+            continue
+        for row in json.loads(summary.read_text()):
+            measured = frontier / "runs" / row["run"] / "results.json"
+            if measured.exists() and release(json.loads(measured.read_text())) == release(results):
+                return frontier, row
+    return None
+
+
+def audit_line(results: dict) -> str:
+    """What the audit measured for this release: the figures, not a promise."""
+    found = audited_point(results)
+    if found is None:
+        return "privacy: this release setting has not been audited (research/frontier.py, docs/audit.md)"
+    frontier, row = found
+    split = ""
+    if "reconstruction_identity_r1" in row:
+        split = (f"; what it can see: dlib names {row['reconstruction_identity_r1']:.3f} from reconstructions (chance "
+                 f"{row['reconstruction_identity_r1_chance']:.3f}); what it can recognise: {row['model_identity_r1']:.3f} "
+                 f"from its models of releases (chance {row['model_identity_r1_chance']:.3f})")
+    return (f"privacy of this release, as audited ({frontier.name}/{row['run']}: a curious server with dlib's recognizer "
+            f"and attackers trained on this release): identity R@1 {row['identity_r1']:.3f} against chance "
+            f"{row['identity_r1_chance']:.3f} ({row['attack']}; dlib finds {row['recognizer_clean_r1']:.0%} on clean "
+            f"photos){split}, pixel linkage {row['pixel_linkage']:.3f} (chance {row['pixel_linkage_chance']:.3f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""A finished split run on View 1: the embedding is the server tail's output on the device layer's release.
+
+The tail comes from the server's checkpoint, the device layer from the simulator's saved copy
+(`<run>/device_layers/<device id>.pt`, on the experimenter's machine). The layer is device 0's:
+each device trains its own, and the report names the one used.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from splitface.common.options import load_selection
+from splitface.device.engine import bound_for, privatize
+from splitface.common.models import ModelSpec, build_backbone, split_backbone
+from splitface.device.privacy.described import from_description
+from splitface.device.privacy.mechanisms import noise_generator
+from splitface.protocol.tensor import decode_tensor, encode_tensor
+
+from splitface.server.checkpoint import load_checkpoint
+from research.evaluation.verification import evaluate_embedder, view1_pairs
+
+EVALUATION_SEED = 20_221_001  # the evaluator's noise; not any device's secret
+
+
+def load_split_model(run_dir: Path) -> tuple[nn.Module, nn.Module, dict]:
+    """(device 0's layer, the server's tail, the run's results), both in eval mode."""
+    results_file = run_dir / "results.json"
+    if not results_file.exists():
+        raise FileNotFoundError(f"{run_dir} has no results.json: not a finished splitface-demo run")
+    results = json.loads(results_file.read_text())
+    state = load_checkpoint(run_dir / "server" / "checkpoint.pt")
+    if state is None:
+        raise FileNotFoundError(f"{run_dir / 'server' / 'checkpoint.pt'} is missing")
+    device = results["devices"][0]
+    layer_file = run_dir / "device_layers" / f"{device['device_id']}.pt"
+    if not layer_file.exists():
+        raise FileNotFoundError(f"{layer_file} is missing: the run predates the simulator saving device layers")
+    config = results["config"]
+    layer, tail = split_backbone(build_backbone(ModelSpec.from_dict(config["model"])), config["split"])
+    layer.load_state_dict(torch.load(layer_file, map_location="cpu", weights_only=True))
+    tail.load_state_dict(state["trainer"]["tail"])
+    bound_for(from_description(device["privacy"]["mechanism"]), layer)  # the device's own forward (DP clamps)
+    return layer.eval(), tail.eval(), results
+
+
+def seen_people(lfw_root: str | Path | None, results: dict, limit: int | None = None) -> dict:
+    """How many DevTest people and pairs the run trained on (none with --people devtrain)."""
+    selection = results["config"].get("data")
+    if not selection or selection["image_folder"]:
+        return {"trained_people": None, "devtest_people_seen": None, "pairs_with_seen_people": None}
+    trained = set(load_selection(lfw_root, selection).class_names)
+    pairs = view1_pairs(lfw_root, "test", limit)
+    names = np.array(pairs.faces.class_names)[pairs.faces.labels]
+    seen = np.isin(names[pairs.a], list(trained)) | np.isin(names[pairs.b], list(trained))
+    return {"trained_people": selection.get("people", "all"), "devtest_people_seen": len(trained & pairs.people),
+            "pairs_with_seen_people": int(seen.sum())}
+
+
+def evaluate_run(run_dir: str | Path, lfw_root: str | Path | None, limit: int | None = None,
+                 encoding: str | None = None) -> dict:
+    """View 1 report of a run: DevTest images released as device 0 releases them (its layer, the
+    transform's random subset, the mechanism's noise, drawn here from a fixed seed of the
+    evaluator's own), then the server's tail. That is what enrolling or verifying a face through the
+    deployed system computes; the run's own test accuracy is measured the same way. `encoding`
+    (f16, i8): the release also passes through that wire encoding and back, as the protocol carries it."""
+    run_dir = Path(run_dir)
+    layer, tail, results = load_split_model(run_dir)
+    spec = ModelSpec.from_dict(results["config"]["model"])
+    mechanism = from_description(results["devices"][0]["privacy"]["mechanism"])
+    generator = noise_generator(EVALUATION_SEED, 2)
+
+    @torch.no_grad()
+    def embed(images: np.ndarray) -> np.ndarray:
+        release = privatize(spec, mechanism, layer(torch.from_numpy(images)), generator)
+        if encoding is not None:
+            release = torch.from_numpy(np.array(decode_tensor(encode_tensor(release.numpy(), encoding))))
+        return tail(release).numpy()
+
+    report = evaluate_embedder(embed, lfw_root, spec.input_size, results["config"].get("crop", 160), limit)
+    wire = f", then {encoding} and back" if encoding is not None else ""
+    return {"run": run_dir.name, "device_layer": results["devices"][0]["device_id"],
+            "release": f"as deployed: layer, transform, mechanism (evaluator's own noise){wire}",
+            "test_acc": results["epochs"][-1]["test_acc"] if results["epochs"] else None,
+            **seen_people(lfw_root, results, limit), **report}

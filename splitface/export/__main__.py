@@ -1,0 +1,3 @@
+from splitface.export.cli import main
+
+main()

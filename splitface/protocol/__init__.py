@@ -1,0 +1,10 @@
+"""splitface wire protocol: numpy + msgpack only (the Android app mirrors it). See SPEC.md."""
+from splitface.protocol.errors import ErrorCode, ProtocolError, RemoteError
+from splitface.protocol.messages import PROTOCOL_VERSION, decode, encode
+from splitface.protocol.session import ClientSession, DeviceRecord, ServerInfo, ServerSession
+from splitface.protocol.tensor import ENCODINGS, decode_tensor, encode_tensor
+
+__all__ = [
+    "ErrorCode", "ProtocolError", "RemoteError", "PROTOCOL_VERSION", "decode", "encode",
+    "ClientSession", "DeviceRecord", "ServerInfo", "ServerSession", "ENCODINGS", "decode_tensor", "encode_tensor",
+]

@@ -1,0 +1,1 @@
+"""Wire-protocol test vectors; regenerate with `python -m splitface.protocol.vectors.generate`."""

@@ -1,0 +1,3 @@
+from splitface.server.cli import main
+
+main()

@@ -1,0 +1,3 @@
+from splitface.sim.cli import main
+
+main()
