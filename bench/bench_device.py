@@ -534,8 +534,8 @@ def export_programs(model: str, release: str, keep: Path | None) -> Path:
     export = subprocess.run([sys.executable, "-m", "export", "--model", described, "--split", split,
                              "--batch-size", "8", "--dp-clamp", "--gemm", "--out", str(artifacts)],
                             capture_output=True, text=True, cwd=ROOT)
-    if splitface.export.returncode != 0:
-        raise SystemExit(f"export of {model} ({release}) failed:\n{splitface.export.stdout[-2000:]}{splitface.export.stderr[-3000:]}")
+    if export.returncode != 0:
+        raise SystemExit(f"export of {model} ({release}) failed:\n{export.stdout[-2000:]}{export.stderr[-3000:]}")
     return artifacts
 
 

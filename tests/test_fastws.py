@@ -507,8 +507,8 @@ def test_frames_on_the_wire_are_websockets_frames(server_side):
         from websockets.client import ClientProtocol
         from websockets.uri import parse_uri
         protocol = ServerProtocol() if server_side else ClientProtocol(parse_uri("ws://x/"))
-        splitface.protocol.state = fastws.OPEN
-        assert splitface.protocol.side is (SERVER if server_side else CLIENT)
+        protocol.state = fastws.OPEN
+        assert protocol.side is (SERVER if server_side else CLIENT)
         conn = cls.__new__(cls)
         Connection_init = fastws.Connection.__init__
         Connection_init(conn, protocol)

@@ -74,9 +74,9 @@ RELEASE_AFTER_BYTES = 16 << 20
 
 def _parser_idle(protocol: Protocol) -> bool:
     """Whether websockets' parser waits for the first byte of a frame with nothing buffered (see the module doc)."""
-    if splitface.protocol.state is not OPEN or splitface.protocol.extensions or splitface.protocol.reader.buffer or splitface.protocol.current_size is not None:
+    if protocol.state is not OPEN or protocol.extensions or protocol.reader.buffer or protocol.current_size is not None:
         return False
-    gen, chain = splitface.protocol.parser, []
+    gen, chain = protocol.parser, []
     while gen is not None:
         chain.append(getattr(gen, "gi_code", None))
         gen = getattr(gen, "gi_yieldfrom", None)
@@ -86,7 +86,7 @@ def _parser_idle(protocol: Protocol) -> bool:
 def _discarding(protocol: Protocol) -> bool:
     """Whether websockets' parser throws its input away: after `Protocol.fail` (a refused frame, a keepalive timeout),
     when a failed connection delivers nothing more."""
-    return getattr(splitface.protocol.parser, "gi_code", None) is Protocol.discard.__code__
+    return getattr(protocol.parser, "gi_code", None) is Protocol.discard.__code__
 
 
 def xor_mask(dst: memoryview, src: memoryview, key: bytes, phase: int = 0) -> None:
@@ -219,7 +219,7 @@ class _FastFrames:
     def _header(self) -> None:
         head, self._head = self._head, bytearray()
         protocol = self.protocol
-        if splitface.protocol.state is not OPEN:
+        if protocol.state is not OPEN:
             # Closing: after our close() websockets still parses, and delivers the rest of a message under way, so
             # the message so far goes to its assembler as a first fragment and websockets takes it from here.
             # Failed: websockets discards everything, the message under way too.
@@ -233,14 +233,14 @@ class _FastFrames:
         code = head2 & 0x7F
         length = struct.unpack_from("!H", head, 2)[0] if code == 126 else \
             struct.unpack_from("!Q", head, 2)[0] if code == 127 else code
-        ours = (head1 & 0x70) == 0 and masked == (splitface.protocol.side is SERVER) and not splitface.protocol.extensions and (
-            (opcode == _BINARY and self._message is None and splitface.protocol.current_size is None)
+        ours = (head1 & 0x70) == 0 and masked == (protocol.side is SERVER) and not protocol.extensions and (
+            (opcode == _BINARY and self._message is None and protocol.current_size is None)
             or (opcode == _CONT and self._message is not None))
         so_far = self._size if self._message is not None else 0
         if ours and self._oversize(length, so_far):
             # websockets refuses it (1009) with its own count of the message, as it would have
             if self._message is not None:
-                splitface.protocol.current_size = so_far
+                protocol.current_size = so_far
             self._drop_message()
             ours = False
         if not ours:
@@ -260,11 +260,11 @@ class _FastFrames:
             self._forward(frame_header(opcode, fin, 0, b"\0\0\0\0" if masked else None))
         finally:
             self._swallow = False
-        if splitface.protocol.state is not OPEN or splitface.protocol.parser_exc is not None:   # refused: nothing more is taken over
+        if protocol.state is not OPEN or protocol.parser_exc is not None:   # refused: nothing more is taken over
             self._stop_taking_over()
             return
         if not fin:
-            splitface.protocol.current_size = self._size + length   # what websockets counts after this frame
+            protocol.current_size = self._size + length   # what websockets counts after this frame
         self._left, self._fin, self._phase = length, fin, 0
         self._key = bytes(head[-4:]) if masked else None
         if not length:
@@ -274,7 +274,7 @@ class _FastFrames:
         """Whether part of a frame or of a fragmented message has arrived and the rest has not (ours or websockets')."""
         protocol = self.protocol
         return bool(self._message is not None or self._left or self._raw_left or self._head
-                    or splitface.protocol.current_size is not None or splitface.protocol.reader.buffer)
+                    or protocol.current_size is not None or protocol.reader.buffer)
 
     def _watch_message(self) -> None:
         """After input: a message under way has its deadline running from its first byte; none, no deadline."""
@@ -302,7 +302,7 @@ class _FastFrames:
     def _oversize(self, length: int, so_far: int) -> bool:
         """Whether websockets would refuse a frame of `length` bytes after `so_far` bytes of its message."""
         protocol = self.protocol
-        limit, fragment_limit = splitface.protocol.max_message_size, splitface.protocol.max_fragment_size
+        limit, fragment_limit = protocol.max_message_size, protocol.max_fragment_size
         return (limit is not None and length > limit - so_far) or \
             (fragment_limit is not None and length > fragment_limit)
 
@@ -431,10 +431,10 @@ class _FastFrames:
     def _send_frame(self, opcode: int, fin: bool, payload: memoryview) -> None:
         """Write one data frame to the transport (the caller holds send_context: the connection is OPEN)."""
         protocol = self.protocol
-        if (opcode == _CONT) != splitface.protocol.expect_continuation_frame:
+        if (opcode == _CONT) != protocol.expect_continuation_frame:
             raise RuntimeError("data frame out of order")   # send_parts holds send_in_progress: cannot happen
-        splitface.protocol.expect_continuation_frame = not fin
-        key = secrets.token_bytes(4) if splitface.protocol.side is not SERVER else None
+        protocol.expect_continuation_frame = not fin
+        key = secrets.token_bytes(4) if protocol.side is not SERVER else None
         header = frame_header(opcode, fin, len(payload), key)
         # A new buffer per frame (the transport may keep a reference to what it has not sent yet); the payload starts
         # at offset 16, aligned for the mask's 32-bit words, with the header (at most 14 bytes) just before it.
