@@ -19,4 +19,4 @@ find core/src/test/java -name '*.java' > "$BUILD/test.txt"
 javac -d "$BUILD/test" -cp "$BUILD/main:$TEST_CP" @"$BUILD/test.txt"
 tests=$(cd core/src/test/java && find . -name '*Test.java' | sed 's|^\./||; s|\.java$||; s|/|.|g')
 [ "${1:-}" = "--build-only" ] && exit 0
-java -Dsplitface.vectors=../protocol/vectors -cp "$BUILD/main:$BUILD/test:$TEST_CP" org.junit.runner.JUnitCore $tests
+java -Dsplitface.vectors=../splitface/protocol/vectors -cp "$BUILD/main:$BUILD/test:$TEST_CP" org.junit.runner.JUnitCore $tests

@@ -18,7 +18,7 @@ from splitface.protocol import messages as m
 from splitface.protocol.vectors import generate as gen
 
 ROOT = Path(__file__).resolve().parents[1]
-SPEC = ROOT / "protocol" / "SPEC.md"
+SPEC = ROOT / "splitface" / "protocol" / "SPEC.md"
 MARKER = "<!-- model-keys:"
 ROW = re.compile(r"^\| `(\w+)` \| (\w+) \| .+\|$")
 

@@ -16,9 +16,9 @@ import java.util.Map;
 import java.util.stream.Collectors;
 import org.junit.Test;
 
-/** protocol/vectors: every valid case decodes to its JSON and re-encodes byte for byte; every invalid one is refused with its code. */
+/** splitface/protocol/vectors: every valid case decodes to its JSON and re-encodes byte for byte; every invalid one is refused with its code. */
 public class VectorConformanceTest {
-    static final Path VECTORS = Path.of(System.getProperty("splitface.vectors", "../protocol/vectors"));
+    static final Path VECTORS = Path.of(System.getProperty("splitface.vectors", "../splitface/protocol/vectors"));
 
     static List<Path> cases(Path dir) throws Exception {
         try (var files = Files.list(dir)) {
@@ -56,14 +56,14 @@ public class VectorConformanceTest {
         assertTrue(counts[0] >= 16 && counts[1] >= 15 && counts[2] >= 1);
     }
 
-    /** The U-shaped split's cluster relay and head correction (protocol/vectors/clusters, SPEC.md sections 8.1, 8.2). */
+    /** The U-shaped split's cluster relay and head correction (splitface/protocol/vectors/clusters, SPEC.md sections 8.1, 8.2). */
     @Test
     public void clusterVectors() throws Exception {
         int[] counts = conform(VECTORS.resolve("clusters"));
         assertTrue(counts[0] >= 6 && counts[1] >= 4);
     }
 
-    /** The optional spent_epsilon fields and epsilon_regressed (protocol/vectors/epsilon, SPEC.md section 5.11). */
+    /** The optional spent_epsilon fields and epsilon_regressed (splitface/protocol/vectors/epsilon, SPEC.md section 5.11). */
     @Test
     public void spentEpsilonVectors() throws Exception {
         int[] counts = conform(VECTORS.resolve("epsilon"));
@@ -77,7 +77,7 @@ public class VectorConformanceTest {
         assertArrayEquals(vector, built);
     }
 
-    /** A patch-masked release's packed FORWARD (protocol/vectors/packed, SPEC.md section 5.12): decoded, its positions
+    /** A patch-masked release's packed FORWARD (splitface/protocol/vectors/packed, SPEC.md section 5.12): decoded, its positions
      *  checked against its patches, and re-encoded as the reference does; malformed ones refused with its codes. */
     @Test
     public void packedVectors() throws Exception {
@@ -88,7 +88,7 @@ public class VectorConformanceTest {
         assertArrayEquals(new long[] {2, 1, 6, 6}, Patches.check((Tensor) forward.get("activations"), (Map<?, ?>) forward.get("visible")));
     }
 
-    /** i8c, int8 with a scale per image and channel (protocol/vectors/channel_scaled, SPEC.md sections 4, 5.10): decoded,
+    /** i8c, int8 with a scale per image and channel (splitface/protocol/vectors/channel_scaled, SPEC.md sections 4, 5.10): decoded,
      *  malformed ones refused, and this core's encoder writes the reference's bytes for the FORWARD. */
     @Test
     public void channelScaledVectors() throws Exception {
