@@ -106,7 +106,7 @@ def measure(model: str, backend: str, threads: int, data: str, runs: int, warmup
     import torch
 
     from splitface.common.data import find_lfw_root, load_lfw
-    from splitface.device.engine import to_input
+    from splitface.device.trainer import to_input
     from splitface.device.meter import EnergyCounter, latency_stats, peak_rss_bytes
     from splitface.common.models import build_backbone, build_device_part, split_backbone
     from splitface.common.models.lrn import PaperLRN

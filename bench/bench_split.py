@@ -10,8 +10,8 @@ It is a benchmark, not a test: it prints a markdown report, saves it to
 results/bench_split.txt and writes the numbers plus a machine description to JSON.
 
 1. Training throughput (samples/s), all in this one process and on this machine:
-   unsplit model; split loop without network (DeviceEngine -> numpy -> ServerTrainer ->
-   DeviceEngine.commit); split loop through the real protocol over a loopback websocket
+   unsplit model; split loop without network (DeviceTrainer -> numpy -> ServerTrainer ->
+   DeviceTrainer.commit); split loop through the real protocol over a loopback websocket
    (EdgeServer in a background thread, DeviceClient.train_batch), f32 and f16.
 2. Bytes on the wire per sample for f32 / f16 / i8: measured with the real encoders for
    the benchmark model, analytic (activation_shape x itemsize + measured overhead) for
@@ -164,7 +164,7 @@ def bench_unsplit(spec, num_classes, batches, warmup, steps) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from splitface.device.engine import to_input
+    from splitface.device.trainer import to_input
     from splitface.common.models import build_backbone, build_classifier
     from splitface.common.optim import exponential_decay, make_sgd
     torch.manual_seed(0)
@@ -189,9 +189,9 @@ def bench_unsplit(spec, num_classes, batches, warmup, steps) -> dict[str, Any]:
 
 
 def bench_inprocess(spec, num_classes, batches, warmup, steps) -> dict[str, Any]:
-    from splitface.device.engine import DeviceEngine
+    from splitface.device.trainer import DeviceTrainer
     from splitface.server.trainer import ServerTrainer
-    engine = DeviceEngine(spec, SPLIT, "server", num_classes)
+    engine = DeviceTrainer(spec, SPLIT, "server", num_classes)
     trainer = ServerTrainer(spec, SPLIT, num_classes, device="cpu")
     times, parts = [], {"device_forward": [], "server_step": [], "device_commit": []}
     for i in range(warmup + steps):
@@ -237,13 +237,13 @@ def serve_in_thread(trainer, max_batch: int, run_dir: Path):
 
 def bench_websocket(spec, num_classes, batches, warmup, steps, encoding: str) -> dict[str, Any]:
     from splitface.device.connection import DeviceClient
-    from splitface.device.engine import DeviceEngine
+    from splitface.device.trainer import DeviceTrainer
     from splitface.server.trainer import ServerTrainer
     batch = len(batches[0][1])
     trainer = ServerTrainer(spec, SPLIT, num_classes, device="cpu")
     with tempfile.TemporaryDirectory(prefix="bench_split_") as run_dir, serve_in_thread(trainer, batch, Path(run_dir)) as st:
         async def client_main() -> dict[str, Any]:
-            engine = DeviceEngine(spec, SPLIT, "server", num_classes)
+            engine = DeviceTrainer(spec, SPLIT, "server", num_classes)
             client = DeviceClient(st.url, DEVICE_ID, TOKEN, engine, batch,
                                   encodings={"activations": encoding, "gradients": encoding})
             await client.connect()

@@ -37,7 +37,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from splitface.device.connection import DeviceClient
-from splitface.device.engine import DeviceEngine
+from splitface.device.trainer import DeviceTrainer
 from splitface.common.models import activation_shape, resolve_spec
 from splitface.common.options import add_seed_arg
 from splitface.server.auth import hash_token
@@ -314,7 +314,7 @@ async def honest_trains(url: str, batches: int = 3) -> bool:
     spec = resolve_spec(MODEL)
     rng = np.random.default_rng(0)
     for device_id, head in HONEST:
-        client = DeviceClient(url, device_id, TOKENS[device_id], DeviceEngine(spec, SPLIT, head, NUM_CLASSES),
+        client = DeviceClient(url, device_id, TOKENS[device_id], DeviceTrainer(spec, SPLIT, head, NUM_CLASSES),
                               batch_size=MAX_BATCH)
         try:
             await client.connect()

@@ -247,7 +247,7 @@ def start_server(run_dir: Path, tokens: Path, threads: int) -> tuple[subprocess.
 async def bench(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     # Imported here: the attackers' process imports this module and needs none of torch.
     from splitface.device.connection import DeviceClient
-    from splitface.device.engine import DeviceEngine
+    from splitface.device.trainer import DeviceTrainer
     from splitface.common.models import resolve_spec
     from splitface.server.auth import issue_tokens
 
@@ -257,7 +257,7 @@ async def bench(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     url = f"ws://127.0.0.1:{port}"
     spec = resolve_spec(MODEL)
     try:
-        honest = [Honest(DeviceClient(url, d, tokens[d], DeviceEngine(spec, SPLIT, "server", NUM_CLASSES), BATCH))
+        honest = [Honest(DeviceClient(url, d, tokens[d], DeviceTrainer(spec, SPLIT, "server", NUM_CLASSES), BATCH))
                   for d in honest_ids]
         for h in honest:
             await h.client.connect()

@@ -170,7 +170,7 @@ class Relay:
 def bench_link(link: Link, encoding: str, batch: int, batches: int, warmup: int, num_classes: int) -> dict[str, Any]:
     """`warmup` + `batches` training batches of the split loop through `link` in `encoding` (both directions)."""
     from splitface.device.connection import DeviceClient
-    from splitface.device.engine import DeviceEngine
+    from splitface.device.trainer import DeviceTrainer
     from splitface.common.models import resolve_spec
     from splitface.server.app import EdgeServer, ServerConfig, ServerThread, server_info
     from splitface.server.auth import TokenAuthenticator, hash_token
@@ -189,7 +189,7 @@ def bench_link(link: Link, encoding: str, batch: int, batches: int, warmup: int,
                                                  log_every_s=1e9))) as st, \
             Relay(link, ("127.0.0.1", st.server.port)) as relay:
         async def main() -> list[dict[str, float]]:
-            engine = DeviceEngine(spec, "conv1", "server", num_classes)
+            engine = DeviceTrainer(spec, "conv1", "server", num_classes)
             client = DeviceClient(f"ws://127.0.0.1:{relay.port}", "phone", "secret", engine, batch,
                                   encodings={"activations": encoding, "gradients": encoding})
             await client.connect()

@@ -4,7 +4,7 @@
 
 Starts `python -m splitface.server serve` on loopback with the tiny configuration (vgg_face_small split at conv1,
 20 LFW identities), then runs `--devices` devices in this process, each a real `DeviceClient` and
-`DeviceEngine` on its own share of the real faces (alternately server head and device head). Shares hold
+`DeviceTrainer` on its own share of the real faces (alternately server head and device head). Shares hold
 33 and 40 images, so at batch 16 every other device's last batch of an epoch holds one image. Devices train
 epoch after epoch until `--seconds` have passed, then finish their batch in flight.
 
@@ -39,7 +39,7 @@ import torch
 from bench.hostile import rss_mb
 from splitface.device.connection import DeviceClient, Rollback, device_faults
 from splitface.common.data import load_lfw
-from splitface.device.engine import DeviceEngine
+from splitface.device.trainer import DeviceTrainer
 from splitface.common.models import resolve_spec
 from splitface.common.optim import TrainConfig
 from splitface.common.options import add_data_root_arg, add_devices_arg, add_training_args
@@ -160,7 +160,7 @@ def random_batches(batch_size: int, size: int, num_classes: int) -> Callable[[in
 def _device(url: str, device_id: str, token: str, spec: dict, head: str, num_classes: int, batch_size: int,
             total: int, faults: str) -> None:
     """In a forked process: one device training `total` made-up batches, with injected `faults`."""
-    engine = DeviceEngine(resolve_spec(spec), SPLIT, head, num_classes, TrainConfig(lr=0.005))
+    engine = DeviceTrainer(resolve_spec(spec), SPLIT, head, num_classes, TrainConfig(lr=0.005))
     client = DeviceClient(url, device_id, token, engine, batch_size, faults=device_faults(faults).get(device_id, []))
     asyncio.run(train_device(client, random_batches(batch_size, engine.spec.input_size, num_classes), total=total))
 
@@ -288,7 +288,7 @@ def run(devices: int, batch_size: int, seconds: float, checkpoint_every: float, 
     starts = np.cumsum([0, *sizes])
     shares = [share_batches(images[a:b], labels[a:b], np.arange(a, b), batch_size, i)
               for i, (a, b) in enumerate(zip(starts[:-1], starts[1:]))]
-    engines = [DeviceEngine(spec, SPLIT, head, n_classes, TrainConfig(lr=0.005)) for head in heads]
+    engines = [DeviceTrainer(spec, SPLIT, head, n_classes, TrainConfig(lr=0.005)) for head in heads]
     proc, port = wait_ready(*launched)
     clients = [DeviceClient(f"ws://127.0.0.1:{port}", d, tokens[d], engine, batch_size, reconnect_timeout_s=60)
                for d, engine in zip(sorted(tokens), engines)]

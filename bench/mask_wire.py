@@ -22,7 +22,7 @@ import numpy as np
 
 from splitface.common.options import load_selection
 from splitface.common.data import partition
-from splitface.device.engine import DeviceEngine, PrivacyEngine
+from splitface.device.trainer import DeviceTrainer, PrivacyEngine
 from splitface.common.models import ModelSpec
 from splitface.common.options import add_data_root_arg
 from splitface.sim.simulator import batch_indices, batches_per_epoch
@@ -42,7 +42,7 @@ def forward_bytes(run_dir: Path, data_root: Path) -> dict[str, dict[str, float]]
     for i in range(config["num_devices"]):
         share = partition(data.train, config["num_devices"], i, config["partition"], config["seed"])
         images = share.load(spec.input_size, config["crop"], False)
-        engine = DeviceEngine(spec, config["split"], config["head"], config["num_classes"],
+        engine = DeviceTrainer(spec, config["split"], config["head"], config["num_classes"],
                               privacy=PrivacyEngine(secret=config["seed"] + i))
         for batch_id in range(1, batches_per_epoch(len(share.labels), config["batch_size"]) + 1):
             _, idx = batch_indices(len(share.labels), config["batch_size"], batch_id, config["seed"], i)

@@ -48,7 +48,7 @@ from torch import nn
 from tqdm import tqdm
 
 from splitface.common.data import FaceSet, find_lfw_root
-from splitface.device.engine import bound_for, privatize
+from splitface.device.trainer import bound_for, privatize
 from splitface.common.models import DEFAULT_SPLIT, RELEASE_KEYS, ModelSpec, build_backbone, split_backbone, to_input
 from splitface.common.models.weights import load_into, save_backbone
 from splitface.common.options import (add_data_args, add_data_root_arg, add_model_args, add_threads_arg, add_training_args,

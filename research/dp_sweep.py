@@ -110,7 +110,7 @@ def plot_training(rows: list[dict], setting: str, out: Path) -> None:
 def plot_activations(args: argparse.Namespace, out: Path) -> None:
     """The paper's figure 2: one face's device-layer activations (x255, negatives removed) at several epsilon."""
     from splitface.common.data import load_lfw
-    from splitface.device.engine import DeviceEngine, PrivacyEngine
+    from splitface.device.trainer import DeviceTrainer, PrivacyEngine
     from splitface.common.models import resolve_spec
     from splitface.device.privacy.mechanisms import PerActivationGaussian, noise_generator
 
@@ -121,7 +121,7 @@ def plot_activations(args: argparse.Namespace, out: Path) -> None:
     fig, axes = plt.subplots(len(epsilons), len(channels) + 1, figsize=(2 * (len(channels) + 1), 2 * len(epsilons)))
     for i, eps in enumerate(epsilons):
         mechanism = PerActivationGaussian(3.0 if eps == math.inf else eps, 1e-5)
-        engine = DeviceEngine(resolve_spec(args.model), "conv1", "server", 2,
+        engine = DeviceTrainer(resolve_spec(args.model), "conv1", "server", 2,
                               privacy=PrivacyEngine(mechanism, layer_training="frozen"),
                               device_weights=args.public if args.public.exists() else None)
         with torch.no_grad():

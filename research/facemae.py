@@ -45,7 +45,7 @@ from tqdm import tqdm
 from splitface.common.options import add_model_args, model_spec
 from splitface.common.options import add_data_root_arg, add_seed_arg, add_threads_arg
 from splitface.common.data import load_lfw
-from splitface.device.engine import to_input
+from splitface.device.trainer import to_input
 from splitface.common.models import ModelSpec, build_backbone, split_backbone
 from splitface.common.models.weights import save_backbone
 from splitface.common.transforms.mask import ConvMAE, random_patch_mask

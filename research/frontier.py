@@ -51,7 +51,7 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from splitface.common.options import add_data_root_arg, add_model_arg, add_model_args, add_training_args, model_argv
-from splitface.device.engine import initial_layer  # noqa: E402
+from splitface.device.trainer import initial_layer  # noqa: E402
 from splitface.common.models import ModelSpec  # noqa: E402
 from research.audit.cli import headline  # noqa: E402
 from splitface.server.cli import add_record_max_arg  # noqa: E402

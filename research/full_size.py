@@ -364,7 +364,7 @@ def split_vs_unsplit(model: str, data: Path, cfg: dict[str, Any], device: str) -
     from bench.bench_split import DEVICE_ID, TOKEN, serve_in_thread
     from splitface.device.connection import DeviceClient
     from splitface.common.data import load_lfw
-    from splitface.device.engine import DeviceEngine
+    from splitface.device.trainer import DeviceTrainer
     from splitface.common.models import build_backbone, build_classifier, resolve_spec, split_backbone
     from splitface.common.optim import TrainConfig
     from splitface.server.trainer import ServerTrainer
@@ -396,7 +396,7 @@ def split_vs_unsplit(model: str, data: Path, cfg: dict[str, Any], device: str) -
     trainer = ServerTrainer(spec, "conv1", classes, train, device)
     trainer.tail.load_state_dict(tail.state_dict())
     trainer.classifier.load_state_dict(classifier.state_dict())
-    engine = DeviceEngine(spec, "conv1", "server", classes, train)
+    engine = DeviceTrainer(spec, "conv1", "server", classes, train)
     engine.layer.load_state_dict(device_part.state_dict())
     with tempfile.TemporaryDirectory(prefix="full_size_compare_") as run_dir, \
             serve_in_thread(trainer, n, Path(run_dir)) as server:
@@ -444,7 +444,7 @@ def _unsplit_steps(backbone, classifier, batches, train, device: str, bf16: bool
     import torch
     import torch.nn.functional as F
 
-    from splitface.device.engine import to_input
+    from splitface.device.trainer import to_input
     from splitface.common.models import split_backbone
     from splitface.common.optim import exponential_decay, make_sgd
 

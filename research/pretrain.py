@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from splitface.common.data import DataSplit
-from splitface.device.engine import to_input
+from splitface.device.trainer import to_input
 from splitface.common.models import ModelSpec, build_backbone, build_classifier
 from splitface.common.models.weights import save_backbone
 from splitface.common.optim import exponential_decay, make_sgd

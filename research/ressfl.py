@@ -35,7 +35,7 @@ from tqdm import tqdm
 from splitface.common.options import add_data_root_arg, add_model_args, add_seed_arg, add_threads_arg, add_training_args, apply_threads, model_spec
 from splitface.device.privacy.options import add_noise_args
 from splitface.common.data import load_lfw
-from splitface.device.engine import to_input
+from splitface.device.trainer import to_input
 from splitface.common.models import ModelSpec, build_backbone, build_classifier, split_backbone
 from splitface.common.models.weights import RELEASE_STAGES, save_backbone
 from splitface.common.optim import exponential_decay, make_sgd

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from splitface.device.connection import DeviceClient
-from splitface.device.engine import DeviceEngine
+from splitface.device.trainer import DeviceTrainer
 from splitface.common.dplc import DPLCConfig
 from splitface.device.federated.u_split import ConsensusEngine, ConsensusHead, train_u_split
 from splitface.common.models import resolve_spec
@@ -55,7 +55,7 @@ def run_mode(mode: str, args, images: np.ndarray, labels: np.ndarray, dplc: DPLC
         async def device(k: int):
             mine = (labels >= k * people) & (labels < (k + 1) * people)
             if mode == "server-head":
-                engine = DeviceEngine(spec, "conv1", "server", devices * people, config)
+                engine = DeviceTrainer(spec, "conv1", "server", devices * people, config)
                 y = labels[mine]
             else:
                 engine = ConsensusEngine(spec, "conv1", "device", people, config, head_loss=ConsensusHead(rho=dplc.rho))

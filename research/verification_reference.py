@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from splitface.common.data import FaceSet, load_lfw
-from splitface.device.engine import to_input
+from splitface.device.trainer import to_input
 from splitface.common.options import add_data_root_arg
 from research.audit.recognizer import DlibResNet, Eigenfaces
 from research.evaluation import evaluate_embedder, view1_pairs

@@ -19,7 +19,7 @@ import torch
 
 from splitface.common.faults import FAULT_EXIT
 from splitface.common.data import load_lfw
-from splitface.device.engine import to_input
+from splitface.device.trainer import to_input
 from splitface.common.models import build_backbone, resolve_spec, split_backbone
 from splitface.common.models.lrn import PaperLRN
 from splitface.device.privacy.planner import release_schedule

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from splitface.common.data import load_lfw
-from splitface.device.engine import to_input
+from splitface.device.trainer import to_input
 from splitface.common.models import build_backbone, resolve_spec, split_backbone
 from splitface.common.models.lrn import PaperLRN
 from splitface.device.privacy.mechanisms import NoNoise, PerActivationGaussian

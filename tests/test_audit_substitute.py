@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from splitface.common.data import load_lfw
-from splitface.device.engine import initial_layer, to_input
+from splitface.device.trainer import initial_layer, to_input
 from splitface.common.models import resolve_spec
 from splitface.device.privacy.mechanisms import NoNoise
 from research.audit.attack import layer_outputs

@@ -12,7 +12,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from splitface.device.connection import DeviceClient
-from splitface.device.engine import DeviceEngine
+from splitface.device.trainer import DeviceTrainer
 from splitface.server.checkpoint import load_checkpoint
 from splitface.protocol import messages as m
 from splitface.protocol.errors import RemoteError
@@ -73,7 +73,7 @@ def test_bad_inputs_are_refused_and_others_keep_training(server, tmp_path):
 
     async def scenario():
         good = DeviceClient(url, "device-0", TOKENS["device-0"],
-                            DeviceEngine(server.trainer.spec, "conv1", "server", NUM_CLASSES), batch_size=8)
+                            DeviceTrainer(server.trainer.spec, "conv1", "server", NUM_CLASSES), batch_size=8)
         await good.connect()
         await _good_batch(good, 1)
 
@@ -131,7 +131,7 @@ def test_bad_inputs_are_refused_and_others_keep_training(server, tmp_path):
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
 
         # A client refuses to send what the server would refuse.
-        engine = DeviceEngine(server.trainer.spec, "conv1", "server", NUM_CLASSES)
+        engine = DeviceTrainer(server.trainer.spec, "conv1", "server", NUM_CLASSES)
         big = DeviceClient(url, "device-2", TOKENS["device-2"], engine, batch_size=8)
         await big.connect()
         with pytest.raises(Exception, match="exceeds the server's limit"):
@@ -178,7 +178,7 @@ def test_device_head_u_turn_allows_eval_and_times_out(tmp_path):
             await ws.send(session.forward(2, _activations()))         # then goes silent, holding the model
             assert m.decode(await ws.recv())["type"] == m.EMBEDDINGS
             good = DeviceClient(server.url, "device-0", TOKENS["device-0"],
-                                DeviceEngine(server.trainer.spec, "conv1", "server", NUM_CLASSES), batch_size=8)
+                                DeviceTrainer(server.trainer.spec, "conv1", "server", NUM_CLASSES), batch_size=8)
             await good.connect()
             await asyncio.wait_for(_good_batch(good, 1), timeout=30)
             with pytest.raises(ConnectionClosed) as closed:

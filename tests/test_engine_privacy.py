@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from splitface.device.engine import DeviceEngine
+from splitface.device.trainer import DeviceTrainer
 from splitface.device.privacy.engine import PrivacyEngine
 from splitface.common.models import resolve_spec
 from splitface.common.optim import TrainConfig
@@ -22,18 +22,18 @@ IDS = np.array([10, 11, 12, 13])
 GRAD = RNG.normal(0, 1e-3, (4, 16, 64, 64)).astype(np.float32)
 
 
-def _engine(**privacy) -> DeviceEngine:
-    return DeviceEngine(SPEC, "conv1", "server", 3, TrainConfig(lr=0.1, momentum=0.0, seed=3),
+def _engine(**privacy) -> DeviceTrainer:
+    return DeviceTrainer(SPEC, "conv1", "server", 3, TrainConfig(lr=0.1, momentum=0.0, seed=3),
                         PrivacyEngine(**{"secret": 42, **privacy}))
 
 
-def _step(engine: DeviceEngine, batch_id: int = 1) -> np.ndarray:
+def _step(engine: DeviceTrainer, batch_id: int = 1) -> np.ndarray:
     released = engine.forward(IMAGES, ("train", batch_id), IDS, LABELS)
     engine.commit(batch_id, GRAD)
     return released
 
 
-def _weights(engine: DeviceEngine) -> list[torch.Tensor]:
+def _weights(engine: DeviceTrainer) -> list[torch.Tensor]:
     return [p.detach().clone() for p in engine.layer.parameters()]
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from splitface.common.data import load_lfw
-from splitface.device.engine import DeviceEngine, PrivacyEngine, to_input
+from splitface.device.trainer import DeviceTrainer, PrivacyEngine, to_input
 from splitface.common.models import build_backbone, resolve_spec, split_backbone
 from splitface.common.models.lrn import PaperLRN
 from splitface.device.privacy.mechanisms import PerImageGaussian
@@ -93,10 +93,10 @@ def test_static_weights_put_the_conv_in_xnnpack_and_still_verify(tmp_path):
     # ... and serve only a frozen layer: a layer that trains is refused, and so are weights other than the baked ones.
     spec = resolve_spec("iresnet_small")
     runtime = load_runtime("executorch", layer, 64, 2, tmp_path)
-    trains = DeviceEngine(spec, "conv1", "server", 3)
+    trains = DeviceTrainer(spec, "conv1", "server", 3)
     with pytest.raises(ValueError, match="baked in .* this layer trains"):
         trains.attach_runtime(runtime)
-    frozen = DeviceEngine(spec, "conv1", "server", 3, privacy=PrivacyEngine(layer_training="frozen"))
+    frozen = DeviceTrainer(spec, "conv1", "server", 3, privacy=PrivacyEngine(layer_training="frozen"))
     frozen.layer.load_state_dict(layer.state_dict())
     frozen.attach_runtime(runtime)
     images = np.random.default_rng(0).integers(0, 256, (2, 3, 64, 64), dtype=np.uint8)
@@ -115,11 +115,11 @@ def test_runtimes_refuse_what_they_cannot_compute(tmp_path):
     layer = device_layer("iresnet_small", None)
     export_verified(layer, 64, 2, tmp_path)
     runtime = load_runtime("onnxruntime", layer, 64, 2, tmp_path)
-    clipped = DeviceEngine(resolve_spec("iresnet_small"), "conv1", "server", 3,
+    clipped = DeviceTrainer(resolve_spec("iresnet_small"), "conv1", "server", 3,
                            privacy=PrivacyEngine(mechanism=PerImageGaussian(1.0, 1.0)))
     with pytest.raises(ValueError, match="per_image"):
         clipped.attach_runtime(runtime)
-    dpsgd = DeviceEngine(resolve_spec("iresnet_small"), "conv1", "server", 3, privacy=PrivacyEngine(layer_training="dpsgd"))
+    dpsgd = DeviceTrainer(resolve_spec("iresnet_small"), "conv1", "server", 3, privacy=PrivacyEngine(layer_training="dpsgd"))
     with pytest.raises(ValueError, match="DP-SGD"):
         dpsgd.attach_runtime(runtime)
     with pytest.raises(ValueError, match="exceeds the exported batch size"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from splitface.device.connection import DeviceClient
-from splitface.device.engine import DeviceEngine, to_input
+from splitface.device.trainer import DeviceTrainer, to_input
 from splitface.common.models import PRESETS, ModelSpec, activation_shape, build_backbone, split_backbone
 from splitface.common.models.weights import load_into
 from splitface.common.optim import TrainConfig
@@ -52,7 +52,7 @@ def test_mask_shapes_ratio_and_fresh_draws():
 
 
 def test_a_release_is_repeated_on_resend_and_fresh_otherwise():
-    engine = DeviceEngine(MASK, "conv1", "server", 5)
+    engine = DeviceTrainer(MASK, "conv1", "server", 5)
     images = np.random.default_rng(0).integers(1, 256, (4, 3, 64, 64), dtype=np.uint8)
     first = engine.forward(images, ("train", 1), range(4), range(4))
     assert np.array_equal(engine.forward(images, ("train", 1), range(4), range(4)), first)   # a re-sent batch
@@ -67,7 +67,7 @@ def test_eager_release_is_what_the_server_records_and_the_mae_stays_frozen(tmp_p
     trainer = ServerTrainer(MASK, "conv1", 5, config)
     mae_before = {k: v.clone() for k, v in trainer.tail.stages["mask_server"].mae.state_dict().items()}
     stem_before = trainer.tail.stages["mask_server"].stem.conv.weight.clone()
-    engine = DeviceEngine(MASK, "conv1", "server", 5, config)
+    engine = DeviceTrainer(MASK, "conv1", "server", 5, config)
     rng = np.random.default_rng(0)
     batches = [(rng.integers(1, 256, (6, 3, 64, 64), dtype=np.uint8), rng.integers(0, 5, 6)) for _ in range(2)]
     with serve_in_thread(trainer, tmp_path, record_max=64) as server:

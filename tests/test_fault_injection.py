@@ -15,7 +15,7 @@ from websockets.asyncio.client import connect
 
 from bench.load import check_counts, random_batches, start_device, start_server, stop_server, train_device
 from splitface.device.connection import DEVICE_FAULTS, FAULT_ENV, FAULT_EXIT, DeviceClient, Fault, device_faults
-from splitface.device.engine import DeviceEngine
+from splitface.device.trainer import DeviceTrainer
 from splitface.common.models import resolve_spec
 from splitface.common.optim import TrainConfig
 from splitface.server.app import SERVER_FAULTS, EdgeServer, ServerConfig, ServerThread, server_info
@@ -34,8 +34,8 @@ SIZE = MODEL["input_size"]
 batch = random_batches(N, SIZE, NUM_CLASSES)  # batch id -> always the same batch, so replays match
 
 
-def client_engine(head: str = "server") -> DeviceEngine:
-    return DeviceEngine(resolve_spec(MODEL), SPLIT, head, NUM_CLASSES, TrainConfig(lr=0.005))
+def client_engine(head: str = "server") -> DeviceTrainer:
+    return DeviceTrainer(resolve_spec(MODEL), SPLIT, head, NUM_CLASSES, TrainConfig(lr=0.005))
 
 
 def client(url: str, device_id: str, token: str, head: str, faults: list[Fault] | None = None) -> DeviceClient:

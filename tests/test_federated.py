@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from splitface.device.federated import LocalConfig, clip_delta, delta_norm, train_client
-from splitface.device.federated.client import HEAD_PREFIX
+from splitface.device.federated.local_round import HEAD_PREFIX
 from splitface.common.models import ModelSpec, build_backbone
 from research.federated import (FederatedConfig, FederatedRun, UserLevelAccountant, check_partition, extrapolate, load_population, virtual_clients)
 from splitface.common.accountants.user_level import combined_noise, update_noise
 from research.federated.aggregation import aggregate, check_update, poisson_sample
-from research.federated.engine import SimulatedCrash
+from research.federated.rounds import SimulatedCrash
 
 TINY = ModelSpec("iresnet", 16, width=4, depth=18, embedding_size=16, dropout=0.0)
 CONFIG = FederatedConfig(method="dp-fedemb", rounds=3, users_per_client=3, clients_per_round=2.0, local_epochs=1,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from splitface.device.engine import DeviceEngine, PrivacyEngine, privatize
+from splitface.device.trainer import DeviceTrainer, PrivacyEngine, privatize
 from splitface.common.models import PRESETS
 from splitface.device.privacy.options import add_privacy_args, privacy_engines
 from splitface.device.privacy.described import from_description
@@ -50,7 +50,7 @@ def test_the_option_is_refused_where_it_means_nothing():
     engine = privacy_engines(p.parse_args(["--mechanism", "per-image", "--noise-multiplier", "0.01",
                                            "--clip-norm", "8", "--frequency-gamma", "2"]), 1)()
     with pytest.raises(ValueError, match="dct"):
-        DeviceEngine(PRESETS["iresnet_small"], "conv1", "server", 5, privacy=engine)
-    device = DeviceEngine(DCT, "layer2", "server", 5, privacy=engine)
+        DeviceTrainer(PRESETS["iresnet_small"], "conv1", "server", 5, privacy=engine)
+    device = DeviceTrainer(DCT, "layer2", "server", 5, privacy=engine)
     images = np.random.default_rng(0).integers(0, 256, (2, 3, 64, 64), dtype=np.uint8)
     assert device.forward(images, ("train", 1), range(2), range(2)).shape == (2, 180, 16, 16)

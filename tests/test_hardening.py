@@ -13,7 +13,7 @@ from websockets.asyncio.server import serve
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from splitface.device.connection import DeviceClient
-from splitface.device.engine import DeviceEngine
+from splitface.device.trainer import DeviceTrainer
 from splitface.common.models import resolve_spec
 from splitface.common.optim import TrainConfig
 from splitface.server.app import Limits
@@ -70,7 +70,7 @@ def _assert_untouched(trainer: ServerTrainer, before: dict[str, torch.Tensor], s
 
 
 async def _honest_batches(url: str, trainer: ServerTrainer, device_id: str, batches: range, head: str = "server"):
-    client = DeviceClient(url, device_id, TOKENS[device_id], DeviceEngine(trainer.spec, "conv1", head, NUM_CLASSES),
+    client = DeviceClient(url, device_id, TOKENS[device_id], DeviceTrainer(trainer.spec, "conv1", head, NUM_CLASSES),
                           batch_size=8)
     await client.connect()
     losses = []
@@ -300,7 +300,7 @@ def test_client_refuses_oversized_server_messages():
             port = next(iter(fake.sockets)).getsockname()[1]
             trainer_spec = resolve_spec("vgg_face_small")
             client = DeviceClient(f"ws://127.0.0.1:{port}", "device-0", "t",
-                                  DeviceEngine(trainer_spec, "conv1", "server", NUM_CLASSES), batch_size=8,
+                                  DeviceTrainer(trainer_spec, "conv1", "server", NUM_CLASSES), batch_size=8,
                                   reconnect_timeout_s=0.1, max_message_bytes=1 << 20)
             with pytest.raises(ConnectionError):
                 await client.connect()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from splitface.common.data import load_lfw
-from splitface.device.engine import bound_for, initial_layer, to_input
+from splitface.device.trainer import bound_for, initial_layer, to_input
 from splitface.common.models import resolve_spec
 from splitface.device.privacy.mechanisms import NoNoise, PerActivationGaussian
 from research.audit.attack import layer_outputs, privatized, retrieval_report

@@ -114,7 +114,7 @@ def reachable(graph: dict[str, set[str]], start: str) -> dict[str, str]:
 def test_the_graph_is_read_correctly():
     graph = import_graph()
     assert len(graph) > 40
-    assert "splitface.common.models" in graph["splitface.device.engine"]
+    assert "splitface.common.models" in graph["splitface.device.trainer"]
     assert "splitface.common.models.lrn" in graph["splitface.export.programs"]
     assert "splitface.protocol.messages" in graph["splitface.protocol"]    # an __init__'s import
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]

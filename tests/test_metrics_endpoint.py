@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitface.device.connection import DeviceClient, Rollback
-from splitface.device.engine import DeviceEngine
+from splitface.device.trainer import DeviceTrainer
 from splitface.device.privacy.engine import PrivacyEngine
 from splitface.device.privacy.mechanisms import PerImageGaussian
 from splitface.device.privacy.state import LostPrivacyState, spent_epsilon
@@ -45,7 +45,7 @@ def _private_client(url: str, trainer, state_file) -> DeviceClient:
     """A device with a formal mechanism (per-image Gaussian, frozen public layer) and a durable state file."""
     privacy = PrivacyEngine(PerImageGaussian(1.0, 2.0), layer_training="frozen", state_path=state_file)
     return DeviceClient(url, "device-0", TOKENS["device-0"],
-                        DeviceEngine(trainer.spec, "conv1", "server", NUM_CLASSES, privacy=privacy), batch_size=8)
+                        DeviceTrainer(trainer.spec, "conv1", "server", NUM_CLASSES, privacy=privacy), batch_size=8)
 
 
 @pytest.mark.slow

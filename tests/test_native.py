@@ -411,11 +411,11 @@ def vgg_engine(mechanism, runtime=None, layer=None):
     same keys), holding `layer`'s weights and the LRN clamp that the runner's programs hold."""
     import dataclasses
 
-    from splitface.device.engine import DeviceEngine, PrivacyEngine
+    from splitface.device.trainer import DeviceTrainer, PrivacyEngine
     from splitface.common.optim import TrainConfig
 
     spec = dataclasses.replace(resolve_spec("vgg_face_small"), input_size=32)
-    engine = DeviceEngine(spec, "conv1", "server", 4, TrainConfig(lr=0.5, momentum=0.0),
+    engine = DeviceTrainer(spec, "conv1", "server", 4, TrainConfig(lr=0.5, momentum=0.0),
                           PrivacyEngine(mechanism=mechanism, secret=7))
     if layer is not None:
         engine.layer.load_state_dict(layer.state_dict())

@@ -19,7 +19,7 @@ import torch
 from bench.mask_wire import forward_bytes
 from splitface.common.options import load_selection
 from splitface.device.connection import DeviceClient
-from splitface.device.engine import DeviceEngine, PrivacyEngine
+from splitface.device.trainer import DeviceTrainer, PrivacyEngine
 from splitface.common.models import PRESETS
 from splitface.common.optim import TrainConfig
 from splitface.common.transforms.mask import infer_mask
@@ -59,7 +59,7 @@ def _sessions(head: str = "server", encoding: str = "f32", packed: bool = True,
 
 
 def _releases(n: int = 6, batch: int = 1) -> np.ndarray:
-    engine = DeviceEngine(MASK, "conv1", "server", 5)
+    engine = DeviceTrainer(MASK, "conv1", "server", 5)
     return engine.forward(_images(n), ("train", batch), range(n), range(n))
 
 
@@ -85,7 +85,7 @@ def test_packed_and_dense_give_the_server_the_same_tensor(encoding):
 
 
 def test_a_resent_release_packs_to_the_same_bytes_and_eval_and_device_head_unpack_too():
-    engine = DeviceEngine(MASK, "conv1", "device", 5)
+    engine = DeviceTrainer(MASK, "conv1", "device", 5)
     images = _images(4)
     device, server = _sessions(head="device")
     first = device.forward(1, engine.forward(images, ("train", 1), range(4), range(4)))
@@ -215,7 +215,7 @@ def test_over_a_websocket_the_packed_run_trains_exactly_as_the_dense_one(tmp_pat
     for packed in (True, False):
         config = TrainConfig(lr=0.05, seed=0)
         trainer = ServerTrainer(MASK, "conv1", 5, config)
-        engine = DeviceEngine(MASK, "conv1", "server", 5, config, PrivacyEngine(secret=1))   # the same masks twice
+        engine = DeviceTrainer(MASK, "conv1", "server", 5, config, PrivacyEngine(secret=1))   # the same masks twice
         with serve_in_thread(trainer, tmp_path / str(packed)) as server:
             async def run():
                 client = DeviceClient(server.url, "device-0", TOKENS["device-0"], engine, batch_size=8)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from splitface.device.engine import DeviceEngine
+from splitface.device.trainer import DeviceTrainer
 from splitface.common.models import resolve_spec
 from splitface.device.privacy.engine import PrivacyEngine
 from splitface.common.optim import TrainConfig
@@ -20,7 +20,7 @@ IMAGES = rng.integers(0, 256, (4, 3, 64, 64), dtype=np.uint8)
 LABELS, IDS = np.array([0, 1, 0, 1]), np.arange(4)
 
 
-def gradient_at(engine: DeviceEngine, weights: list[torch.Tensor], images: np.ndarray, grad: np.ndarray):
+def gradient_at(engine: DeviceTrainer, weights: list[torch.Tensor], images: np.ndarray, grad: np.ndarray):
     """d sum(layer(images) * grad) / d weights at `weights`: what a lock-step device would apply there."""
     from splitface.common.models import to_input
 
@@ -31,7 +31,7 @@ def gradient_at(engine: DeviceEngine, weights: list[torch.Tensor], images: np.nd
 
 
 def test_a_pipelined_commit_applies_the_gradient_at_the_weights_its_release_used():
-    engine = DeviceEngine(SPEC, "conv1", "server", 2, TrainConfig(lr=0.1), pipeline=True)
+    engine = DeviceTrainer(SPEC, "conv1", "server", 2, TrainConfig(lr=0.1), pipeline=True)
     w0 = [p.detach().clone() for p in engine.layer.parameters()]
     first = engine.forward(IMAGES[:2], ("train", 1), IDS[:2], LABELS[:2])
     second = engine.forward(IMAGES[2:], ("train", 2), IDS[2:], LABELS[2:])  # batch 1 is still at the server
@@ -48,13 +48,13 @@ def test_a_pipelined_commit_applies_the_gradient_at_the_weights_its_release_used
     assert any(not torch.allclose(a, b) for a, b in zip(gradient_at(engine, w0, IMAGES[2:], g2),
                                                          gradient_at(engine, w1, IMAGES[2:], g2)))
     # and the release itself was made at w0: the lock-step device's first forward of those images
-    lockstep = DeviceEngine(SPEC, "conv1", "server", 2, TrainConfig(lr=0.1))
+    lockstep = DeviceTrainer(SPEC, "conv1", "server", 2, TrainConfig(lr=0.1))
     assert np.array_equal(lockstep.forward(IMAGES[2:], ("train", 2), IDS[2:], LABELS[2:]), second)
     assert engine.committed == 2 and not engine._pending
 
 
 def test_at_most_one_batch_waits_and_a_rollback_drops_the_one_made_ahead():
-    engine = DeviceEngine(SPEC, "conv1", "server", 2, pipeline=True)
+    engine = DeviceTrainer(SPEC, "conv1", "server", 2, pipeline=True)
     engine.forward(IMAGES[:2], ("train", 1), IDS[:2], LABELS[:2])
     engine.forward(IMAGES[2:], ("train", 2), IDS[2:], LABELS[2:])
     with pytest.raises(RuntimeError, match="at most one batch may wait"):
@@ -69,7 +69,7 @@ def test_at_most_one_batch_waits_and_a_rollback_drops_the_one_made_ahead():
                                                    ("server", "dpsgd", "DP-SGD clips")])
 def test_pipelining_is_refused_where_the_step_needs_the_current_weights(head, training, words):
     with pytest.raises(ValueError, match=words):
-        DeviceEngine(SPEC, "conv1", head, 2, privacy=PrivacyEngine(layer_training=training, dpsgd_clip=1.0,
+        DeviceTrainer(SPEC, "conv1", head, 2, privacy=PrivacyEngine(layer_training=training, dpsgd_clip=1.0,
                                                                     dpsgd_noise=1.0), pipeline=True)
 
 
@@ -77,8 +77,8 @@ def test_pipelining_is_refused_where_the_step_needs_the_current_weights(head, tr
 def test_a_runtime_takes_the_pipelined_gradient_at_the_same_weights(tmp_path):
     from splitface.device.runtimes import load_runtime
 
-    eager = DeviceEngine(SPEC, "conv1", "server", 2, TrainConfig(lr=0.1), pipeline=True)
-    onnx = DeviceEngine(SPEC, "conv1", "server", 2, TrainConfig(lr=0.1), pipeline=True)
+    eager = DeviceTrainer(SPEC, "conv1", "server", 2, TrainConfig(lr=0.1), pipeline=True)
+    onnx = DeviceTrainer(SPEC, "conv1", "server", 2, TrainConfig(lr=0.1), pipeline=True)
     onnx.attach_runtime(load_runtime("onnxruntime", onnx.layer, SPEC.input_size, 2, tmp_path))
     grads = [np.random.default_rng(s).standard_normal((2, *eager.release_shape)).astype(np.float32) for s in (1, 2)]
     applied = {}   # engine -> the weight gradients of its two commits

@@ -16,7 +16,7 @@ from dp_accounting import dp_event
 from PIL import Image
 
 from splitface.device.connection import FAULT_ENV, FAULT_EXIT
-from splitface.device.engine import DeviceEngine
+from splitface.device.trainer import DeviceTrainer
 from splitface.common.models import resolve_spec
 from splitface.common.optim import TrainConfig
 from splitface.common.accountants.ledger import epsilon_of
@@ -39,10 +39,10 @@ def eps(releases: int) -> float:
     return epsilon_of(dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(Z), releases), DELTA)
 
 
-def frozen_engine(path: Path, budget: float = float("inf"), **kw) -> DeviceEngine:
+def frozen_engine(path: Path, budget: float = float("inf"), **kw) -> DeviceTrainer:
     privacy = PrivacyEngine(PerImageGaussian(1.0, Z), delta=DELTA, budget_epsilon=budget, layer_training="frozen",
                             state_path=path, **kw)
-    return DeviceEngine(resolve_spec(MODEL), "conv1", "server", 3, TrainConfig(), privacy)
+    return DeviceTrainer(resolve_spec(MODEL), "conv1", "server", 3, TrainConfig(), privacy)
 
 
 def test_state_file_is_written_whole_and_checked(tmp_path):

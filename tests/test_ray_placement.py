@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from splitface.sim.cli import main as sim_main
-from splitface.device.engine import initial_layer
+from splitface.device.trainer import initial_layer
 from splitface.common.models import ModelSpec
 from splitface.sim.ray_placement import cpus_per_actor
 from splitface.sim.simulator import batches_per_epoch, merge_results

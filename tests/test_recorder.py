@@ -9,7 +9,7 @@ import torch
 
 from splitface.device.connection import DeviceClient
 from splitface.common.data import load_lfw
-from splitface.device.engine import DeviceEngine, PrivacyEngine, to_input
+from splitface.device.trainer import DeviceTrainer, PrivacyEngine, to_input
 from splitface.common.models import resolve_spec
 from splitface.common.optim import TrainConfig
 from splitface.common.accountants.ledger import epsilon_of
@@ -24,11 +24,11 @@ def test_server_records_the_releases_it_received(lfw, tmp_path):
     split = load_lfw(lfw, min_images=10, max_identities=3)
     train = split.train.subset(np.arange(32))
     images, labels = train.load(64, 160), train.labels
-    def frozen_engine() -> DeviceEngine:  # a fixed layer: every release is layer(x)
-        return DeviceEngine(resolve_spec(MODEL), "conv1", "server", 3, TrainConfig(lr=0.05),
+    def frozen_engine() -> DeviceTrainer:  # a fixed layer: every release is layer(x)
+        return DeviceTrainer(resolve_spec(MODEL), "conv1", "server", 3, TrainConfig(lr=0.05),
                             PrivacyEngine(layer_training="frozen"))
 
-    async def train(url: str, engine: DeviceEngine, batches: int = 4, size: int = 8, device: str = "device-0") -> list:
+    async def train(url: str, engine: DeviceTrainer, batches: int = 4, size: int = 8, device: str = "device-0") -> list:
         client = DeviceClient(url, device, TOKENS[device], engine, batch_size=size)
         await client.connect()
         results = []
@@ -41,7 +41,7 @@ def test_server_records_the_releases_it_received(lfw, tmp_path):
     engine = frozen_engine()
     # --noise discrete end to end, on the same server: a second device releases int8 integers of its public step
     exact = DiscreteGaussianMechanism(clip_norm=16.0, noise_multiplier=1.0)
-    discrete = DeviceEngine(resolve_spec(MODEL), "conv1", "server", 3, TrainConfig(lr=0.05),
+    discrete = DeviceTrainer(resolve_spec(MODEL), "conv1", "server", 3, TrainConfig(lr=0.05),
                             PrivacyEngine(exact, layer_training="frozen"))
     with serve_in_thread(small_trainer(3, MODEL), tmp_path / "server", record_max=20) as server:
         asyncio.run(train(server.url, engine))

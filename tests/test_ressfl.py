@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from splitface.device.engine import DeviceEngine, PrivacyEngine, initial_layer
+from splitface.device.trainer import DeviceTrainer, PrivacyEngine, initial_layer
 from splitface.common.models import PRESETS
 from splitface.device.privacy.nopeek import distance_correlation
 from research.ressfl import attacker_aware_pretrain
@@ -32,7 +32,7 @@ def test_nopeek_penalty_trains_the_device_layer_towards_lower_distance_correlati
     images = np.random.default_rng(0).integers(0, 256, (16, 3, 64, 64), dtype=np.uint8)
 
     def dcor_after_steps(weight: float, steps: int) -> tuple[float, float]:
-        engine = DeviceEngine(spec, "conv1", "server", 5, privacy=PrivacyEngine(nopeek_weight=weight, secret=1))
+        engine = DeviceTrainer(spec, "conv1", "server", 5, privacy=PrivacyEngine(nopeek_weight=weight, secret=1))
         dcors = []
         for b in range(1, steps + 1):
             released = engine.forward(images, ("train", b), range(16), range(16))
@@ -48,7 +48,7 @@ def test_nopeek_penalty_trains_the_device_layer_towards_lower_distance_correlati
     with pytest.raises(ValueError, match="plain"):
         PrivacyEngine(nopeek_weight=1.0, layer_training="frozen")
     with pytest.raises(ValueError, match="no parameters"):
-        DeviceEngine(replace(spec, release="dct"), "layer2", "server", 5, privacy=PrivacyEngine(nopeek_weight=1.0))
+        DeviceTrainer(replace(spec, release="dct"), "layer2", "server", 5, privacy=PrivacyEngine(nopeek_weight=1.0))
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from splitface.common.data import load_lfw
-from splitface.device.engine import DeviceEngine, PrivacyEngine
+from splitface.device.trainer import DeviceTrainer, PrivacyEngine
 from splitface.common.models import resolve_spec
 from splitface.common.optim import TrainConfig
 from splitface.device.privacy.mechanisms import NoNoise, PerActivationGaussian
@@ -42,9 +42,9 @@ def train_with(backend: str, lfw, tmp_path, model: str = MODEL, images: int = 64
 
 
 def record_steps(monkeypatch) -> list[dict]:
-    """What the device engine's steps take and make, kept by a wrapper around DeviceEngine.commit that calls it."""
+    """What the device engine's steps take and make, kept by a wrapper around DeviceTrainer.commit that calls it."""
     steps = []
-    commit = DeviceEngine.commit
+    commit = DeviceTrainer.commit
 
     def recorded(self, batch_id, activation_grad, durable_through=0):
         pending, privacy = self._pending[batch_id], self.privacy
@@ -59,7 +59,7 @@ def record_steps(monkeypatch) -> list[dict]:
                       "release": pending["released"].detach().double() - noise.double(),
                       "grad": np.array(activation_grad, np.float32),
                       "after": [p.detach().clone() for p in self.layer.parameters()]})
-    monkeypatch.setattr(DeviceEngine, "commit", recorded)
+    monkeypatch.setattr(DeviceTrainer, "commit", recorded)
     return steps
 
 

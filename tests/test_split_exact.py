@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from splitface.device.connection import DeviceClient
-from splitface.device.engine import DeviceEngine, to_input
+from splitface.device.trainer import DeviceTrainer, to_input
 from splitface.common.models import build_backbone, build_classifier, resolve_spec, split_backbone
 from splitface.common.optim import TrainConfig, exponential_decay, make_sgd
 from splitface.server.trainer import ServerTrainer
@@ -69,7 +69,7 @@ def test_split_step_equals_unsplit_step(tmp_path, model, head, n):
     backbone.load_state_dict(init["backbone"])
     device_init, tail_init = split_backbone(backbone, "conv1")
     trainer.tail.load_state_dict(tail_init.state_dict())
-    engine = DeviceEngine(spec, "conv1", head, NUM_CLASSES, TrainConfig(lr=LR, decay_steps=DECAY_STEPS))
+    engine = DeviceTrainer(spec, "conv1", head, NUM_CLASSES, TrainConfig(lr=LR, decay_steps=DECAY_STEPS))
     engine.layer.load_state_dict(device_init.state_dict())
     (trainer.classifier if head == "server" else engine.classifier).load_state_dict(init["classifier"])
 
@@ -109,7 +109,7 @@ def test_a_head_lr_scale_trains_the_classifier_at_that_multiple_on_both_sides():
     trainer = ServerTrainer(spec, "conv1", NUM_CLASSES, config)
     lrs = {len(g["params"]): g["lr"] for g in trainer.optimizer.param_groups}
     assert sorted(lrs.values()) == [0.01, 0.1] and lrs[len(list(trainer.classifier.parameters()))] == 0.1
-    engine = DeviceEngine(spec, "conv1", "device", NUM_CLASSES, config)
+    engine = DeviceTrainer(spec, "conv1", "device", NUM_CLASSES, config)
     assert [g["lr"] for g in engine.optimizer.param_groups] == [0.01, 0.1]
     assert engine.optimizer.param_groups[1]["params"] == list(engine.classifier.parameters())
     plain = ServerTrainer(spec, "conv1", NUM_CLASSES, TrainConfig(lr=0.01))

@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from splitface.device.connection import DeviceClient, UntrustedServer
-from splitface.device.engine import DeviceEngine
+from splitface.device.trainer import DeviceTrainer
 from splitface.server.app import EdgeServer, ServerConfig, server_info
 from splitface.server.auth import TokenAuthenticator, issue_tokens
 from tests.conftest import TOKENS, serve_in_thread, small_trainer
@@ -25,7 +25,7 @@ NUM_CLASSES = 5
 
 
 def _client(url: str, trainer, **kw) -> DeviceClient:
-    return DeviceClient(url, "device-0", TOKENS["device-0"], DeviceEngine(trainer.spec, "conv1", "server", NUM_CLASSES),
+    return DeviceClient(url, "device-0", TOKENS["device-0"], DeviceTrainer(trainer.spec, "conv1", "server", NUM_CLASSES),
                         batch_size=8, reconnect_timeout_s=5, **kw)
 
 
@@ -98,7 +98,7 @@ def test_serve_command_with_tls_and_metrics(tmp_path, pki):
 
         async def scenario():
             client = DeviceClient(f"wss://localhost:{port}", "device-0", tokens["device-0"],
-                                  DeviceEngine(trainer.spec, "conv1", "server", NUM_CLASSES), batch_size=8,
+                                  DeviceTrainer(trainer.spec, "conv1", "server", NUM_CLASSES), batch_size=8,
                                   ca_file=pki / "ca.pem")
             await client.connect()
             rng = np.random.default_rng(0)

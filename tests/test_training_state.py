@@ -18,7 +18,7 @@ import torch
 
 from bench.load import random_batches, train_device
 from splitface.device.connection import DeviceClient
-from splitface.device.engine import DeviceEngine
+from splitface.device.trainer import DeviceTrainer
 from splitface.common.models import resolve_spec
 from splitface.common.optim import TrainConfig
 from splitface.device.privacy.state import StateFileError, read_state
@@ -32,9 +32,9 @@ NUM_CLASSES, N = 5, 4
 batch = random_batches(N, 32, NUM_CLASSES)
 
 
-def engine(state_dir: Path | None, head: str = "server") -> DeviceEngine:
+def engine(state_dir: Path | None, head: str = "server") -> DeviceTrainer:
     """A device whose layer trains (so its snapshots matter), with its progress in `state_dir` (None: in memory)."""
-    e = DeviceEngine(resolve_spec(MODEL), "conv1", head, NUM_CLASSES, TrainConfig(lr=0.005, momentum=0.9))
+    e = DeviceTrainer(resolve_spec(MODEL), "conv1", head, NUM_CLASSES, TrainConfig(lr=0.005, momentum=0.9))
     if state_dir is not None:
         e.open_progress(progress_path(state_dir, "device-0"))
     return e
@@ -97,12 +97,12 @@ def test_a_bad_or_foreign_training_state_is_an_error_never_a_fresh_start(tmp_pat
         engine(tmp_path / "other", head="device")
 
 
-def _train(url: str, e: DeviceEngine, total: int) -> None:
+def _train(url: str, e: DeviceTrainer, total: int) -> None:
     asyncio.run(train_device(DeviceClient(url, "device-0", TOKENS["device-0"], e, N, reconnect_timeout_s=30),
                              batch, total=total))
 
 
-def _killed_after_backward(url: str, e: DeviceEngine, batch_id: int) -> None:
+def _killed_after_backward(url: str, e: DeviceTrainer, batch_id: int) -> None:
     """Train up to `batch_id - 1`, then send `batch_id` and die once its BACKWARD is in, before committing it:
     the connection is aborted (no close frame) and the engine abandoned, as a killed process leaves them."""
     async def run() -> None:
@@ -115,7 +115,7 @@ def _killed_after_backward(url: str, e: DeviceEngine, batch_id: int) -> None:
     asyncio.run(run())
 
 
-def device_weights(e: DeviceEngine) -> dict[str, torch.Tensor]:
+def device_weights(e: DeviceTrainer) -> dict[str, torch.Tensor]:
     """The device's layer and, with the device head, its classifier."""
     head = weights(e.classifier) if e.classifier is not None else {}
     return {**{f"layer.{k}": v for k, v in weights(e.layer).items()}, **{f"head.{k}": v for k, v in head.items()}}

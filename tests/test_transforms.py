@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from splitface.common.options import add_model_args, model_argv, model_spec
 from splitface.device.connection import DeviceClient
-from splitface.device.engine import DeviceEngine, PrivacyEngine, to_input
+from splitface.device.trainer import DeviceTrainer, PrivacyEngine, to_input
 from splitface.common.models import (PRESETS, ModelSpec, activation_shape, build_backbone, build_classifier, split_backbone)
 from splitface.common.models.weights import load_into, save_backbone
 from splitface.common.optim import TrainConfig, exponential_decay, make_sgd
@@ -99,7 +99,7 @@ def test_dct_dropped_frequencies_are_absent_from_the_release():
 
 
 def test_dct_keep_releases_a_random_subset_per_image_repeated_on_resend():
-    engine = DeviceEngine(replace(DCT, dct_keep=20), "layer2", "server", NUM_CLASSES)
+    engine = DeviceTrainer(replace(DCT, dct_keep=20), "layer2", "server", NUM_CLASSES)
     images = np.random.default_rng(0).integers(0, 256, (4, 3, 64, 64), dtype=np.uint8)
     released = engine.forward(images, ("train", 1), range(4), range(4))
     kept = np.abs(released).sum(axis=(2, 3)) > 0
@@ -107,7 +107,7 @@ def test_dct_keep_releases_a_random_subset_per_image_repeated_on_resend():
     assert np.array_equal(engine.forward(images, ("train", 1), range(4), range(4)), released)  # a re-sent batch
     engine.commit(1, np.ones_like(released))  # no device parameters: nothing to step
     # The per-image mechanism clips each image's kept channels and then noises every channel.
-    noisy = DeviceEngine(replace(DCT, dct_keep=20), "layer2", "server", NUM_CLASSES,
+    noisy = DeviceTrainer(replace(DCT, dct_keep=20), "layer2", "server", NUM_CLASSES,
                          privacy=PrivacyEngine(PerImageGaussian(1.0, 0.5)))
     released = noisy.forward(images, ("train", 1), range(4), range(4))
     assert (np.abs(released).sum(axis=(2, 3)) > 0).all()
@@ -115,12 +115,12 @@ def test_dct_keep_releases_a_random_subset_per_image_repeated_on_resend():
 
 def test_engine_refuses_what_would_break_the_per_image_argument():
     with pytest.raises(ValueError, match="batch norm"):
-        DeviceEngine(replace(BOTTLENECK, bottleneck_stride=1), "layer1", "server", NUM_CLASSES)
-    DeviceEngine(BOTTLENECK, "layer1", "server", NUM_CLASSES, privacy=PrivacyEngine(layer_training="frozen"))
+        DeviceTrainer(replace(BOTTLENECK, bottleneck_stride=1), "layer1", "server", NUM_CLASSES)
+    DeviceTrainer(BOTTLENECK, "layer1", "server", NUM_CLASSES, privacy=PrivacyEngine(layer_training="frozen"))
     with pytest.raises(ValueError, match="per-image"):
-        DeviceEngine(BOTTLENECK, "conv1", "server", NUM_CLASSES, privacy=PrivacyEngine(PerActivationGaussian(3, 1e-5)))
+        DeviceTrainer(BOTTLENECK, "conv1", "server", NUM_CLASSES, privacy=PrivacyEngine(PerActivationGaussian(3, 1e-5)))
     with pytest.raises(ValueError, match="no parameters"):
-        DeviceEngine(DCT, "layer2", "server", NUM_CLASSES, privacy=PrivacyEngine(layer_training="dpsgd"))
+        DeviceTrainer(DCT, "layer2", "server", NUM_CLASSES, privacy=PrivacyEngine(layer_training="dpsgd"))
 
 
 def _unsplit_steps(spec, split, batches):
@@ -156,7 +156,7 @@ def test_split_with_transform_equals_unsplit_model(tmp_path, spec, split):
     trainer = ServerTrainer(spec, split, NUM_CLASSES, config)
     torch.manual_seed(1)
     trainer.classifier.load_state_dict(build_classifier(spec, NUM_CLASSES).state_dict())
-    engine = DeviceEngine(spec, split, "server", NUM_CLASSES, config)
+    engine = DeviceTrainer(spec, split, "server", NUM_CLASSES, config)
     with serve_in_thread(trainer, tmp_path) as server:
         async def run():
             client = DeviceClient(server.url, "device-0", TOKENS["device-0"], engine, batch_size=8)
@@ -183,7 +183,7 @@ def test_exported_bottleneck_matches_eager(tmp_path):
 
 def test_exported_dct_matches_eager_and_trains_through_the_engine(tmp_path):
     spec = replace(DCT, dct_keep=30)
-    engine = DeviceEngine(spec, "layer2", "server", NUM_CLASSES)
+    engine = DeviceTrainer(spec, "layer2", "server", NUM_CLASSES)
     manifest = export_verified(engine.layer, 64, 2, tmp_path)
     assert manifest.weight_names == [] and manifest.activation_shape == [2, 189, 16, 16]
     assert all(c["ok"] for c in manifest.verification["checks"].values())

@@ -15,7 +15,7 @@ from PIL import Image
 
 from splitface.common.options import add_data_args, data_argv, data_selection
 from splitface.common.data import dev_people, find_lfw_root, load_lfw
-from splitface.device.engine import initial_layer, to_input
+from splitface.device.trainer import initial_layer, to_input
 from splitface.common.models import resolve_spec
 from splitface.common.optim import TrainConfig
 from splitface.sim.simulator import SimConfig, simulate

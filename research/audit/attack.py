@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from splitface.device.engine import privatize
+from splitface.device.trainer import privatize
 from splitface.common.models import ModelSpec
 from splitface.device.privacy.mechanisms import Mechanism, noise_generator
 

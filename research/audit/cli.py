@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from splitface.common.data import find_lfw_root  # noqa: E402
-from splitface.device.engine import to_input  # noqa: E402
+from splitface.device.trainer import to_input  # noqa: E402
 
 from splitface.common.data import FaceSet  # noqa: E402
 

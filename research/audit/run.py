@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from splitface.common.data import FaceSet, load_lfw, partition
-from splitface.device.engine import bound_for, initial_layer
+from splitface.device.trainer import bound_for, initial_layer
 from splitface.common.models import ModelSpec, build_backbone, build_classifier, split_backbone
 from splitface.device.privacy.described import from_description
 from splitface.device.privacy.mechanisms import Mechanism

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitface.device.engine import privatize
+from splitface.device.trainer import privatize
 from splitface.common.models import ModelSpec
 from splitface.device.privacy.mechanisms import Mechanism, noise_generator
 

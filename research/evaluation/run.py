@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from splitface.common.options import load_selection
-from splitface.device.engine import bound_for, privatize
+from splitface.device.trainer import bound_for, privatize
 from splitface.common.models import ModelSpec, build_backbone, split_backbone
 from splitface.device.privacy.described import from_description
 from splitface.device.privacy.mechanisms import noise_generator

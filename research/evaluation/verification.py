@@ -18,7 +18,7 @@ from sklearn.metrics.pairwise import paired_cosine_distances
 from sklearn.model_selection import StratifiedKFold
 
 from splitface.common.data import FaceSet, find_lfw_root, lfw_list
-from splitface.device.engine import to_input
+from splitface.device.trainer import to_input
 
 PAIRS_FILES = {"train": "pairsDevTrain.txt", "test": "pairsDevTest.txt"}
 FAR = 1e-2

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from splitface.device.engine import to_input
+from splitface.device.trainer import to_input
 
 from research.evaluation.verification import Pairs, embed_in_batches, verification_report, view1_pairs
 

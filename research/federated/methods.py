@@ -32,7 +32,7 @@ from splitface.common.models import ModelSpec, build_backbone
 
 from research.federated.aggregation import check_update
 from research.evaluation.verification import embed_in_batches
-from research.federated.engine import derived_seed
+from research.federated.rounds import derived_seed
 from research.federated.evaluate import recalibrate_bn
 from research.federated.fedgc import gradient_correction
 from research.federated.population import Population, virtual_clients

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 from splitface.common.models import ModelSpec, resolve_spec
 
-from research.federated.engine import METHODS, FederatedConfig
+from research.federated.rounds import METHODS, FederatedConfig
 from research.federated.experiment import STARTS, Shared, load_shared
 from research.federated.population import SINGLE_PHOTO_METHODS, check_single_photo
 

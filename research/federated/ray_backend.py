@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from splitface.device.federated import ClientResult
 
-from research.federated.engine import ClientTask, run_task
+from research.federated.rounds import ClientTask, run_task
 
 
 @functools.cache

@@ -25,7 +25,7 @@ from typing import Any
 from splitface.protocol.session import RoundBoard
 from splitface.server.app import EdgeServer
 from splitface.server.cli import add_serve_args, serve
-from research.federated.engine import CRASH_EXIT_CODE, SimulatedCrash
+from research.federated.rounds import CRASH_EXIT_CODE, SimulatedCrash
 from research.federated.experiment import run_federated
 from research.federated.options import SERVE_PREFIX, add_run_args, config_from, run_args, shared_from, spec_from
 from research.federated.websocket import ServedLoop, WebsocketBackend

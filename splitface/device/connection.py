@@ -27,7 +27,7 @@ from splitface.protocol.session import ClientSession
 from splitface.net.transport import (CLIENT_WS_OPTIONS, Message, message_size, receive, reuse_large_buffers, send_fragments)
 
 from splitface.common.faults import FAULT_EXIT, Fault, crash
-from splitface.device.engine import DeviceEngine
+from splitface.device.trainer import DeviceTrainer
 from splitface.net.tls import UntrustedServer, is_loopback, tls_context
 from splitface.net.fastws import FastClientConnection
 from splitface.device.meter import BatchCost, EnergyCounter, Stopwatch, peak_rss_bytes
@@ -105,7 +105,7 @@ class PreparedBatch:
 
 
 class DeviceClient:
-    def __init__(self, url: str, device_id: str, token: str, engine: DeviceEngine, batch_size: int,
+    def __init__(self, url: str, device_id: str, token: str, engine: DeviceTrainer, batch_size: int,
                  encodings: dict[str, str] | None = None, reconnect_timeout_s: float = 120.0, server_retries: int = 3,
                  max_message_bytes: int = m.DEFAULT_MAX_MESSAGE_BYTES, ca_file: Path | None = None,
                  insecure: bool = False, faults: list[Fault] | None = None):

@@ -35,7 +35,7 @@ def progress_path(state_dir: Path, device_id: str) -> Path:
 
 
 class TrainingProgress:
-    """The durable copy of a DeviceEngine's `committed` and `snapshots`. `identity`: what the state is for
+    """The durable copy of a DeviceTrainer's `committed` and `snapshots`. `identity`: what the state is for
     (model, split, head, classes); a file for another configuration is refused."""
 
     def __init__(self, path: Path, identity: dict[str, Any]):

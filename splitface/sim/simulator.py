@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from splitface.device.connection import DeviceClient, Rollback
 from splitface.common.data import DataSplit, FaceSet, partition
-from splitface.device.engine import DeviceEngine
+from splitface.device.trainer import DeviceTrainer
 from splitface.device.meter import summarize_costs
 from splitface.common.models import ModelSpec
 from splitface.common.optim import TrainConfig
@@ -114,7 +114,7 @@ class SimulatedDevice:
         privacy = config.privacy()
         if config.state_dir is not None:  # resume what this device spent, and its noise secret
             privacy.open_state(state_path(config.state_dir, device_id))
-        engine = DeviceEngine(config.spec, config.split, config.head, num_classes, train_cfg, privacy,
+        engine = DeviceTrainer(config.spec, config.split, config.head, num_classes, train_cfg, privacy,
                               config.device_weights, pipeline=config.pipeline)
         if config.state_dir is not None:  # resume the batch it had committed: it rejoins the server's run there
             engine.open_progress(progress_path(config.state_dir, device_id))

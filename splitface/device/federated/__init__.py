@@ -6,7 +6,7 @@ in a device process answering the protocol's round messages (`device.FederatedDe
 and returns plain tensors (a clipped backbone delta), so any transport can carry its inputs and outputs.
 A device never imports server code.
 """
-from splitface.device.federated.client import ClientResult, LocalConfig, train_client
+from splitface.device.federated.local_round import ClientResult, LocalConfig, train_client
 from splitface.device.federated.update import clip_delta, delta_norm, flat_delta
 
 __all__ = ["ClientResult", "LocalConfig", "clip_delta", "delta_norm", "flat_delta", "train_client"]

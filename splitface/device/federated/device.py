@@ -28,7 +28,7 @@ from splitface.net.transport import CLIENT_WS_OPTIONS, send_fragments
 
 from splitface.net.tls import UntrustedServer, tls_context
 from splitface.common.models import ModelSpec, build_classifier
-from splitface.device.federated.client import train_client
+from splitface.device.federated.local_round import train_client
 from splitface.device.federated.wire import backbone_template, config_from_wire, state_from_wire
 
 log = logging.getLogger("splitface.federated.device")

@@ -16,9 +16,9 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from splitface.device.engine import to_input
+from splitface.device.trainer import to_input
 from splitface.common.models import ModelSpec, build_backbone
-from splitface.device.federated.client import _batches, _module_from_state
+from splitface.device.federated.local_round import _batches, _module_from_state
 from splitface.device.federated.consensus import consensus_loss
 from splitface.common.dplc import scaled_rho
 from splitface.device.federated.update import Delta

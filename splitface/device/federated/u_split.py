@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from splitface.protocol import messages as m
 
 from splitface.device.connection import DeviceClient
-from splitface.device.engine import DeviceEngine
+from splitface.device.trainer import DeviceTrainer
 from splitface.device.federated.consensus import consensus_loss, cosines
 from splitface.common.dplc import DPLCConfig, DPLCResult, dplc
 
@@ -35,7 +35,7 @@ class ConsensusHead:
     kind: str = "cosface"
 
 
-class ConsensusEngine(DeviceEngine):
+class ConsensusEngine(DeviceTrainer):
     """A device-head engine whose head step is the consensus-aware loss over the clusters it last received
     (none: the plain margin softmax); the classifier's weight rows are the class centres (its bias unused)."""
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from splitface.common.models import ModelSpec, build_backbone
-from splitface.device.federated.client import HEAD_PREFIX, LocalConfig
+from splitface.device.federated.local_round import HEAD_PREFIX, LocalConfig
 
 
 def state_to_wire(state: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:

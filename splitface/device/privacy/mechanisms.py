@@ -134,7 +134,7 @@ class PerImageGaussian(Mechanism):
     frequency channel by w_f (transforms/dct.py `frequency_weights`), clipped and noised there, and scaled back, so
     frequency f gets noise z C / w_f. The guarantee is the same GaussianDpEvent(z): the weighted release is what is
     clipped and noised, and un-weighting it is post-processing. The device calls `privatize` through
-    `splitface.device.engine.privatize`, which supplies the weights.
+    `splitface.device.trainer.privatize`, which supplies the weights.
     """
 
     name = "per_image"

@@ -64,7 +64,7 @@ public final class Cli {
         return layer;
     }
 
-    /** uint8 NCHW pixels -> float in [0, 1], as splitface.device.engine.to_input. */
+    /** uint8 NCHW pixels -> float in [0, 1], as splitface.device.trainer.to_input. */
     static float[] pixels(byte[] data) {
         float[] out = new float[data.length];
         for (int j = 0; j < data.length; j++) out[j] = (data[j] & 0xff) / 255.0f;

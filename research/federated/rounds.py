@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from splitface.device.federated import ClientResult, LocalConfig, train_client
-from splitface.device.federated.client import HEAD_PREFIX
+from splitface.device.federated.local_round import HEAD_PREFIX
 from splitface.common.models import ModelSpec, build_backbone, build_classifier
 
 from splitface.server.checkpoint import load_checkpoint, save_checkpoint

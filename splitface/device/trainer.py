@@ -39,7 +39,7 @@ from splitface.device.runtimes.base import LayerRuntime
 from splitface.common.transforms import release_mask
 from splitface.common.transforms.dct import frequency_weights
 
-__all__ = ["DeviceEngine", "PrivacyEngine", "LAYER_TRAINING", "to_input", "initial_layer", "privatize", "bound_for",
+__all__ = ["DeviceTrainer", "PrivacyEngine", "LAYER_TRAINING", "to_input", "initial_layer", "privatize", "bound_for",
            "release_key"]
 
 
@@ -83,7 +83,7 @@ def bound_for(mechanism: Mechanism, layer: nn.Module) -> None:
         raise ValueError(f"sensitivity {mechanism.sensitivity} is below the layer's output bound {bound}")
 
 
-class DeviceEngine:
+class DeviceTrainer:
     def __init__(self, spec: ModelSpec, split: str, head: str, num_classes: int,
                  config: TrainConfig | None = None, privacy: PrivacyEngine | None = None,
                  device_weights: Path | None = None, pipeline: bool = False):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitface.device.engine import to_input
+from splitface.device.trainer import to_input
 from splitface.common.models import ModelSpec, build_backbone
 from splitface.device.federated.update import Delta, clip_delta
 
