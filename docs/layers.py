@@ -1,8 +1,10 @@
-"""Draw docs/layers.png: splitface's layers as boxes, the imports each may make as arrows.
+"""Draw docs/layers.png from the layering contract itself (pyproject.toml's [tool.importlinter]), so that the
+picture cannot drift from what `lint-imports` checks in the test suite.
 
-Run from anywhere: `python docs/layers.py` (needs matplotlib). The imports themselves are checked by
-tests/test_imports.py; this picture is only a map of the rule (docs/layout.md states it in words).
+Run from the repository root: `python docs/layers.py` (needs matplotlib). Each row is a layer: it may import
+the rows below it, never those above. Rooms side by side in one row must not import each other.
 """
+import tomllib
 from pathlib import Path
 
 import matplotlib
@@ -11,87 +13,68 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).with_name("layers.png")
 
-# name: (x0, y0, x1, y1, face colour, description lines)
-BOXES = {
-    "splitface/protocol/": (0.3, 0.5, 4.7, 1.9, "#dbe9f6",
-                            ["wire format: SPEC.md, byte-exact vectors,", "sans-I/O sessions (numpy + msgpack only)"]),
-    "splitface/common/": (7.3, 0.5, 11.7, 1.9, "#dbe9f6",
-                          ["models, release transforms, data, optimiser,", "options, faults, accountants"]),
-    "splitface/net/": (0.3, 2.8, 4.7, 4.1, "#e3f1de",
-                       ["async transport, fast websockets,", "TLS, reconnect"]),
-    "splitface/device/": (0.3, 5.1, 4.7, 6.5, "#fdebd3",
-                          ["device SDK: connection, trainer, privacy", "engine, runtimes, simulator, federated"]),
-    "splitface/server/": (7.3, 5.1, 11.7, 6.5, "#fdebd3",
-                          ["edge server: app, auth, checkpoints, metrics,", "recorder, split trainer, federated serving"]),
-    "splitface/export/": (4.6, 7.3, 7.4, 8.5, "#f6e0ec",
-                          ["ExecuTorch / ONNX programs,", "Android app bundle"]),
-    "research/": (0.5, 9.3, 5.6, 10.6, "#eeeeee",
-                  ["audit, distillation, evaluation, FaceMAE, ResSFL,", "federated experiments, frontier, DP sweep, demo"]),
-    "bench/": (6.4, 9.3, 11.5, 10.6, "#eeeeee",
-               ["performance benchmarks", "(side-by-side ratios)"]),
+WHAT = {
+    "research": "experiments: the demo (main job), audit, distillation,\nevaluation, FaceMAE, ResSFL, federated "
+                "experiments,\nfrontier, DP sweep (bench/ sits beside it)",
+    "splitface.sim": "simulated devices (processes or Ray actors),\nexporting their programs when needed",
+    "splitface.export": "ExecuTorch / ONNX programs, verified;\nthe Android app's bundle",
+    "splitface.server": "edge server: app, auth, checkpoints,\nmetrics, recorder, split trainer",
+    "splitface.device": "device SDK: connection, trainer, privacy\nengine, runtimes, federated device",
+    "splitface.net": "the I/O layer: async transport, fast\nwebsocket connections, TLS",
+    "splitface.common": "shared core: models, release transforms,\ndata, options, optimiser, faults, accountants",
+    "splitface.protocol": "the wire: SPEC.md, byte-exact vectors,\nsans-I/O sessions (numpy + msgpack only)",
 }
+COLOURS = ["#eeeeee", "#f3e6f7", "#f6e0ec", "#fdebd3", "#e3f1de", "#dbe9f6"]
 
-# (importer, imported, attach point on importer, attach point on imported, curvature)
-ARROWS = [
-    ("splitface/common/", "splitface/protocol/", (7.3, 1.2), (4.7, 1.2), 0.0),
-    ("splitface/net/", "splitface/protocol/", (2.5, 2.8), (2.5, 1.9), 0.0),
-    ("splitface/device/", "splitface/net/", (2.5, 5.1), (2.5, 4.1), 0.0),
-    ("splitface/device/", "splitface/protocol/", (0.3, 5.5), (0.3, 1.5), 0.35),
-    ("splitface/device/", "splitface/common/", (4.7, 5.3), (7.9, 1.9), 0.0),
-    ("splitface/server/", "splitface/common/", (9.5, 5.1), (9.5, 1.9), 0.0),
-    ("splitface/server/", "splitface/net/", (7.3, 5.4), (4.7, 3.7), 0.0),
-    ("splitface/server/", "splitface/protocol/", (7.6, 5.1), (4.3, 1.9), 0.0),
-    ("splitface/export/", "splitface/device/", (5.0, 7.3), (3.6, 6.5), 0.0),
-    ("splitface/export/", "splitface/common/", (6.6, 7.3), (8.4, 1.9), 0.0),
-]
+
+def contracts() -> list[dict]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+
+
+def layers() -> list[list[str]]:
+    contract = next(c for c in contracts() if c["type"] == "layers")
+    return [[room.strip() for room in layer.split("|")] for layer in contract["layers"]]
+
+
+def forbidden() -> str:
+    """The forbidden contracts in words: imports that the layers alone would allow."""
+    return "; ".join(f"{', '.join(c['source_modules'])} never import {', '.join(c['forbidden_modules'])}"
+                     for c in contracts() if c["type"] == "forbidden")
 
 
 def main() -> None:
-    fig, ax = plt.subplots(figsize=(10, 8.6))
-    ax.set_xlim(-0.6, 12.4)
-    ax.set_ylim(-0.9, 11.6)
+    rows = layers()
+    width, row_h, gap = 12.0, 1.35, 0.55
+    height = len(rows) * (row_h + gap)
+    fig, ax = plt.subplots(figsize=(9.5, 0.75 * height + 1.2))
+    ax.set_xlim(-0.3, width + 0.3)
+    ax.set_ylim(-0.9, height + 0.6)
     ax.axis("off")
-
-    for name, (x0, y0, x1, y1, colour, lines) in BOXES.items():
-        dashed = name in ("research/", "bench/")
-        ax.add_patch(FancyBboxPatch((x0, y0), x1 - x0, y1 - y0, boxstyle="round,pad=0.02,rounding_size=0.15",
-                                    facecolor=colour, edgecolor="#333333", linewidth=1.3,
-                                    linestyle="--" if dashed else "-", zorder=2))
-        cx = (x0 + x1) / 2
-        ax.text(cx, y1 - 0.32, name, ha="center", va="center", fontsize=11, fontweight="bold",
-                family="monospace", zorder=3)
-        ax.text(cx, (y0 + y1) / 2 - 0.22, "\n".join(lines), ha="center", va="center", fontsize=8, zorder=3)
-
-    for _, _, start, end, rad in ARROWS:
-        ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=14, linewidth=1.3,
-                                     color="#1f4e79", connectionstyle=f"arc3,rad={rad}", zorder=1))
-
-    # research/ and bench/ may import every layer below
-    ax.add_patch(FancyArrowPatch((6.0, 9.3), (6.0, 8.5), arrowstyle="-|>", mutation_scale=18, linewidth=2.2,
-                                 color="#555555", zorder=1))
-    ax.text(6.0, 8.95, "  may import everything below", ha="left", va="center", fontsize=8.5, color="#555555",
-            style="italic")
-
-    # device and server never import each other
-    ax.plot([6.0, 6.0], [5.2, 6.4], color="#b22222", linewidth=1.5, linestyle=":")
-    ax.text(6.0, 5.8, "no imports\neither way", ha="center", va="center", fontsize=8, color="#b22222",
-            bbox=dict(facecolor="white", edgecolor="none", pad=1.0))
-
-    # the Android demo speaks the protocol from SPEC.md alone, in Java
-    ax.add_patch(FancyBboxPatch((8.4, 7.3), 3.1, 1.2, boxstyle="round,pad=0.02,rounding_size=0.15",
-                                facecolor="white", edgecolor="#888888", linestyle="--", linewidth=1.0))
-    ax.text(9.95, 8.05, "android_demo/", ha="center", va="center", fontsize=10, fontweight="bold",
-            family="monospace", color="#555555")
-    ax.text(9.95, 7.65, "JVM: the protocol from SPEC.md,\nno Python imports", ha="center", va="center",
-            fontsize=7.5, color="#555555")
-
-    ax.text(6.0, 11.25, "splitface: layers and the imports they allow", ha="center", va="center",
+    for i, rooms in enumerate(rows):
+        y0 = height - (i + 1) * (row_h + gap) + gap
+        room_w = (width - 0.5 * (len(rooms) - 1)) / len(rooms)
+        for j, room in enumerate(rooms):
+            x0 = j * (room_w + 0.5)
+            ax.add_patch(FancyBboxPatch((x0, y0), room_w, row_h, boxstyle="round,pad=0.02,rounding_size=0.12",
+                                        facecolor=COLOURS[min(i, len(COLOURS) - 1)], edgecolor="#333333",
+                                        linewidth=1.2, linestyle="--" if room == "research" else "-"))
+            ax.text(x0 + room_w / 2, y0 + row_h - 0.28, room.replace(".", "/") + "/", ha="center", va="center",
+                    fontsize=10.5, fontweight="bold", family="monospace")
+            ax.text(x0 + room_w / 2, y0 + row_h / 2 - 0.18, WHAT.get(room, ""), ha="center", va="center",
+                    fontsize=7.8)
+            if j:
+                ax.text(x0 - 0.25, y0 + row_h / 2, "✕", ha="center", va="center", fontsize=12, color="#b22222")
+        if i + 1 < len(rows):
+            ax.add_patch(FancyArrowPatch((width / 2, y0), (width / 2, y0 - gap), arrowstyle="-|>",
+                                         mutation_scale=14, linewidth=1.4, color="#1f4e79"))
+    ax.text(width / 2, height + 0.3, "splitface: layers and the imports they allow", ha="center", va="center",
             fontsize=13, fontweight="bold")
-    ax.text(6.0, -0.45, "An arrow A → B: A may import B. Nothing imports upwards. "
-            "splitface/protocol/ imports only numpy and msgpack.", ha="center", va="center", fontsize=8.5)
-
+    ax.text(width / 2, -0.55, "A row may import the rows below it (arrows), never above; ✕: rooms of one row do not "
+            "import each other.\nAlso: " + forbidden() + ".\nChecked by lint-imports (pyproject.toml) in the test suite. android_demo/ (Java) "
+            "speaks the protocol from SPEC.md alone.", ha="center", va="center", fontsize=8)
     fig.savefig(OUT, dpi=110, bbox_inches="tight")
     print(f"wrote {OUT}")
 
