@@ -130,15 +130,15 @@ def test_messages_arrive_as_sent(ends, fragment):
 
 
 def test_fast_path_engages_and_aligns_the_tensor():
-    """The take-over depends on reading websockets' parser state (device_sdk.fastws._parser_idle): if a websockets
-    release changes it, this test fails instead of the connections silently falling back to websockets' path."""
+    """The take-over really happens on both ends (a websockets release that changed how the connection is driven would
+    make this fail instead of the connections silently falling back to websockets' path)."""
     async def run():
         results = []
 
         async def handler(ws) -> None:
-            assert fastws._parser_idle(ws.protocol)          # open, idle between frames
+            assert ws.taking_over                           # open, past the handshake
             data = await receive(ws)
-            results.append((data, ws.fast_messages, ws._engaged))
+            results.append((data, ws.fast_messages, ws.taking_over))
             await send_fragments(ws, data)
             await ws.wait_closed()
 
@@ -150,7 +150,7 @@ def test_fast_path_engages_and_aligns_the_tensor():
                 for batch_id in (7, 300, 70_000):
                     await send_fragments(ws, m.encode_parts(_forward(batch_id)))
                     back = await receive(ws)
-                    results.append((back, ws.fast_messages, ws._engaged))
+                    results.append((back, ws.fast_messages, ws.taking_over))
                     break
         return results
 
