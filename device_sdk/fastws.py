@@ -164,6 +164,12 @@ class _FastFrames:
             if self._mode is _PASS:
                 self._forward(view[pos:])
                 return
+            if self._raw_left:   # a frame of websockets' own: the state is looked at past its end
+                k = min(self._raw_left, n - pos)
+                self._forward(view[pos:pos + k])
+                self._raw_left -= k
+                pos += k
+                continue
             if self.protocol.state is not OPEN:
                 # Closing (our close(): websockets still parses, and delivers a message under way) or failed
                 # (websockets discards everything): either way websockets takes every byte from here.
@@ -180,12 +186,6 @@ class _FastFrames:
                 pos += k
                 if not self._left:
                     self._frame_done()
-                continue
-            if self._raw_left:
-                k = min(self._raw_left, n - pos)
-                self._forward(view[pos:pos + k])
-                self._raw_left -= k
-                pos += k
                 continue
             # a frame header: 2 bytes, then 2 or 8 of length, then 4 of mask key
             need = 2 if len(self._head) < 2 else self._header_length()
