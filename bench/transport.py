@@ -103,7 +103,8 @@ RAW = list(VARIANTS)[-1]
 # --compare-fastws REV:PATH adds these variants: a fast-connection variant (the key) whose processes load the
 # connection classes from `git show REV:PATH` instead of device_sdk.fastws; the name ends with " [REV:PATH]".
 COMPARED = {"protocol, + fast connections on both ends": "protocol, + fast connections on both ends (now)",
-            "fast connections alone, without decode or encode": "fast connections alone: now, without decode or encode (a floor)"}
+            "fast connections alone, without decode or encode":
+                "fast connections alone: now, without decode or encode (a floor)"}
 
 
 def compared_variants(spec: str) -> list[str]:
