@@ -5,6 +5,9 @@ Run from the repository root:
 
     .venv/bin/python bench/transport.py                 # results/transport/{summary.json,table.md}
     .venv/bin/python bench/transport.py --rounds 2 --trips 1 --shape 8 16 64 64 --out /tmp/t   # a quick look
+    .venv/bin/python bench/transport.py --compare-fastws 3eb6d0c:splitface/net/fastws.py --variants \
+        "protocol, + fast connections on both ends (now)" "raw blocking sockets, recv_into" --out /tmp/t
+        # the fast connections side by side with another revision's module (git REV:PATH), in the same run
 
 A round trip is what a split-learning batch does: the device sends FORWARD (activations, f32, validated
 encode) and the server answers BACKWARD carrying a tensor of the same size. Each variant runs in its own
@@ -97,6 +100,39 @@ VARIANTS: dict[str, Setting | None] = {
     "raw blocking sockets, recv_into": None,
 }
 RAW = list(VARIANTS)[-1]
+# --compare-fastws REV:PATH adds these variants: a fast-connection variant (the key) whose processes load the
+# connection classes from `git show REV:PATH` instead of splitface.net.fastws; the name ends with " [REV:PATH]".
+COMPARED = {"protocol, + fast connections on both ends": "protocol, + fast connections on both ends (now)",
+            "fast connections alone, without decode or encode":
+                "fast connections alone: now, without decode or encode (a floor)"}
+
+
+def compared_variants(spec: str) -> list[str]:
+    return [f"{name} [{spec}]" for name in COMPARED]
+
+
+def setting_of(variant: str) -> Setting | None:
+    """A variant's setting; a compared one's is its fast-connection variant's."""
+    if variant in VARIANTS:
+        return VARIANTS[variant]
+    return VARIANTS[COMPARED[variant.rsplit(" [", 1)[0]]]
+
+
+def fastws_module(variant: str) -> Any:
+    """The module with the connection classes a fast variant runs: splitface.net.fastws, or for a compared variant
+    the module text of its git REV:PATH (loaded under its own name)."""
+    if not variant.endswith("]"):
+        from splitface.net import fastws
+        return fastws
+    import subprocess
+    import types
+    spec = variant.rsplit(" [", 1)[1][:-1]
+    source = subprocess.run(["git", "show", spec], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    module = types.ModuleType("fastws_compared")
+    module.__file__ = f"{spec} (git show)"
+    sys.modules[module.__name__] = module
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    return module
 # Round trips take their batch ids from these in turn, one of each width msgpack gives an int (fixint, uint8,
 # uint16, uint32): the tensors then sit at each of the offsets in a message that a training run meets (FORWARD's
 # at 70, 71, 72 and 74 bytes, BACKWARD's at 64, 65, 66 and 68), aligned for a view or not.
@@ -108,7 +144,7 @@ def codec_setting(zero_copy: bool) -> None:
     check), or the one before it (msgpack.packb, msgpack.unpackb, np.isfinite(...).all()) for the variants that
     show it. The bytes on the wire are the same."""
     from splitface.protocol import messages as m
-    from splitface.protocol import tensor
+    from protocol import tensor
     global _all_finite_now
     _all_finite_now = _all_finite_now or tensor.all_finite
     m.ZERO_COPY = zero_copy
@@ -155,7 +191,7 @@ def ws_options(side: str, fragmented: bool) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------
 def server_main(conn, variant: str) -> None:
     """Echo server of one variant: sends its port, serves until the pipe says stop, then sends its phase times."""
-    setting = VARIANTS[variant]
+    setting = setting_of(variant)
     phases: dict[str, list[float]] = {"decode": [], "encode": [], "send": []}
     if setting is None:
         listener = socket.create_server(("127.0.0.1", 0))
@@ -203,8 +239,7 @@ def server_main(conn, variant: str) -> None:
     async def main() -> None:
         options = ws_options("server", setting.fragments)
         if setting.fast:
-            from splitface.net.fastws import FastServerConnection
-            options["create_connection"] = FastServerConnection
+            options["create_connection"] = fastws_module(variant).FastServerConnection
         async with serve(echo, "127.0.0.1", 0, **options) as server:
             conn.send(next(iter(server.sockets)).getsockname()[1])
             await asyncio.get_running_loop().run_in_executor(None, conn.recv)   # "stop"
@@ -251,7 +286,7 @@ def _recv_into(s: socket.socket, view: memoryview) -> bool:
 def client_main(conn, variant: str, port: int, shape: tuple[int, ...]) -> None:
     """Client of one variant: on ("trips", k) runs k round trips and answers their times and phases;
     on "codec" times the codec steps alone; on "stop" ends."""
-    setting = VARIANTS[variant]
+    setting = setting_of(variant)
     rng = np.random.default_rng(1)
     activations = rng.random(shape, dtype=np.float32)
     labels = rng.integers(0, 1000, shape[0])
@@ -279,7 +314,8 @@ def client_main(conn, variant: str, port: int, shape: tuple[int, ...]) -> None:
     from splitface.net.transport import reuse_large_buffers
     if setting.allocator:
         reuse_large_buffers()
-    asyncio.run(_client_loop(conn, port, setting, activations, labels))
+    asyncio.run(_client_loop(conn, port, setting, activations, labels,
+                             fastws_module(variant).FastClientConnection if setting.fast else None))
 
 
 def _protocol_sizes(activations: np.ndarray, labels: np.ndarray) -> tuple[int, int]:
@@ -293,7 +329,8 @@ def _protocol_sizes(activations: np.ndarray, labels: np.ndarray) -> tuple[int, i
     return len(forward), len(backward)
 
 
-async def _client_loop(conn, port: int, setting: Setting, activations: np.ndarray, labels: np.ndarray) -> None:
+async def _client_loop(conn, port: int, setting: Setting, activations: np.ndarray, labels: np.ndarray,
+                       fast_client: Any = None) -> None:
     from websockets.asyncio.client import connect
 
     from splitface.protocol import messages as m
@@ -303,9 +340,8 @@ async def _client_loop(conn, port: int, setting: Setting, activations: np.ndarra
                             {"activations": "f32", "gradients": "f32"})
     trip = 0
     options = ws_options("client", setting.fragments)
-    if setting.fast:
-        from splitface.net.fastws import FastClientConnection
-        options["create_connection"] = FastClientConnection
+    if fast_client is not None:
+        options["create_connection"] = fast_client
     async with connect(f"ws://127.0.0.1:{port}", **options) as ws:
         loop = asyncio.get_running_loop()
         while (cmd := await loop.run_in_executor(None, conn.recv)) != "stop":
@@ -453,7 +489,7 @@ def run(shape: tuple[int, ...], rounds: int, trips: int, warmup: int, variants: 
             print(f"[{time.strftime('%H:%M:%S')}] round {r + 1}/{rounds}: " + ", ".join(
                 f"{v.split(',')[0] if v == RAW else v.split(', ', 1)[1]} {statistics.median(got[v]['times']) * 1e3:.0f} ms"
                 for v in variants), file=sys.stderr, flush=True)
-        codec = {p.variant: p.ask("codec") for p in pairs if VARIANTS[p.variant] is not None}
+        codec = {p.variant: p.ask("codec") for p in pairs if setting_of(p.variant) is not None}
     finally:
         server_phases = {p.variant: p.stop() for p in pairs}
     payload = 2 * math.prod(shape) * 4
@@ -521,8 +557,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trips", type=int, default=2, help="timed round trips per variant per round")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="VARIANT")
+    p.add_argument("--compare-fastws", metavar="REV:PATH",
+                   help="also run the fast-connection variants on this git revision's module (git show REV:PATH), "
+                        "side by side with the working tree's")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "transport")
     args = p.parse_args(argv)
+    if args.compare_fastws:
+        args.variants = [*args.variants, *compared_variants(args.compare_fastws)]
     import platform
     import websockets
     res: dict[str, Any] = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

@@ -130,15 +130,15 @@ def test_messages_arrive_as_sent(ends, fragment):
 
 
 def test_fast_path_engages_and_aligns_the_tensor():
-    """The take-over depends on reading websockets' parser state (splitface.net.fastws._parser_idle): if a websockets
-    release changes it, this test fails instead of the connections silently falling back to websockets' path."""
+    """The take-over really happens on both ends (a websockets release that changed how the connection is driven would
+    make this fail instead of the connections silently falling back to websockets' path)."""
     async def run():
         results = []
 
         async def handler(ws) -> None:
-            assert fastws._parser_idle(ws.protocol)          # open, idle between frames
+            assert ws.taking_over                           # open, past the handshake
             data = await receive(ws)
-            results.append((data, ws.fast_messages, ws._engaged))
+            results.append((data, ws.fast_messages, ws.taking_over))
             await send_fragments(ws, data)
             await ws.wait_closed()
 
@@ -150,7 +150,7 @@ def test_fast_path_engages_and_aligns_the_tensor():
                 for batch_id in (7, 300, 70_000):
                     await send_fragments(ws, m.encode_parts(_forward(batch_id)))
                     back = await receive(ws)
-                    results.append((back, ws.fast_messages, ws._engaged))
+                    results.append((back, ws.fast_messages, ws.taking_over))
                     break
         return results
 
@@ -637,3 +637,180 @@ def test_a_handler_that_stops_reading_holds_one_message():
     sent = asyncio.run(run())
     assert held["queued"] == size and held["under_way"] < size   # one message waits, the next is under way
     assert sent < 8                                                # the rest waited for the reader
+
+
+# ---- frame boundaries: any split of the input, control frames between fragments, a hand-back anywhere --------------
+class _Sink:
+    """A transport that keeps what the connection writes."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, data) -> None:
+        self.data += data
+
+    def is_closing(self) -> bool:
+        return False
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.data += b"<EOF>"
+
+    def set_write_buffer_limits(self, high=None, low=None) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+def _mframe(opcode: int, payload: bytes, fin: bool = True, key: bytes = b"\x12\x34\x56\x78") -> bytes:
+    """A client's masked frame (a fixed key, so that every run sees the same bytes)."""
+    return frame_header(opcode, fin, len(payload), key) + apply_mask(payload, key)
+
+
+_TENSOR_MESSAGE = m.encode({"type": m.FORWARD, "batch_id": 1,
+                            "activations": encode_tensor(np.arange(60, dtype=np.float32).reshape(3, 20), "f32")})
+_CLOSE = _mframe(0x8, struct.pack("!H", 1000))
+# a binary message in three frames with a ping and a pong between them (lengths in the 7-bit and 16-bit forms, and
+# an empty final frame), a text message in two frames, a one-frame binary message of the 64-bit length form
+_STREAM = (_mframe(0x2, _TENSOR_MESSAGE[:100], fin=False) + _mframe(0x9, b"ping")
+           + _mframe(0x0, _TENSOR_MESSAGE[100:], fin=False) + _mframe(0xA, b"") + _mframe(0x0, b"")
+           + _mframe(0x1, "h\u00e9".encode()[:2], fin=False) + _mframe(0x0, "h\u00e9".encode()[2:])
+           + _mframe(0x2, bytes(range(256)) * 260))
+_LONG_AT = len(_STREAM) - 256 * 260 - 14   # where the last frame's header starts
+
+
+async def _direct(cls, chunks: list[bytes], at: int | None = None, action: str = "", max_size=1 << 20):
+    """A server connection opened directly (no socket): `chunks` handed to its receive callbacks one by one, our own
+    close() or a failure (`action`) before chunk `at`, then the TCP connection lost. What recv() returned, what
+    the connection wrote, and how many messages it took over."""
+    from websockets.datastructures import Headers
+    from websockets.http11 import Request, Response
+    from websockets.server import ServerProtocol
+    protocol = ServerProtocol(state=fastws.OPEN, max_size=max_size)
+    conn = cls(protocol, None, ping_interval=None, close_timeout=None)
+    conn.request = Request("/", Headers())             # past the opening handshake, no server: no handler task
+    sink = _Sink()
+    fastws.Connection.connection_made(conn, sink)
+    if isinstance(conn, FastServerConnection):
+        conn.response = Response(101, "Switching Protocols", Headers())
+        conn._mode = fastws._FRAMES                  # as past a handshake that negotiated no extension
+    for i, chunk in enumerate(chunks):
+        if i == at:
+            if action == "close":                       # what close() does before it waits
+                protocol.send_close(1000)
+            else:                                       # what keepalive's ping timeout does
+                protocol.fail(1011, "keepalive ping timeout")
+            conn.send_data()
+        if isinstance(conn, FastServerConnection):
+            for start in range(0, len(chunk), fastws.READ_BYTES):
+                piece = chunk[start:start + fastws.READ_BYTES]
+                conn.get_buffer(-1)[:len(piece)] = piece
+                conn.buffer_updated(len(piece))
+        else:
+            conn.data_received(chunk)
+    conn.connection_lost(None)
+    got: list[Any] = []
+    try:
+        while True:
+            data = await asyncio.wait_for(conn.recv(), 1)
+            got.append(bytes(data) if isinstance(data, (bytes, memoryview)) else data)
+    except ConnectionClosed as exc:
+        got.append((type(exc).__name__, exc.sent.code if exc.sent else None))
+    return got, bytes(sink.data), getattr(conn, "fast_messages", None)
+
+
+def _split_points() -> list[int]:
+    """Every offset of the stream's small frames and of the long frame's header, a few within its payload."""
+    return [*range(0, _LONG_AT + 15), _LONG_AT + 1000, len(_STREAM) - 3, len(_STREAM)]
+
+
+def test_direct_harness_sees_the_stream_as_websockets_does():
+    got, written, fast = asyncio.run(_direct(FastServerConnection, [_STREAM + _CLOSE]))
+    assert got == [_TENSOR_MESSAGE, "h\u00e9", bytes(range(256)) * 260, ("ConnectionClosedOK", 1000)]
+    assert fast == 2
+    assert asyncio.run(_direct(ServerConnection, [_STREAM + _CLOSE]))[:2] == (got, written)
+
+
+def test_a_stream_split_at_every_offset_gives_what_websockets_gives():
+    """One cut anywhere (in a header, in a mask key, in a payload, between a message's fragments and the control
+    frames between them) and a byte at a time: the same messages and the same frames written (pongs, the close)."""
+    async def run():
+        stock = await _direct(ServerConnection, [_STREAM + _CLOSE])
+        for cut in _split_points():
+            assert await _direct(FastServerConnection, [_STREAM[:cut], _STREAM[cut:] + _CLOSE]) == (*stock[:2], 2), cut
+        small = [_STREAM[i:i + 1] for i in range(_LONG_AT + 15)]
+        assert await _direct(FastServerConnection, small + [_STREAM[_LONG_AT + 15:] + _CLOSE]) == (*stock[:2], 2)
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("action", ["close", "fail"])
+def test_closing_or_failing_at_any_offset_gives_what_websockets_gives(action):
+    """Our close() (websockets still parses: a message under way is handed back to it, mid-frame too, and it
+    assembles it) or a failure (websockets discards everything: nothing more is delivered) at any point of the
+    stream: what the handler receives and what the connection writes are websockets' own."""
+    async def run():
+        for cut in _split_points():
+            chunks = [_STREAM[:cut], _STREAM[cut:] + _CLOSE]
+            stock = await _direct(ServerConnection, chunks, at=1, action=action)
+            fast = await _direct(FastServerConnection, chunks, at=1, action=action)
+            assert fast[:2] == stock[:2], cut
+    asyncio.run(run())
+
+
+def test_oversize_after_fragments_is_refused_with_websockets_count():
+    """A frame that takes a taken-over message past max_size: the message so far goes to websockets, which refuses
+    the frame (1009) with its own count, the close frame's reason included."""
+    frames = [_mframe(0x2, bytes(600), fin=False), _mframe(0x9, b"p"), _mframe(0x0, bytes(300), fin=False),
+              _mframe(0x0, bytes(200))]
+    stream = b"".join(frames)
+    for cut in range(0, len(stream) + 1, 7):
+        chunks = [stream[:cut], stream[cut:]]
+        stock = asyncio.run(_direct(ServerConnection, chunks, max_size=1000))
+        assert asyncio.run(_direct(FastServerConnection, chunks, max_size=1000))[:2] == stock[:2]
+        assert stock[0] == [("ConnectionClosedError", 1009)]
+
+
+def test_frames_before_the_handshake_completes_go_to_websockets():
+    """A client that sends frames before the server's 101 (in the same write as its request): the connection
+    never takes over, websockets parses everything as it does on its own connections."""
+    async def run(cls):
+        got: list[Any] = []
+
+        async def handler(ws) -> None:
+            try:
+                while True:
+                    data = await receive(ws)
+                    got.append(bytes(data) if not isinstance(data, str) else data)
+            except ConnectionClosed as exc:
+                got.append(type(exc).__name__)
+            got.append(getattr(ws, "fast_messages", None))
+
+        async with serve(handler, "127.0.0.1", 0, create_connection=cls,
+                         **{**SERVER_WS_OPTIONS, "max_size": 1 << 20}) as server:
+            port = next(iter(server.sockets)).getsockname()[1]
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            key = base64.b64encode(os.urandom(16)).decode()
+            writer.write((f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                          f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode()
+                         + _frame(0x2, b"early", fin=False) + _frame(0x0, b" bird"))
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(_frame(0x2, b"later") + _CLOSE)
+            await asyncio.sleep(0.2)
+            writer.close()
+            await asyncio.sleep(0.05)
+        return got
+
+    assert asyncio.run(run(FastServerConnection)) == [b"early bird", b"later", "ConnectionClosedOK", 0]
+    assert asyncio.run(run(ServerConnection))[:3] == [b"early bird", b"later", "ConnectionClosedOK"]

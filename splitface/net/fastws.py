@@ -1,45 +1,18 @@
 """websockets connections that receive a binary message straight into its buffer and mask frames into their own.
 
-The device client's and the edge server's (which imports it from here, as it imports the client's fault hooks):
-splitface/protocol/ stays numpy and msgpack only. Written against websockets 17 (pyproject pins the major version), whose
-parser state and connection attributes it reads (below); tests/test_fastws.py fails if they change.
+`FastServerConnection` and `FastClientConnection` (`create_connection=` of websockets' serve() and connect()) are
+asyncio buffered protocols: the kernel writes into one reused buffer, and a small frame parser of their own reads
+every frame header after the opening handshake. The payload of a binary message's data frames is unmasked in place
+and copied once into the message's buffer; websockets then sees each such frame as its header with a zero length,
+so that its own checks and fragmentation state follow every frame. Everything else (the handshake, text, control
+frames, frames websockets would refuse, anything once the connection leaves OPEN) goes to websockets as it arrived.
+Only websockets' public sans-I/O surface is used: `Protocol.receive_data` (through the connection's
+`data_received`), its events, `state`, `fail()` and the `max_size` it was built with; no parser state is read.
 
-websockets (17.x) copies every byte of a received message three or four times in user space: asyncio's 256 KiB
-`recv` into a new `bytes`, its StreamReader's `bytearray +=`, the frame's slice, the server's unmasking into new
-`bytes`, then recv()'s join of the fragments (docs/transport.md has the profile). These connection classes
-(`create_connection=` of websockets' serve() and connect()) keep websockets for everything but the payloads of a
-binary message's data frames:
-
-- They are asyncio *buffered* protocols: the kernel writes into one reused 256 KiB buffer (`recv_into`).
-- A small frame parser runs ahead of websockets. Every byte that is not the payload of a binary message's data
-  frame (the opening handshake, text messages, ping / pong / close frames, anything malformed) goes to websockets
-  as it arrived, and websockets does with it what it always does. A binary message's data frames are taken over:
-  websockets is given each one's header with a zero length (same FIN, RSV and opcode bits, same MASK bit), so that
-  its own checks and its fragmentation state (opcode order, RSV bits, masking required of clients and forbidden
-  to servers, continuation rules, control frames between fragments, the close handshake) see every frame; the
-  payload is unmasked in place (numpy XOR over 32-bit words) and copied once into the message's `io.BytesIO`.
-- Limits: a frame that would take the message past websockets' `max_size` (or a fragment past its fragment limit)
-  is not taken over: websockets gets its real header, with its count of the message so far, and refuses it as it
-  would have (1009). A message of more than MAX_FRAGMENTS frames fails the connection with 1009, as recv() does.
-- The message is handed to websockets' assembler as one binary frame of `bytes`, so recv(), recv_streaming() and
-  `async for` behave as before. Its first tensor is placed at a multiple of transport.ALIGN behind a few bytes of
-  padding (as transport.receive does): `recv_view()` returns it as a memoryview past the padding (what
-  transport.receive uses, and messages.decode views), recv() as `bytes` without the padding (a copy when there is
-  padding).
-- Sending (`send_parts`, used by transport.send_fragments): the frames websockets' send() of the same parts would
-  write (a BINARY frame, CONTINUATION frames, an empty final one; one frame for one part), each header and
-  payload written into one new buffer, the client's mask applied on the way (numpy XOR) instead of websockets'
-  mask, then serialisation into `io.BytesIO`, then `getvalue()`.
-
-The take-over starts once websockets' parser is idle between frames (state OPEN, nothing buffered, waiting for a
-frame's first byte), which `_parser_idle` reads from the parser generator's `gi_yieldfrom` chain; a failed
-connection is recognised by its parser being websockets' `discard`. Those are details of websockets'
-implementation: if a release changes the parser, the connection never takes over (it stays a plain websockets
-connection); a renamed attribute raises. tests/test_fastws.py fails either way (`test_fast_path_engages`, the
-side-by-side tests), and pyproject pins websockets 17.
-
-Flow control: reading pauses as soon as one finished message waits unread (max_queue is (0, 0) on these
-connections), so a reader that stops reading holds one message besides the one under way.
+A finished message goes to websockets' assembler as one binary frame, its first tensor placed at a multiple of
+transport.ALIGN behind a few bytes of padding: `recv_view()` returns it past the padding, recv() and
+recv_streaming() without it. `send_parts` writes the frames websockets' send() would write for the same parts,
+masking a client's frames into a buffer of its own. docs/transport.md has the design and the measurements.
 """
 from __future__ import annotations
 
@@ -53,15 +26,19 @@ from typing import Any, Sequence
 import numpy as np
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.connection import Connection
-from websockets.asyncio.messages import MAX_FRAGMENTS as WEBSOCKETS_MAX_FRAGMENTS
 from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import TooManyFragments
 from websockets.frames import CloseCode, Frame, Opcode
-from websockets.protocol import OPEN, SERVER, Protocol
-from websockets.streams import StreamReader
+from websockets.protocol import OPEN, Protocol
 
 from splitface.protocol.messages import tensor_offset
 from splitface.net.transport import ALIGN, release_free_memory
+
+try:    # websockets >= 17: recv() refuses a message of more frames (1009)
+    from websockets.asyncio.messages import MAX_FRAGMENTS as WEBSOCKETS_MAX_FRAGMENTS
+    from websockets.exceptions import TooManyFragments
+except ImportError:   # before: transport.receive's bound, the same default and environment variable
+    from splitface.net.transport import MAX_FRAGMENTS as WEBSOCKETS_MAX_FRAGMENTS
+    TooManyFragments = None  # type: ignore[assignment,misc]
 
 READ_BYTES = 256 * 1024          # the kernel's reads (asyncio's own recv size)
 HEAD_PEEK = 4096                 # bytes of a message looked at for its first tensor's offset before it is placed
@@ -70,23 +47,10 @@ _CONT, _TEXT, _BINARY = Opcode.CONT.value, Opcode.TEXT.value, Opcode.BINARY.valu
 CLOSE_MESSAGE_TIMEOUT = 4002
 # A dropped message at least this large hands the allocator's free memory back (transport.release_free_memory).
 RELEASE_AFTER_BYTES = 16 << 20
-
-
-def _parser_idle(protocol: Protocol) -> bool:
-    """Whether websockets' parser waits for the first byte of a frame with nothing buffered (see the module doc)."""
-    if protocol.state is not OPEN or protocol.extensions or protocol.reader.buffer or protocol.current_size is not None:
-        return False
-    gen, chain = protocol.parser, []
-    while gen is not None:
-        chain.append(getattr(gen, "gi_code", None))
-        gen = getattr(gen, "gi_yieldfrom", None)
-    return len(chain) >= 2 and chain[-1] is StreamReader.at_eof.__code__ and Protocol.parse.__code__ in chain
-
-
-def _discarding(protocol: Protocol) -> bool:
-    """Whether websockets' parser throws its input away: after `Protocol.fail` (a refused frame, a keepalive timeout),
-    when a failed connection delivers nothing more."""
-    return getattr(protocol.parser, "gi_code", None) is Protocol.discard.__code__
+_ZERO_KEY = b"\0\0\0\0"
+# What the connection does with the bytes it receives: look for the end of the opening handshake (websockets gets
+# them all); read frame headers (taking binary messages over); hand everything to websockets, for good.
+_HANDSHAKE, _FRAMES, _PASS = "handshake", "frames", "pass"
 
 
 def xor_mask(dst: memoryview, src: memoryview, key: bytes, phase: int = 0) -> None:
@@ -115,11 +79,19 @@ def frame_header(opcode: int, fin: bool, length: int, key: bytes | None) -> byte
     return head + key if key is not None else head
 
 
+def _limits(protocol: Protocol) -> tuple[int | None, int | None]:
+    """The (message, fragment) size limits websockets' parser applies: the `max_size` the protocol was built with."""
+    if hasattr(protocol, "max_message_size"):
+        return protocol.max_message_size, protocol.max_fragment_size
+    return protocol.max_size, None  # type: ignore[attr-defined]   # websockets < 16: one limit
+
+
 class _FastFrames:
     """The mixin of FastServerConnection and FastClientConnection (module doc)."""
 
     protocol: Protocol
     transport: Any
+    _client = False   # the side: a server's peer masks its frames, a client's does not; a client masks its own
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Flow control counts a taken-over message as one frame: reading pauses as soon as one finished message waits
@@ -128,16 +100,21 @@ class _FastFrames:
         kwargs["max_queue"] = (0, 0)
         super().__init__(*args, **kwargs)
         self._scratch = memoryview(bytearray(READ_BYTES))
-        self._engaged = False       # the parser below runs ahead of websockets
-        self._passthrough = False   # for good: websockets' state left OPEN (closing, failed)
+        self._mode = _HANDSHAKE
+        self._tail = b""            # the handshake's last bytes so far (its blank line may span reads)
+        self._plain: bool | None = None   # no extension negotiated (known once the connection is open)
         self._head = bytearray()    # a frame header being read
-        self._raw_left = 0          # bytes of a frame websockets parses itself still to come
+        self._raw_left = 0          # payload bytes of a frame websockets parses itself still to come
+        self._raw_message = False   # a fragmented message websockets assembles itself is under way
         self._left = 0              # payload bytes of a taken-over frame still to come
-        self._key: bytes | None = None
-        self._phase = 0             # payload bytes of the frame so far, mod 4 (the mask's position)
+        self._opcode = _BINARY      # the taken-over frame's opcode, FIN bit and mask key
         self._fin = False
+        self._key: bytes | None = None
+        self._phase = 0             # its payload bytes so far, mod 4 (the mask's position)
         self._swallow = False       # websockets' events of a zero-length stand-in frame are not delivered
+        self._resume = False        # websockets goes on with a message handed back to it: its next frame starts it
         self._message: io.BytesIO | None = None   # the binary message being taken over
+        self._announced = False     # websockets has seen its first frame (as a stand-in)
         self._peek: bytearray | None = None       # its first bytes, until its first tensor's offset is known
         self._pad = 0
         self._next_peek = 64        # the peek's length at which its offset is looked for next
@@ -149,6 +126,11 @@ class _FastFrames:
         # Past it the message is dropped and the connection failed with CLOSE_MESSAGE_TIMEOUT.
         self.message_timeout_s: float | None = None
         self._message_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def taking_over(self) -> bool:
+        """Whether the connection reads frame headers ahead of websockets (open, past the handshake)."""
+        return self._mode is _FRAMES
 
     # ---- receiving: asyncio's buffered protocol ------------------------------------------------------------------
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -166,7 +148,7 @@ class _FastFrames:
             self._feed(self._scratch[:len(chunk)])
 
     def _forward(self, data: bytes | bytearray | memoryview) -> None:
-        """Bytes for websockets' own parser, as they arrived."""
+        """Bytes for websockets, through its connection's data_received (Protocol.receive_data, then its events)."""
         super().data_received(bytes(data))  # type: ignore[misc]
 
     def _feed(self, view: memoryview) -> None:
@@ -176,17 +158,24 @@ class _FastFrames:
 
     def _parse(self, view: memoryview) -> None:
         pos, n = 0, len(view)
+        if self._mode is _HANDSHAKE:
+            pos = self._handshake(view)
         while pos < n:
-            if not self._engaged:
-                if self._passthrough or not _parser_idle(self.protocol):
-                    self._forward(view[pos:])
-                    return
-                self._engaged = True
+            if self._mode is _PASS:
+                self._forward(view[pos:])
+                return
+            if self._raw_left:   # a frame of websockets' own: the state is looked at past its end
+                k = min(self._raw_left, n - pos)
+                self._forward(view[pos:pos + k])
+                self._raw_left -= k
+                pos += k
+                continue
+            if self.protocol.state is not OPEN:
+                # Closing (our close(): websockets still parses, and delivers a message under way) or failed
+                # (websockets discards everything): either way websockets takes every byte from here.
+                self._pass()
+                continue
             if self._left:
-                if _discarding(self.protocol):   # failed mid-frame: websockets throws the rest away, and so do we
-                    self._stop_taking_over()
-                    self._forward(view[pos:])
-                    return
                 k = min(self._left, n - pos)
                 chunk = view[pos:pos + k]
                 if self._key is not None:
@@ -198,12 +187,6 @@ class _FastFrames:
                 if not self._left:
                     self._frame_done()
                 continue
-            if self._raw_left:
-                k = min(self._raw_left, n - pos)
-                self._forward(view[pos:pos + k])
-                self._raw_left -= k
-                pos += k
-                continue
             # a frame header: 2 bytes, then 2 or 8 of length, then 4 of mask key
             need = 2 if len(self._head) < 2 else self._header_length()
             k = min(need - len(self._head), n - pos)
@@ -212,73 +195,150 @@ class _FastFrames:
             if len(self._head) >= 2 and len(self._head) == self._header_length():
                 self._header()
 
+    def _handshake(self, view: memoryview) -> int:
+        """The opening handshake's bytes to websockets, up to its blank line (a handshake request or a 101 response
+        has no body); returns where the frames start in `view` (its length if the handshake goes on). Frames start
+        the take-over only if the connection is open then: a server still deciding (a client that did not wait
+        for the response) or a refused handshake leaves every byte to websockets."""
+        data = self._tail + bytes(view)
+        end = data.find(b"\r\n\r\n")
+        if end < 0:
+            self._tail = data[-3:]
+            self._forward(view)
+            return len(view)
+        end += 4 - len(self._tail)
+        self._tail = b""
+        self._forward(view[:end])
+        self._mode = _FRAMES    # _parse passes every byte on for good if the connection is not open when it comes
+        return end
+
     def _header_length(self) -> int:
         code = self._head[1] & 0x7F
         return 2 + (2 if code == 126 else 8 if code == 127 else 0) + (4 if self._head[1] & 0x80 else 0)
 
     def _header(self) -> None:
-        head, self._head = self._head, bytearray()
-        protocol = self.protocol
-        if protocol.state is not OPEN:
-            # Closing: after our close() websockets still parses, and delivers the rest of a message under way, so
-            # the message so far goes to its assembler as a first fragment and websockets takes it from here.
-            # Failed: websockets discards everything, the message under way too.
-            if self._message is not None and not _discarding(protocol):
-                self._hand_over()
-            self._stop_taking_over()
-            self._forward(head)
-            return
+        head = self._head
         head1, head2 = head[0], head[1]
         opcode, fin, masked = head1 & 0x0F, bool(head1 & 0x80), bool(head2 & 0x80)
         code = head2 & 0x7F
         length = struct.unpack_from("!H", head, 2)[0] if code == 126 else \
             struct.unpack_from("!Q", head, 2)[0] if code == 127 else code
-        ours = (head1 & 0x70) == 0 and masked == (protocol.side is SERVER) and not protocol.extensions and (
-            (opcode == _BINARY and self._message is None and protocol.current_size is None)
-            or (opcode == _CONT and self._message is not None))
-        so_far = self._size if self._message is not None else 0
-        if ours and self._oversize(length, so_far):
-            # websockets refuses it (1009) with its own count of the message, as it would have
-            if self._message is not None:
-                protocol.current_size = so_far
-            self._drop_message()
-            ours = False
+        if opcode == _BINARY:
+            ours = self._message is None and not self._raw_message
+        else:
+            ours = opcode == _CONT and self._message is not None
+        ours = ours and not head1 & 0x70 and masked != self._client and self._no_extensions()
+        if ours and self._oversize(length):
+            ours = False    # websockets refuses it (1009), with its count of the message so far (below)
         if not ours:
+            if opcode < 8 and self._message is not None:
+                # a data frame of the message that websockets refuses, or assembles itself: the message so far is
+                # websockets' from here (a frame websockets counts), and the frame follows it
+                self._hand_back(in_frame=False)
+                self._raw_message = True
+            if opcode in (_TEXT, _BINARY, _CONT):
+                self._raw_message = not fin if opcode != _CONT else (self._raw_message and not fin)
+            self._head = bytearray()
             self._forward(head)
             self._raw_left = length
             return
+        self._head = bytearray()
         if self._message is None:
             self._message, self._peek, self._size, self._frames = io.BytesIO(), bytearray(), 0, 0
-            self._next_peek = 64
+            self._next_peek, self._announced = 64, False
         self._frames += 1
         if self._frames > WEBSOCKETS_MAX_FRAGMENTS:
             self._too_many_fragments()
             return
-        # websockets sees the frame with a zero length: its checks and fragmentation state follow every frame
-        self._swallow = True
-        try:
-            self._forward(frame_header(opcode, fin, 0, b"\0\0\0\0" if masked else None))
-        finally:
-            self._swallow = False
-        if protocol.state is not OPEN or protocol.parser_exc is not None:   # refused: nothing more is taken over
-            self._stop_taking_over()
-            return
-        if not fin:
-            protocol.current_size = self._size + length   # what websockets counts after this frame
-        self._left, self._fin, self._phase = length, fin, 0
+        self._opcode, self._fin, self._left, self._phase = opcode, fin, length, 0
         self._key = bytes(head[-4:]) if masked else None
         if not length:
             self._frame_done()
 
+    def _no_extensions(self) -> bool:
+        """Whether the handshake negotiated no extension (websockets would transform the payload)."""
+        if self._plain is None:
+            response = getattr(self, "response", None)
+            if response is None:
+                return False
+            self._plain = not response.headers.get_all("Sec-WebSocket-Extensions")
+        return self._plain
+
+    def _oversize(self, length: int) -> bool:
+        """Whether websockets would refuse a frame of `length` bytes after the message's bytes so far."""
+        limit, fragment_limit = _limits(self.protocol)
+        so_far = self._size if self._message is not None else 0
+        return (limit is not None and length > limit - so_far) or \
+            (fragment_limit is not None and length > fragment_limit)
+
+    def _frame_done(self) -> None:
+        """A taken-over frame arrived whole: websockets sees its header with a zero length (a stand-in whose events
+        are not delivered), then a final frame's message goes to websockets' assembler."""
+        self._swallow = True
+        try:
+            self._forward(frame_header(self._opcode, self._fin, 0, None if self._client else _ZERO_KEY))
+        finally:
+            self._swallow = False
+        self._announced = True
+        if self.protocol.state is not OPEN:   # refused (our checks make it websockets' too): nothing is delivered
+            self._drop_message()
+            self._pass()
+            return
+        if not self._fin:
+            return
+        message, peek, pad = self._message, self._peek, self._pad
+        assert message is not None
+        if peek is not None:          # a short message, or no tensor in its first bytes: no padding
+            message.write(peek)
+            pad = 0
+        self._message = self._peek = None
+        self._pad = 0
+        self._pads.append(pad)
+        self.fast_messages += 1
+        super().process_event(Frame(Opcode.BINARY, message.getvalue(), True))  # type: ignore[misc]
+
+    def _hand_back(self, in_frame: bool) -> None:
+        """The message under way to websockets, as frames it parses itself: what arrived of it as non-final frames
+        (each within its fragment limit), then, `in_frame`, a header for the rest of the current frame, whose bytes
+        follow as they arrive. A parsing websockets counts, checks and assembles the message as if it had seen it
+        all; a failed one discards it."""
+        message = self._message
+        assert message is not None
+        fragment_limit = _limits(self.protocol)[1] or (1 << 62)
+        key = None if self._client else _ZERO_KEY
+        data = memoryview(self._peek) if self._peek is not None else message.getbuffer()[self._pad:]
+        self._message = self._peek = None   # forwarding may run websockets' callbacks: the message is theirs
+        self._resume = True
+        opcode = _CONT if self._announced else _BINARY
+        for start in range(0, max(len(data), 1), fragment_limit):
+            piece = data[start:start + fragment_limit]
+            self._forward(frame_header(opcode, False, len(piece), key))
+            for i in range(0, len(piece), READ_BYTES):
+                self._forward(piece[i:i + READ_BYTES])
+            opcode = _CONT
+        if in_frame:
+            rest_key = None if self._key is None else self._key[self._phase:] + self._key[:self._phase]
+            self._forward(frame_header(_CONT, self._fin, self._left, rest_key))
+            self._raw_left, self._left = self._left, 0
+        del data, message
+        self._drop_message(size=self._size)
+
+    def _pass(self) -> None:
+        """websockets takes every byte from here, for good: a message under way and a header begun are handed to it."""
+        if self._message is not None:
+            self._hand_back(in_frame=bool(self._left))
+        self._mode = _PASS
+        if self._head:
+            head, self._head = self._head, bytearray()
+            self._forward(head)
+
     def _under_way(self) -> bool:
-        """Whether part of a frame or of a fragmented message has arrived and the rest has not (ours or websockets')."""
-        protocol = self.protocol
-        return bool(self._message is not None or self._left or self._raw_left or self._head
-                    or protocol.current_size is not None or protocol.reader.buffer)
+        """Whether part of a frame or of a fragmented message has arrived and the rest has not."""
+        return bool(self._message is not None or self._left or self._raw_left or self._head or self._raw_message)
 
     def _watch_message(self) -> None:
         """After input: a message under way has its deadline running from its first byte; none, no deadline."""
-        if self.protocol.state is OPEN and self._under_way():
+        if self._mode is _FRAMES and self.protocol.state is OPEN and self._under_way():
             if self._message_timer is None:
                 self._message_timer = self.loop.call_later(  # type: ignore[attr-defined]
                     self.message_timeout_s, self._message_timed_out)
@@ -299,13 +359,6 @@ class _FastFrames:
         self.protocol.fail(CLOSE_MESSAGE_TIMEOUT, f"message not received whole within {self.message_timeout_s:g} s")
         self._forward(b"")   # websockets writes its close frame and arms its close timeout, as after any input
 
-    def _oversize(self, length: int, so_far: int) -> bool:
-        """Whether websockets would refuse a frame of `length` bytes after `so_far` bytes of its message."""
-        protocol = self.protocol
-        limit, fragment_limit = protocol.max_message_size, protocol.max_fragment_size
-        return (limit is not None and length > limit - so_far) or \
-            (fragment_limit is not None and length > fragment_limit)
-
     def _store(self, chunk: memoryview) -> None:
         message = self._message
         assert message is not None
@@ -325,54 +378,35 @@ class _FastFrames:
         message.write(self._peek)
         self._peek = None
 
-    def _frame_done(self) -> None:
-        if not self._fin:
-            return
-        if _discarding(self.protocol):   # the connection failed while the frame arrived: nothing is delivered
-            self._stop_taking_over()
-            return
-        message, peek, pad = self._message, self._peek, self._pad
-        assert message is not None
-        if peek is not None:          # a short message, or no tensor in its first bytes: no padding
-            message.write(peek)
-            pad = 0
-        self._message = self._peek = None
-        self._pad = 0
-        self._pads.append(pad)
-        self.fast_messages += 1
-        super().process_event(Frame(Opcode.BINARY, message.getvalue(), True))  # type: ignore[misc]
-
-    def _hand_over(self) -> None:
-        """The message under way, as far as it came, to websockets' assembler as a non-final BINARY frame (without
-        its padding): websockets' parser, which saw every frame's header, goes on with the CONTINUATION frames."""
-        message, peek = self._message, self._peek
-        assert message is not None
-        data = bytes(peek) if peek is not None else message.getvalue()[self._pad:]
-        self._pads.append(0)
-        super().process_event(Frame(Opcode.BINARY, data, False))  # type: ignore[misc]
-
-    def _drop_message(self) -> None:
-        large = self._message is not None and self._size >= RELEASE_AFTER_BYTES
+    def _drop_message(self, size: int | None = None) -> None:
+        large = (self._size if self._message is not None else size or 0) >= RELEASE_AFTER_BYTES
         self._message = self._peek = None
         self._left = self._pad = 0
         if large:
             release_free_memory()
 
     def _stop_taking_over(self) -> None:
+        """The message under way is dropped and websockets gets every byte from here (it is failing the connection)."""
         self._drop_message()
-        self._engaged, self._passthrough = False, True
+        self._mode = _PASS
+        self._head = bytearray()
 
     def _too_many_fragments(self) -> None:
         """recv()'s refusal of a message of too many frames: 1009, the connection failed."""
         self._stop_taking_over()
-        self.set_connection_exc(TooManyFragments(WEBSOCKETS_MAX_FRAGMENTS))  # type: ignore[attr-defined]
+        if TooManyFragments is not None:
+            self.set_connection_exc(TooManyFragments(WEBSOCKETS_MAX_FRAGMENTS))  # type: ignore[attr-defined]
         self.protocol.fail(CloseCode.MESSAGE_TOO_BIG, "too many fragments")
         self._forward(b"")   # websockets writes its close frame and arms its close timeout, as after any input
 
     def process_event(self, event: Any) -> None:
-        if isinstance(event, Frame):
-            if self._swallow and event.opcode in (Opcode.BINARY, Opcode.CONT):
+        if isinstance(event, Frame) and event.opcode in (Opcode.BINARY, Opcode.CONT, Opcode.TEXT):
+            if self._swallow:
                 return
+            if self._resume:   # the first frame of a message handed back starts it in the assembler
+                self._resume = False
+                if event.opcode is Opcode.CONT:
+                    event = Frame(Opcode.BINARY, event.data, event.fin)
             if event.opcode in (Opcode.BINARY, Opcode.TEXT):   # a message websockets assembles: no padding
                 self._pads.append(0)
         super().process_event(event)  # type: ignore[misc]
@@ -430,11 +464,7 @@ class _FastFrames:
 
     def _send_frame(self, opcode: int, fin: bool, payload: memoryview) -> None:
         """Write one data frame to the transport (the caller holds send_context: the connection is OPEN)."""
-        protocol = self.protocol
-        if (opcode == _CONT) != protocol.expect_continuation_frame:
-            raise RuntimeError("data frame out of order")   # send_parts holds send_in_progress: cannot happen
-        protocol.expect_continuation_frame = not fin
-        key = secrets.token_bytes(4) if protocol.side is not SERVER else None
+        key = secrets.token_bytes(4) if self._client else None
         header = frame_header(opcode, fin, len(payload), key)
         # A new buffer per frame (the transport may keep a reference to what it has not sent yet); the payload starts
         # at offset 16, aligned for the mask's 32-bit words, with the header (at most 14 bytes) just before it.
@@ -455,6 +485,8 @@ class FastServerConnection(_FastFrames, ServerConnection, asyncio.BufferedProtoc
 class FastClientConnection(_FastFrames, ClientConnection, asyncio.BufferedProtocol):
     """websockets' ClientConnection with the receive and send paths of this module: `connect(...,
     create_connection=FastClientConnection)`."""
+
+    _client = True
 
 
 __all__ = ["FastServerConnection", "FastClientConnection", "Connection", "xor_mask", "frame_header"]
