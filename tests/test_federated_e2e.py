@@ -51,10 +51,11 @@ def test_small_experiment_end_to_end(lfw, init_file, tmp_path, capsys):
 
 
 def test_serve_takes_the_same_run_options_and_refuses_bad_ones(lfw, init_file, tmp_path, capsys):
-    """`splitface-server serve --federated-*` declares the experiment's options once with the federated CLI (a
+    """The hosting server (`python -m research.federated.served`: serve's options and --federated-*) declares the
+    experiment's options once with the federated CLI (a
     run started by one resumes under the other: test_federated_ws's kill test); a bad run fails before serving.
     (Exactly-once rounds across a killed process: test_federated_ws, in-process: test_federated.py.)"""
-    from splitface.server import cli
+    from research.federated import served
     from research.federated.options import SERVE_PREFIX, add_run_args, run_args
     run = cli_args(lfw, init_file, tmp_path, "--method", "dp-fedemb", "--noise-multiplier", "1.0")
     del run[run.index("--threads"):run.index("--threads") + 2]  # serve's own option
@@ -63,11 +64,11 @@ def test_serve_takes_the_same_run_options_and_refuses_bad_ones(lfw, init_file, t
     add_run_args(serve, SERVE_PREFIX)
     theirs, ours = vars(run_args(serve.parse_args(prefixed), SERVE_PREFIX)), vars(parser().parse_args(run))
     assert theirs == {k: ours[k] for k in theirs} and {"noise_multiplier", "quorum", "out"} <= set(theirs)
-    base = ["serve", "--num-classes", "2", "--tokens", str(tmp_path / "tokens.json"), "--port", "0"]
+    base = ["--num-classes", "2", "--tokens", str(tmp_path / "tokens.json"), "--port", "0"]
     for bad, message in ((["--federated-noise-multiplier", "0"], "noise"),
                          (["--federated-method", "centralized"], "centralized")):
         with pytest.raises(SystemExit) as exit_info:
-            cli.main([*base, *prefixed, *bad])
+            served.main([*base, *prefixed, *bad])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 

@@ -285,7 +285,7 @@ def _free_port() -> int:
 def test_device_processes_across_a_server_kill_equal_the_in_process_run(lfw, tmp_path):
     """Three device processes train a 3-round DP-FedEmb run over websockets. The run starts under
     `python -m research.federated --backend websocket`, whose process dies in round 2 (update applied in memory,
-    not checkpointed); `splitface-server serve` resumes it with the same options (as --federated-*) while serving a
+    not checkpointed); the hosting server (`python -m research.federated.served`) resumes it with the same options (as --federated-*) while serving a
     split session at once (a `splitface-sim` device process trains an epoch); the federated devices reconnect. The
     final global model and accountant equal the uninterrupted in-process run's bit for bit (all on one thread)."""
     population = load_population(lfw, TINY.input_size, max_users=12, seed=0)
@@ -326,7 +326,7 @@ def test_device_processes_across_a_server_kill_equal_the_in_process_run(lfw, tmp
         assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["round"] == 1
         log = tmp_path / "serve.log"
         served = subprocess.Popen(
-            [sys.executable, "-m", "splitface.server.cli", "serve", "--model", json.dumps(TINY.to_dict()), "--num-classes",
+            [sys.executable, "-m", "research.federated.served", "--model", json.dumps(TINY.to_dict()), "--num-classes",
              "2", "--tokens", str(tmp_path / "tokens.json"), "--port", str(port), "--run-dir", str(tmp_path / "split"),
              "--max-batch", "8", "--threads", "1", *options("federated-")], cwd=ROOT, stdout=open(log, "w"),
             stderr=subprocess.STDOUT)
