@@ -1,8 +1,8 @@
 """Face-recognition backbones that can be cut into a device part and a server part.
 
-Models live in the device SDK (not the edge server) because the phone needs the
-layers up to the split, and a device must never import server code. A model is
-described by a small, serialisable :class:`ModelSpec` so device and server can
+Models live in the shared core because the phone needs the layers up to the split and the server the
+rest, and neither side imports the other. A model is
+described by a small, serialisable :class:`ModelSpec` (spec.py) so device and server can
 agree on the architecture over the wire, and is built as an ordered set of
 named stages so the split point is a name both sides understand.
 """
@@ -10,19 +10,17 @@ named stages so the split point is a name both sides understand.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import numpy as np
 import torch
 from torch import nn
 
-from splitface.common.transforms import RELEASES, TRANSFORMS, dct_channels, transform_range
-from splitface.common.models.iresnet import LAYERS as IRESNET_LAYERS
+from splitface.common.transforms import TRANSFORMS, transform_range
 from splitface.common.models.iresnet import iter_iresnet_stages
 from splitface.common.models.lrn import PaperLRN
+from splitface.common.models.spec import DEFAULT_SPLIT, PRESETS, RELEASE_KEYS, ModelSpec, resolve_spec
 from splitface.common.models.vgg_face import iter_vgg_face_stages
 
 __all__ = [
@@ -44,118 +42,6 @@ __all__ = [
     "build_classifier",
     "to_input",
 ]
-
-FAMILIES = ("vgg_face", "iresnet")
-# Keys that change only what is released at the cut, not the backbone's own stages (saved weights ignore them).
-RELEASE_KEYS = ("release_pool", "release", "bottleneck_channels", "bottleneck_stride", "dct_drop", "dct_keep",
-                "mask_ratio", "mask_patch")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Everything needed to rebuild a backbone identically on device and server."""
-
-    family: str  # "vgg_face" | "iresnet"
-    input_size: int
-    width: int = 64
-    fc_width: int = 4096  # vgg_face embedding size
-    depth: int = 50  # iresnet 18 | 34 | 50 | 100
-    embedding_size: int = 512  # iresnet
-    dropout: float = 0.5  # vgg fc6/fc7 dropout; iresnet dropout before fc
-    # k > 1: the device average-pools its output k x k before release (k^2 fewer values to clip,
-    # noise and send) and the server upsamples it back; applied only where the model is split.
-    release_pool: int = 1
-    # A release transform at the cut (splitface/common/transforms): "none", "bottleneck", "dct" or "mask".
-    release: str = "none"
-    bottleneck_channels: int = 8  # bottleneck: channels the device releases (1x1 conv, then tanh)
-    bottleneck_stride: int = 1  # bottleneck: stride of that conv (the server upsamples back)
-    dct_drop: int = 1  # dct: lowest zig-zag frequencies of each colour not released (1: the DC only)
-    dct_keep: int = 0  # dct: > 0 releases a random subset of this many channels per image, the rest zeroed
-    mask_ratio: float = 0.75  # mask (FaceMAE): share of each image's patches zeroed before release
-    mask_patch: int = 8  # mask: side of the square patches, a power of two dividing input_size
-
-    def __post_init__(self) -> None:
-        # Fail at spec time (e.g. when a peer sends one) rather than deep in a build.
-        if self.family not in FAMILIES:
-            raise ValueError(f"unknown model family {self.family!r}; expected one of {FAMILIES}")
-        if self.family == "iresnet" and self.depth not in IRESNET_LAYERS:
-            raise ValueError(f"iresnet depth must be one of {sorted(IRESNET_LAYERS)}, got {self.depth}")
-        multiple = 32 if self.family == "vgg_face" else 16
-        if self.input_size < multiple or self.input_size % multiple:
-            raise ValueError(f"{self.family} input_size must be a positive multiple of {multiple}, got {self.input_size}")
-        if min(self.width, self.fc_width, self.embedding_size) < 1:
-            raise ValueError("width, fc_width and embedding_size must be >= 1")
-        if self.release_pool < 1:
-            raise ValueError(f"release_pool must be >= 1, got {self.release_pool}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        if self.release not in RELEASES:
-            raise ValueError(f"unknown release {self.release!r}; expected one of {RELEASES}")
-        if self.release != "none" and self.release_pool != 1:
-            raise ValueError("release_pool and a release transform do not combine; use one")
-        if min(self.bottleneck_channels, self.bottleneck_stride) < 1:
-            raise ValueError("bottleneck_channels and bottleneck_stride must be >= 1")
-        if not 0 <= self.dct_drop < 64:
-            raise ValueError(f"dct_drop must be in [0, 64), got {self.dct_drop}")
-        if not 0 <= self.dct_keep <= dct_channels(self) or (self.dct_keep and self.release != "dct"):
-            raise ValueError(f"dct_keep must be 0 or, with release 'dct', at most {dct_channels(self)}; "
-                             f"got {self.dct_keep}")
-        if not 0.0 <= self.mask_ratio < 1.0:
-            raise ValueError(f"mask_ratio must be in [0, 1), got {self.mask_ratio}")
-        if self.mask_patch < 2 or self.mask_patch & (self.mask_patch - 1) or self.input_size % self.mask_patch:
-            raise ValueError(f"mask_patch must be a power of two >= 2 dividing input_size {self.input_size}, "
-                             f"got {self.mask_patch}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """A plain dict of str/int/float, safe for JSON and msgpack."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ModelSpec":
-        """Inverse of :meth:`to_dict`; rejects unknown keys so typos are not silently ignored."""
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = set(d) - set(fields)
-        if unknown:
-            raise ValueError(f"unknown ModelSpec keys {sorted(unknown)}; valid keys: {list(fields)}")
-        missing = {"family", "input_size"} - set(d)
-        if missing:
-            raise ValueError(f"ModelSpec dict is missing {sorted(missing)}")
-        kwargs: dict[str, Any] = {}
-        for k, v in d.items():
-            kind = fields[k].type   # "str" | "int" | "float" (postponed annotations)
-            kwargs[k] = str(v) if kind == "str" else float(v) if kind == "float" else int(v)
-        return cls(**kwargs)
-
-    @property
-    def embedding_dim(self) -> int:
-        return self.fc_width if self.family == "vgg_face" else self.embedding_size
-
-
-PRESETS: dict[str, ModelSpec] = {
-    "vgg_face": ModelSpec("vgg_face", 224),  # full size (GPU)
-    "vgg_face_small": ModelSpec("vgg_face", 64, width=16, fc_width=256, dropout=0.0),  # CPU/CI
-    "iresnet18": ModelSpec("iresnet", 112, depth=18, dropout=0.0),
-    "iresnet50": ModelSpec("iresnet", 112, depth=50, dropout=0.0),
-    "iresnet_small": ModelSpec("iresnet", 64, width=16, depth=18, embedding_size=128, dropout=0.0),  # CPU/CI
-}
-
-DEFAULT_SPLIT = "conv1"
-
-
-def resolve_spec(name_or_dict: str | Mapping[str, Any] | ModelSpec) -> ModelSpec:
-    """Accept what a CLI flag or a peer's message carries: a preset name or a spec dict."""
-    if isinstance(name_or_dict, ModelSpec):
-        return name_or_dict
-    if isinstance(name_or_dict, str):
-        if name_or_dict in PRESETS:
-            return PRESETS[name_or_dict]
-        raise ValueError(f"unknown model preset {name_or_dict!r}; presets: {sorted(PRESETS)}")
-    if isinstance(name_or_dict, Mapping):
-        return ModelSpec.from_dict(name_or_dict)
-    raise ValueError(
-        f"expected a preset name ({sorted(PRESETS)}) or a ModelSpec dict, got {type(name_or_dict).__name__}"
-    )
-
 
 class Stages(nn.Module):
     """Runs named stages in order; the unit that both whole and split models are made of.

@@ -28,7 +28,7 @@ from splitface.common.transforms.dct import BLOCK, BlockDCT, FrequencyStem, coef
 from splitface.common.transforms.mask import ImageRelease, MaskedReconstruction, patch_grid, random_patch_mask
 
 if TYPE_CHECKING:
-    from splitface.common.models import ModelSpec
+    from splitface.common.models.spec import ModelSpec
 
 Shape = tuple[int, int, int]
 
@@ -40,6 +40,28 @@ class Transform:
     device: Callable[["ModelSpec", Shape], nn.Module]
     server: Callable[["ModelSpec", Shape], nn.Module]
     replaces_device: bool
+    check: Callable[["ModelSpec"], None]  # refuse a spec whose keys for this transform are out of range
+
+
+def check_bottleneck(spec: "ModelSpec") -> None:
+    if min(spec.bottleneck_channels, spec.bottleneck_stride) < 1:
+        raise ValueError("bottleneck_channels and bottleneck_stride must be >= 1")
+
+
+def check_dct(spec: "ModelSpec") -> None:
+    if not 0 <= spec.dct_drop < 64:
+        raise ValueError(f"dct_drop must be in [0, 64), got {spec.dct_drop}")
+    if not 0 <= spec.dct_keep <= dct_channels(spec) or (spec.dct_keep and spec.release != "dct"):
+        raise ValueError(f"dct_keep must be 0 or, with release 'dct', at most {dct_channels(spec)}; "
+                         f"got {spec.dct_keep}")
+
+
+def check_mask(spec: "ModelSpec") -> None:
+    if not 0.0 <= spec.mask_ratio < 1.0:
+        raise ValueError(f"mask_ratio must be in [0, 1), got {spec.mask_ratio}")
+    if spec.mask_patch < 2 or spec.mask_patch & (spec.mask_patch - 1) or spec.input_size % spec.mask_patch:
+        raise ValueError(f"mask_patch must be a power of two >= 2 dividing input_size {spec.input_size}, "
+                         f"got {spec.mask_patch}")
 
 
 def dct_upsample(spec: "ModelSpec", split_shape: Shape) -> int:
@@ -74,15 +96,15 @@ TRANSFORMS: dict[str, Transform] = {
     "bottleneck": Transform(
         device=lambda spec, shape: Bottleneck(shape[0], spec.bottleneck_channels, spec.bottleneck_stride),
         server=lambda spec, shape: Expand(spec.bottleneck_channels, shape[0], spec.bottleneck_stride),
-        replaces_device=False),
+        replaces_device=False, check=check_bottleneck),
     "dct": Transform(
         device=lambda spec, shape: BlockDCT(dct_upsample(spec, shape), spec.dct_drop),
         server=lambda spec, shape: FrequencyStem(dct_channels(spec), shape[0]),
-        replaces_device=True),
+        replaces_device=True, check=check_dct),
     "mask": Transform(
         device=lambda spec, shape: ImageRelease(),
         server=mask_stem,
-        replaces_device=True),
+        replaces_device=True, check=check_mask),
 }
 RELEASES = ("none", *TRANSFORMS)
 
