@@ -111,6 +111,7 @@ def measure(model: str, backend: str, threads: int, data: str, runs: int, warmup
     from splitface.common.models import build_backbone, build_device_part, split_backbone
     from splitface.common.models.lrn import PaperLRN
     from splitface.device.runtimes import load_runtime
+    from splitface.export.exporter import EXPORTER
     from splitface.common.transforms import release_mask
     from splitface.export.verify import reference
 
@@ -147,7 +148,7 @@ def measure(model: str, backend: str, threads: int, data: str, runs: int, warmup
     else:
         t = time.perf_counter()
         runtime = load_runtime("executorch" if backend == RELOWER else backend, layer, spec.input_size, 8, artifacts,
-                               threads=threads)
+                               threads=threads, exporter=EXPORTER)
         export_s = time.perf_counter() - t  # loading only: exported before
 
         def forward() -> None:

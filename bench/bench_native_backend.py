@@ -37,6 +37,7 @@ from splitface.device.privacy.fastnoise import fresh_key  # noqa: E402
 from splitface.device.runtimes.native import cache_dir  # noqa: E402
 from splitface.device.runtimes.native_runtime import NativeRuntime  # noqa: E402
 from splitface.export.artifacts import example_inputs, manifest_of  # noqa: E402
+from splitface.export.exporter import EXPORTER
 
 
 def timed(call) -> tuple[float, dict]:
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     layer = device_layer(args.model, args.input_size)
     artifacts = args.artifacts or Path(tempfile.mkdtemp(prefix="bench-native-backend-"))
     manifest = manifest_of(layer, *example_inputs(layer, args.samples, args.input_size), gemm=True)
-    runtime = NativeRuntime(layer, artifacts, manifest, threads=1)  # checked against eager PyTorch on load
+    runtime = NativeRuntime(layer, artifacts, manifest, threads=1, exporter=EXPORTER)  # checked against eager PyTorch on load
     t = inputs(layer, args.samples, args.input_size)
     weights = [t["weight"], t["bias"]]
     shape = t["noise"].shape

@@ -335,7 +335,8 @@ async def _client_loop(conn, port: int, setting: Setting, activations: np.ndarra
 
     from splitface.protocol import messages as m
     from splitface.protocol.session import ClientSession
-    from splitface.net.transport import message_size, receive, send_fragments
+    from splitface.protocol.messages import message_size
+    from splitface.net.transport import receive, send_fragments
     session = ClientSession("bench-device", "bench-token", {}, "conv1", "server", len(activations), 1000,
                             {"activations": "f32", "gradients": "f32"})
     trip = 0

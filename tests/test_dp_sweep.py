@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # real processes or real-face training: the full 
 
 def test_reduced_sweep_runs_end_to_end(tmp_path, lfw):
     out = tmp_path / "sweep"
-    cmd = [sys.executable, str(ROOT / "bench" / "dp_sweep.py"), "--data", str(lfw), "--out", str(out),
+    cmd = [sys.executable, str(ROOT / "research" / "dp_sweep.py"), "--data", str(lfw), "--out", str(out),
            "--settings", "scratch", "--epsilons", "0.05", "inf", "--epochs", "1", "--device-head-epsilons", "inf",
            "--demo-args=--min-images 20 --max-identities 10 --devices 1 --batch-size 32"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)

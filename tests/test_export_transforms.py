@@ -16,6 +16,7 @@ from splitface.device.runtimes.base import mask_args, training_args
 from splitface.common.transforms import release_mask
 from splitface.export.artifacts import Manifest, transform_mask
 from splitface.export.verify import export_verified
+from splitface.export.exporter import EXPORTER
 
 DCT_KEEP = replace(PRESETS["iresnet_small"], release="dct", dct_drop=4, dct_keep=36)  # the frontier's point
 DEEP_BOTTLENECK = replace(PRESETS["iresnet_small"], release="bottleneck", bottleneck_channels=4, bottleneck_stride=2)
@@ -41,7 +42,7 @@ def test_dct_channel_subset_is_a_program_input_and_matches_eager(tmp_path):
     with torch.no_grad():
         want = layer(images) * mask + noise
     for backend in ("executorch", "onnxruntime"):
-        runtime = load_runtime(backend, layer, 64, 2, tmp_path)
+        runtime = load_runtime(backend, layer, 64, 2, tmp_path, exporter=EXPORTER)
         got = runtime.release(images, noise, [], mask)
         assert (got - want).abs().max() < 1e-4
         assert mask.flatten(1).sum(1).tolist() == [36, 36]  # each image releases 36 of its 180 channels,
@@ -82,7 +83,7 @@ def test_deeper_split_releases_match_eager_and_runtimes_refuse_to_train(tmp_path
     images, weights = torch.rand(2, 3, 64, 64), [p.detach() for p in layer.parameters()]
     noise = torch.zeros(manifest.activation_shape)
     for backend in ("executorch", "onnxruntime"):
-        runtime = load_runtime(backend, layer, 64, 2, tmp_path)
+        runtime = load_runtime(backend, layer, 64, 2, tmp_path, exporter=EXPORTER)
         assert not runtime.trainable
         np.testing.assert_allclose(runtime.release(images, noise, weights), layer(images).detach(), atol=1e-4)
         with pytest.raises(NotTrainable, match="BatchNorm2d"):
@@ -103,6 +104,6 @@ def test_facemae_patch_mask_is_a_program_input_and_matches_eager(tmp_path):
     noise = 0.05 * torch.randn(2, 3, 64, 64)
     want = images.clamp(0, 1) * mask + noise
     for backend in ("executorch", "onnxruntime"):
-        got = load_runtime(backend, layer, 64, 2, tmp_path).release(images, noise, [], mask)
+        got = load_runtime(backend, layer, 64, 2, tmp_path, exporter=EXPORTER).release(images, noise, [], mask)
         assert (got - want).abs().max() < 1e-5
     assert mask.mean(dim=(1, 2, 3)).tolist() == [0.25, 0.25]  # 16 of the 64 patches visible

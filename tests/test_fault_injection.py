@@ -14,7 +14,8 @@ import pytest
 from websockets.asyncio.client import connect
 
 from bench.load import check_counts, random_batches, start_device, start_server, stop_server, train_device
-from splitface.device.connection import DEVICE_FAULTS, FAULT_ENV, FAULT_EXIT, DeviceClient, Fault, device_faults
+from splitface.device.connection import DEVICE_FAULTS, FAULT_ENV, DeviceClient, device_faults
+from splitface.common.faults import FAULT_EXIT, Fault
 from splitface.device.trainer import DeviceTrainer
 from splitface.common.models import resolve_spec
 from splitface.common.optim import TrainConfig

@@ -33,6 +33,7 @@ from splitface.device.runtimes.native import (StripServer, build, draw_integers,
 from splitface.device.runtimes.native_runtime import NativeRuntime
 from splitface.export.artifacts import (RELEASE_GEMM_PTE, VJP_GEMM_PTE, Manifest, example_inputs, export_gemm_ptes, export_strip_ptes, manifest_of)
 from splitface.export.verify import GRAD_RTOL, RELEASE_ATOL, reference
+from splitface.export.exporter import EXPORTER
 
 SAMPLES, SIZE, ROWS = 4, 24, 8
 STRIP_RELEASE, STRIP_GRAD = ["images", "weight", "bias"], ["images", "grad", "weight", "bias"]
@@ -261,7 +262,7 @@ def assert_matches_eager(runtime, layer, images, weights, g):
 @pytest.mark.slow  # builds the runner (into the per-user cache) and lowers two strip programs
 def test_native_backend_follows_changing_weights_in_one_process(tmp_path):
     layer = vgg_layer()
-    runtime = NativeRuntime(layer, tmp_path, backend_manifest(layer, 2, 32))
+    runtime = NativeRuntime(layer, tmp_path, backend_manifest(layer, 2, 32), exporter=EXPORTER)
     try:
         assert all(c["ok"] for c in runtime.verification.values()) and len(runtime.verification) == 2
         pid = runtime._server._proc.pid
@@ -289,10 +290,10 @@ def test_native_backend_refuses_what_strips_do_not_cover_before_building(change,
     for key, value in change.items():
         setattr(manifest, key, value)
     with pytest.raises(ValueError, match=f"the native backend cannot run .*{why}"):
-        NativeRuntime(layer, tmp_path, manifest)
+        NativeRuntime(layer, tmp_path, manifest, exporter=EXPORTER)
     manifest.gemm_refusal = "the im2col programs cover conv + ReLU + LRN; found Conv2d"
     with pytest.raises(ValueError, match="the native backend runs the im2col programs, and .* has none .*found Conv2d"):
-        NativeRuntime(layer, tmp_path, manifest)
+        NativeRuntime(layer, tmp_path, manifest, exporter=EXPORTER)
 
 
 @pytest.mark.slow
@@ -434,7 +435,7 @@ def test_native_backend_exact_release_is_keyed_and_trains_like_eager(tmp_path):
     once, the accountant's figures are the eager engine's, and the straight-through weight gradient (the layer's
     own vector-Jacobian product: the clip and the rounding pass the gradient unchanged) matches eager PyTorch's."""
     layer = vgg_layer()
-    runtime = NativeRuntime(layer, tmp_path, backend_manifest(layer, 2, 32))
+    runtime = NativeRuntime(layer, tmp_path, backend_manifest(layer, 2, 32), exporter=EXPORTER)
     try:
         mechanism = DiscreteGaussianMechanism(clip_norm=4.0, noise_multiplier=0.05)
         sigma2, _, _ = exact_params(mechanism)
@@ -497,7 +498,7 @@ def test_native_backend_draws_the_engines_noise_under_the_release_key(tmp_path):
     from splitface.device.privacy.mechanisms import NoNoise, PerActivationGaussian
 
     layer = vgg_layer()
-    runtime = NativeRuntime(layer, tmp_path, backend_manifest(layer, 2, 32))
+    runtime = NativeRuntime(layer, tmp_path, backend_manifest(layer, 2, 32), exporter=EXPORTER)
     try:
         g = torch.Generator().manual_seed(9)
         images = torch.rand(2, 3, 32, 32, generator=g)

@@ -13,6 +13,7 @@ from splitface.common.models import resolve_spec
 from splitface.device.privacy.engine import PrivacyEngine
 from splitface.common.optim import TrainConfig
 from splitface.export.verify import GRAD_RTOL
+from splitface.export.exporter import EXPORTER
 
 SPEC = resolve_spec("iresnet_small")
 rng = np.random.default_rng(0)
@@ -79,7 +80,7 @@ def test_a_runtime_takes_the_pipelined_gradient_at_the_same_weights(tmp_path):
 
     eager = DeviceTrainer(SPEC, "conv1", "server", 2, TrainConfig(lr=0.1), pipeline=True)
     onnx = DeviceTrainer(SPEC, "conv1", "server", 2, TrainConfig(lr=0.1), pipeline=True)
-    onnx.attach_runtime(load_runtime("onnxruntime", onnx.layer, SPEC.input_size, 2, tmp_path))
+    onnx.attach_runtime(load_runtime("onnxruntime", onnx.layer, SPEC.input_size, 2, tmp_path, exporter=EXPORTER))
     grads = [np.random.default_rng(s).standard_normal((2, *eager.release_shape)).astype(np.float32) for s in (1, 2)]
     applied = {}   # engine -> the weight gradients of its two commits
     for e in (eager, onnx):

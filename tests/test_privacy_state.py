@@ -15,7 +15,8 @@ import torch
 from dp_accounting import dp_event
 from PIL import Image
 
-from splitface.device.connection import FAULT_ENV, FAULT_EXIT
+from splitface.device.connection import FAULT_ENV
+from splitface.common.faults import FAULT_EXIT
 from splitface.device.trainer import DeviceTrainer
 from splitface.common.models import resolve_spec
 from splitface.common.optim import TrainConfig

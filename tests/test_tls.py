@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from splitface.device.connection import DeviceClient, UntrustedServer
+from splitface.device.connection import DeviceClient
+from splitface.net.tls import UntrustedServer
 from splitface.device.trainer import DeviceTrainer
 from splitface.server.app import EdgeServer, ServerConfig, server_info
 from splitface.server.auth import TokenAuthenticator, issue_tokens

@@ -14,7 +14,8 @@ from websockets.exceptions import ConnectionClosed
 
 from splitface.protocol import messages as m
 from splitface.protocol.tensor import encode_tensor
-from splitface.net.transport import (CLIENT_WS_OPTIONS, SERVER_WS_OPTIONS, Message, fragments, message_size, reuse_large_buffers, send_fragments)
+from splitface.net.transport import CLIENT_WS_OPTIONS, SERVER_WS_OPTIONS, fragments, reuse_large_buffers, send_fragments
+from splitface.protocol.messages import Message, message_size
 
 
 def test_fragments_are_views_that_cover_the_message():

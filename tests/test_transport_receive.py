@@ -18,7 +18,8 @@ from splitface.net import transport
 from splitface.protocol.errors import ProtocolError
 from splitface.protocol.session import DeviceRecord, ServerInfo, ServerSession
 from splitface.protocol.tensor import encode_tensor
-from splitface.net.transport import CLIENT_WS_OPTIONS, SERVER_WS_OPTIONS, Message, receive, send_fragments
+from splitface.net.transport import CLIENT_WS_OPTIONS, SERVER_WS_OPTIONS, receive, send_fragments
+from splitface.protocol.messages import Message
 
 SHAPE = (4, 16, 64, 64)   # 1 MiB of f32: decode views tensors of messages this large
 

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import Callable
 
 from splitface.common.data import LFW_PEOPLE, DataSplit, find_lfw_root, load_image_folder, load_lfw
 from splitface.common.models import DEFAULT_SPLIT, PRESETS, RELEASE_KEYS, ModelSpec, resolve_spec

@@ -24,11 +24,12 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 from splitface.protocol import messages as m
 from splitface.protocol.errors import ErrorCode, RemoteError
 from splitface.protocol.session import ClientSession
-from splitface.net.transport import (CLIENT_WS_OPTIONS, Message, message_size, receive, reuse_large_buffers, send_fragments)
+from splitface.net.transport import CLIENT_WS_OPTIONS, receive, reuse_large_buffers, send_fragments
+from splitface.protocol.messages import Message, message_size
 
-from splitface.common.faults import FAULT_EXIT, Fault, crash
+from splitface.common.faults import Fault, crash
 from splitface.device.trainer import DeviceTrainer
-from splitface.net.tls import UntrustedServer, is_loopback, tls_context
+from splitface.net.tls import UntrustedServer, tls_context
 from splitface.net.fastws import FastClientConnection
 from splitface.device.meter import BatchCost, EnergyCounter, Stopwatch, peak_rss_bytes
 from splitface.device.privacy.state import check_server_figure, spent_epsilon

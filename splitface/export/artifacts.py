@@ -26,9 +26,6 @@ refuses a layer that trains and any release whose weights are not the baked ones
 """
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,7 +37,7 @@ if TYPE_CHECKING:
 
 from splitface.export.gemm_programs import GemmReleaseProgram, GemmWeightGrad, gemm_refusal, strip_example
 from splitface.export.programs import LayerVJP, ReleaseProgram, TrainingProgram, param_names, training_refusal
-from splitface.device.runtimes.manifest import (MANIFEST, NO_GEMM, RELEASE_GEMM_PTE, RELEASE_ONNX, RELEASE_PTE,
+from splitface.device.runtimes.manifest import (NO_GEMM, RELEASE_GEMM_PTE, RELEASE_ONNX, RELEASE_PTE,
                                                RELEASE_STRIP_PTE, TRAIN_PTE, VJP_GEMM_PTE, VJP_ONNX, VJP_STRIP_PTE, Manifest,
                                                weights_digest)
 

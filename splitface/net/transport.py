@@ -32,9 +32,9 @@ import ctypes.util
 import io
 import os
 import platform
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator
 
-from splitface.protocol.messages import Message, message_size, tensor_offset
+from splitface.protocol.messages import Message, tensor_offset
 
 FRAGMENT_BYTES = 1 << 20
 # Largest block glibc serves from its heap after reuse_large_buffers (above it: mmap, as before).

@@ -35,7 +35,8 @@ from splitface.protocol.session import (Action, Admit, Authenticator, DeviceReco
 from splitface.protocol import messages as m
 from splitface.protocol.clusters import ClusterRelay, HeadBoard
 from splitface.net.fastws import FastServerConnection
-from splitface.net.transport import (SERVER_WS_OPTIONS, Message, message_size, receive, reuse_large_buffers, send_fragments)
+from splitface.net.transport import SERVER_WS_OPTIONS, receive, reuse_large_buffers, send_fragments
+from splitface.protocol.messages import Message, message_size
 
 from splitface.server.auth import AuthThrottle, throttled
 from splitface.server.checkpoint import (ImplausibleStatistics, RefusedState, ReplyStore, load_checkpoint, save_checkpoint)

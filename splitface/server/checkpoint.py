@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from splitface.net.transport import Message, fragments
+from splitface.protocol.messages import Message
+from splitface.net.transport import fragments
 
 FORMAT = 1
 
