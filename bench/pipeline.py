@@ -5,7 +5,7 @@ Lock-step, a device makes batch n's release, sends it, waits for the gradient, a
 makes batch n+1's. Pipelined (`--pipeline`), it makes batch n+1's release while batch n is at the server, so
 its device compute overlaps the server's and the network's, and that release uses weights one step stale
 (the gradient is taken at them, `splitface/device/trainer.py`). Each pair of runs is the main job
-(`splitface-demo`: an edge server and simulated devices in their own processes on loopback) with the same
+(`splitface-research demo`: an edge server and simulated devices in their own processes on loopback) with the same
 data, seed and release, once each way; reduced size (IResNet-small at 64 px).
 
     python bench/pipeline.py --data ../shared/data/lfw       # results/pipeline/{summary.json,table.md}

@@ -5,7 +5,7 @@
 Each placement trains `--devices` devices for `--epochs` against its own fresh edge server (`splitface-server serve`
 on loopback, one torch thread), each device with its own small share of real LFW faces:
 - processes: `python -m splitface.sim --only-devices START:STOP` processes of `--devices-per-part` devices each, one
-  torch thread each, as `splitface-demo --device-processes` runs them, their results merged by `merge_results`;
+  torch thread each, as `splitface-research demo --device-processes` runs them, their results merged by `merge_results`;
 - ray: one `python -m splitface.sim --placement ray --devices-per-actor K` that starts a local Ray instance on this
   machine's cores and runs actors of the same K devices (Ray's start-up counts).
 The wall time runs from launching the simulator(s) to their exit (loading torch, the data, Ray); `training_span_s`

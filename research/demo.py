@@ -1,4 +1,4 @@
-"""`splitface-demo`: the main job. Starts an edge server and N simulated devices as separate
+"""`splitface-research demo`: the main job. Starts an edge server and N simulated devices as separate
 processes on loopback, trains on LFW (or the data given), and prints the results.
 
 The server and the devices share nothing but the websocket: the launcher only issues
@@ -32,13 +32,13 @@ from research.distill import distilled_start
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="splitface-demo", description=__doc__)
+    p = argparse.ArgumentParser(prog="splitface-research demo", description=__doc__)
     add_data_args(p)
     add_model_args(p, model="iresnet_small")
     p.add_argument("--init", default="scratch",
                    help="where the model starts: scratch (seeded weights), distilled (the public start distilled from "
                         "dlib's recognizer for this model, cut and release: built on first use, then cached; "
-                        "splitface-pretrain distill), or a backbone file; the server's tail and the devices' layer "
+                        "splitface-research pretrain distill), or a backbone file; the server's tail and the devices' layer "
                         "start from it")
     p.add_argument("--server-init", type=Path, default=None,
                    help="start only the server's tail from this saved backbone (the devices' weights are set apart)")
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
                                    processes=len(parts))
             (run_dir / "results.json").write_text(json.dumps(merged, indent=2))
     except Stopped as stop:
-        print(f"splitface-demo: {stop.name}: stopping the devices and the edge server", file=sys.stderr, flush=True)
+        print(f"splitface-research demo: {stop.name}: stopping the devices and the edge server", file=sys.stderr, flush=True)
         raise SystemExit(128 + stop.signum) from None
     finally:
         for sig in previous:  # a second signal must not cut the stopping short

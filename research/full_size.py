@@ -28,7 +28,7 @@ On the device tool, in one call, from the checkout the session runs in, after `p
 --no-index --no-deps; the project itself runs from the tree, on the PYTHONPATH of every process it starts),
 then, within --budget-s (450 s by default):
 
-1. The split loop at full size: `splitface-demo` (an edge server process, its model on CUDA with bf16 autocast,
+1. The split loop at full size: `splitface-research demo` (an edge server process, its model on CUDA with bf16 autocast,
    and --devices simulated devices in as many processes, one torch thread each, over loopback websockets, with
    the main job's wire from run.sh) for one epoch of LFW-158: VGG-Face at 224 px split after conv1, then
    IResNet-50 at 112 px. The step count is fixed by the data, the devices, the batch and the epochs (16
@@ -231,7 +231,7 @@ def _read_json(path: Path) -> Any:
 
 def split_loop(model: str, common: list[str], epochs: int, work: Path, name: str | None = None,
                extra: list[str] = ()) -> dict[str, Any]:
-    """One `splitface-demo` run (fresh processes), measured from its outputs."""
+    """One `splitface-research demo` run (fresh processes), measured from its outputs."""
     from bench.load import check_counts
     from splitface.common.models import resolve_spec
     from splitface.server.checkpoint import load_checkpoint
@@ -602,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     rn.add_argument("--budget-s", type=float, default=None,
                     help=f"the paper's setting runs only what fits in this many seconds from the start "
                          f"(default {FULL['budget_s']:.0f})")
-    rn.add_argument("--demo-args", default="", help="more splitface-demo arguments for every run (they come last)")
+    rn.add_argument("--demo-args", default="", help="more splitface-research demo arguments for every run (they come last)")
     for sp in (pk, rn):
         sp.add_argument("--pack", type=Path, default=DEFAULT_PACK, help="the pack's folder (git-ignored; carried)")
         sp.add_argument("--tiny", action="store_true", help="reduced size on a CPU (the smoke test)")

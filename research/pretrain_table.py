@@ -5,10 +5,10 @@ Rows (results/pretrain/summary.json, table.md):
   and at the input it was distilled from (150 px);
 - student: each distilled backbone (`--init distilled` builds them: research/distill.py), its embedding on
   View 1 as a device releases it (with the release's noise, for a noise-aware start);
-- split-finetune: `splitface-demo` on LFW-158 (the main job's data: people with >= 10 images) from the
+- split-finetune: `splitface-research demo` on LFW-158 (the main job's data: people with >= 10 images) from the
   distilled start, with the main job's release and wire (run.sh), server head and device head; the same from
   scratch (the old start), and from the distilled start with the paper's plain conv1 release. LFW-158 test
-  accuracy, and View 1 of the fine-tuned model (`python -m research.evaluation`; LFW-158 holds 43 of the
+  accuracy, and View 1 of the fine-tuned model (`splitface-research evaluate`; LFW-158 holds 43 of the
   DevTest pairs' people, so some pairs show people the run trained on: the row says how many).
 
 Reduced configuration (2 CPU cores): iresnet_small at 64 px, the main job's 3 epochs and 2 devices. Resumable:
@@ -84,7 +84,7 @@ def finetune_row(name: str, demo_args: list[str], args: argparse.Namespace) -> d
     results = run_recorded(run_dir, ["--data", str(args.data), "--model", args.model, *demo_args], args.force)
     view1 = run_dir / "view1.json"
     if not view1.exists() or args.force:
-        subprocess.run([sys.executable, "-m", "research.evaluation", str(run_dir), "--data", str(args.data)],
+        subprocess.run([sys.executable, "-m", "research", "evaluate", str(run_dir), "--data", str(args.data)],
                        check=True)
     report = json.loads(view1.read_text())
     config, last = results["config"], results["epochs"][-1]
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=ROOT / "results" / "pretrain")
     add_model_arg(p, "iresnet_small")
     p.add_argument("--cache", type=Path, default=default_cache(), help="teacher embeddings and distilled starts")
-    p.add_argument("--demo-args", default="", help="more splitface-demo arguments for every fine-tuning run")
+    p.add_argument("--demo-args", default="", help="more splitface-research demo arguments for every fine-tuning run")
     p.add_argument("--force", action="store_true", help="train and evaluate every fine-tuning run again")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Killing `splitface-demo` stops its edge server and its devices: SIGTERM (what research/frontier.py and a
+"""Killing `splitface-research demo` stops its edge server and its devices: SIGTERM (what research/frontier.py and a
 service manager send) and SIGINT (Ctrl-C, or a kill of the launcher alone) leave no process behind."""
 from __future__ import annotations
 

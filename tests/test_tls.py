@@ -116,7 +116,7 @@ def test_serve_command_with_tls_and_metrics(tmp_path, pki):
 
 @pytest.mark.slow
 def test_the_simulator_trains_over_wss_with_its_ca_file(tmp_path, pki):
-    """`splitface-sim --ca-file` (a real device process) trains against a wss:// server; without the CA
+    """`splitface-device sim --ca-file` (a real device process) trains against a wss:// server; without the CA
     file it is refused before sending anything. The faces are noise: the test is about the channel."""
     rng = np.random.default_rng(0)
     for person in range(NUM_CLASSES):  # 4 photos each: 3 train, 1 test

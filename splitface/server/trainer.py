@@ -53,7 +53,7 @@ class StepGuard:
     release_noise_std: float = field(default=-1.0, metadata={
         "help": "the largest noise std per released value of the devices' privacy mechanism (0: none; per-image: "
                 "noise multiplier x clip norm; per-activation: its std; the device's Mechanism.value_noise_std(); "
-                "splitface-demo passes it): activations outside the release's honest range widened by 10 of it "
+                "splitface-research demo passes it): activations outside the release's honest range widened by 10 of it "
                 "are refused (bad_tensor). -1: not stated, no release-aware bound (the server cannot know the "
                 "devices' noise), --max-abs-value and the statistics clip only"})
     stat_clip_sigmas: float = field(default=3.0, metadata={
