@@ -19,13 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from research.demo import run_recorded
 
-from research.demo import run_recorded  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 LOAD_FILE = "load.json"
 
