@@ -33,6 +33,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from research.results import write_record
+
 ROOT = Path(__file__).resolve().parents[1]
 
 MODELS = {"vgg_face": 224, "iresnet18": 112}
@@ -486,10 +488,7 @@ def main(argv: list[str] | None = None) -> None:
         for section in ("minimal_rss", "lrn_window", "noise"):
             if getattr(args, section):
                 saved["section_load"][section] = [before, os.getloadavg()]
-        args.out.with_suffix(".json").write_text(json.dumps(saved, indent=2))
-        text = full_text(saved)
-        print(text)
-        args.out.with_suffix(".txt").write_text(text)
+        write_record(args.out, saved, full_text(saved))
         return
     cores = os.cpu_count() or 1
     results = []
@@ -598,8 +597,7 @@ def write(out: Path, results: list[dict], cores: int, load_before: tuple[float, 
                  "merged": merged + [{"command": "python bench/bench_device.py " + " ".join(sys.argv[1:]),
                                       "rows": [row_label(r) for r in results], "load_before": load_before,
                                       "load_after": os.getloadavg()}]}
-    out.with_suffix(".json").write_text(json.dumps(saved, indent=2))
-    out.with_suffix(".txt").write_text(full_text(saved))
+    write_record(out, saved, full_text(saved), echo=False)
 
 
 if __name__ == "__main__":

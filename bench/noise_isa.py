@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.machine import cpu, describe, record
+from research.results import write_record
 
 ROOT = Path(__file__).resolve().parents[1]
 NATIVE = ROOT / "splitface" / "device" / "runtimes" / "native"
@@ -111,11 +112,7 @@ def main(argv: list[str] | None = None) -> None:
              "rows": [{"path": label, "march": march, "lanes": width, **b}
                       for (label, march, width, _), b in zip(paths, best)],
              "not_run": [p[0] for p in PATHS if p not in paths]}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(saved, indent=2))
-    text = table(saved)
-    args.out.with_suffix(".txt").write_text(text)
-    print(text)
+    write_record(args.out, saved, table(saved))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 
 from research.demo import run_recorded
+from research.results import write_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,11 +112,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(row(name, seed, mode, results, metrics)
                             | {"load": json.loads(load.read_text()) if load.exists() else None})
                 print(json.dumps(rows[-1]), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "summary.json").write_text(json.dumps({"rows": rows, "args": vars(args)}, indent=2, default=str))
-    text = table(rows, args)
-    (args.out / "table.md").write_text(text)
-    print(text)
+    write_summary(args.out, {"rows": rows, "args": vars(args)}, table(rows, args), default=str)
 
 
 if __name__ == "__main__":

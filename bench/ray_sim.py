@@ -32,6 +32,7 @@ from splitface.common.data import load_lfw
 from splitface.common.options import add_data_root_arg, add_devices_arg
 from splitface.sim.simulator import device_ranges, merge_results
 from splitface.server.auth import issue_tokens
+from research.results import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 LFW = ROOT.parent / "shared" / "data" / "lfw"
@@ -144,9 +145,7 @@ def main(argv: list[str] | None = None) -> None:
                                             len(data.class_names)))
         print(json.dumps(report["rows"][-1]), flush=True)
     report["machine_after"] = record()
-    (args.out / "ray_sim.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "ray_sim.md").write_text(table(report))
-    print(table(report))
+    write_report(args.out / "ray_sim.json", report, args.out / "ray_sim.md", table(report), newline=True)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
 import math
 import multiprocessing as mp
 import os
@@ -63,6 +62,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from research.results import write_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1e6
@@ -532,11 +533,7 @@ def main(argv: list[str] | None = None) -> int:
                            "loadavg_start": os.getloadavg()}
     res.update(run(tuple(args.shape), args.rounds, args.trips, args.warmup, args.variants))
     res["loadavg_end"] = os.getloadavg()
-    text = table(res)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "summary.json").write_text(json.dumps(res, indent=2) + "\n")
-    (args.out / "table.md").write_text(text)
-    print(text)
+    write_summary(args.out, res, table(res), newline=True)
     return 0
 
 

@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from research.results import write_summary
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # (name, activation encoding, gradient encoding, splitface-research demo arguments); the first is the reference
@@ -209,14 +211,11 @@ def main(argv: list[str] | None = None) -> None:
     missing = [name for name, *_ in POINTS if name not in {p[0] for p in points}]
     summary = summarise(rows)
     config = json.loads((args.out / "runs" / rows[0]["run"] / "results.json").read_text())["config"]
-    (args.out / "summary.json").write_text(json.dumps({"target": TARGET, "points": summary, "runs": rows,
-                                                       "seed_spread": spread(rows), "not_measured": missing},
-                                                      indent=2) + "\n")
     text = table(summary, rows, config, args.demo_args)
     if missing:
         text += f"\nNot measured in this run: {', '.join(missing)}.\n"
-    (args.out / "table.md").write_text(text)
-    print(text)
+    write_summary(args.out, {"target": TARGET, "points": summary, "runs": rows, "seed_spread": spread(rows),
+                             "not_measured": missing}, text, newline=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ paper's figures 3 and 4), fig_activations.png (its figure 2), and table.md.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from splitface.device.privacy.options import add_clip_norm_arg
 from splitface.common.options import add_data_root_arg, add_model_arg, add_training_args  # noqa: E402
 from splitface.server.cli import add_record_max_arg  # noqa: E402
 from research.demo import run_recorded  # noqa: E402
+from research.results import write_summary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -188,13 +188,10 @@ def main(argv: list[str] | None = None) -> None:
     plan = runs(args)
     outcomes = [run_one(run, args) for run in plan]
     rows = summarize(plan, outcomes)
-    (args.out / "summary.json").write_text(json.dumps(rows, indent=2, default=str))
     for setting in args.settings:
         plot_training(rows, setting, args.out)
     plot_activations(args, args.out)
-    text = table(rows, outcomes[0]["config"])
-    (args.out / "table.md").write_text(text)
-    print(text)
+    write_summary(args.out, rows, table(rows, outcomes[0]["config"]), default=str)
 
 
 if __name__ == "__main__":

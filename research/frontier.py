@@ -56,6 +56,7 @@ from splitface.common.models import ModelSpec  # noqa: E402
 from research.audit.cli import headline  # noqa: E402
 from splitface.server.cli import add_record_max_arg  # noqa: E402
 from research.demo import run_recorded, same_arguments  # noqa: E402
+from research.results import write_json, write_summary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -438,15 +439,12 @@ def main(argv: list[str] | None = None) -> None:
                 r.update(identity_r1=risk["reconstructions_R@1"], identity_r1_chance=risk["chance_R@1"],
                          attack="server's MAE + dlib")
     rows = merged_rows(rows, args)
-    (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
     best = best_point(rows)
     _, best_params, best_args = next(p for p in POINTS if point_name(*p[:2]) == best["run"])
     best["demo_args"] = point_args(best["run"], best_params, best_args, args)
-    (args.out / "best.json").write_text(json.dumps(best, indent=2))
-    text = table(rows, outcomes[0]["results"]["config"])
-    (args.out / "table.md").write_text(text)
+    write_json(args.out / "best.json", best)
+    write_summary(args.out, rows, table(rows, outcomes[0]["results"]["config"]))
     plot(rows, outcomes[0]["results"]["config"], args.out / "frontier.png")
-    print(text)
     print(f"best point (the main job's default release): {best['run']} "
           f"({'meets' if best['meets_goal'] else 'does not meet'} the goal)")
 

@@ -184,6 +184,7 @@ def run(args: argparse.Namespace, boot: dict[str, Any]) -> int:
 
     from bench.bench_split import code_version, machine
     from research.pretrain_table import run_sh_array
+    from research.results import write_record
 
     cfg = dict(TINY if args.tiny else FULL)
     for key in ("devices", "batch_size", "epochs", "paper_epochs", "budget_s"):
@@ -216,11 +217,8 @@ def run(args: argparse.Namespace, boot: dict[str, Any]) -> int:
     report["seconds"] = round(time.monotonic() - started, 1)
     report["cpu_reference"] = None if args.tiny else _read_json(CPU_REFERENCE)
     report["ok"] = all(r.get("exactly_once") for r in report["split_loop"] + report["paper_setting"]["runs"])
-    (args.out / "full_size.json").write_text(json.dumps(report, indent=2))
-    text = table(report)
-    (args.out / "full_size.txt").write_text(text)
+    write_record(args.out / "full_size", report, table(report))
     plot(report, args.out / "loss_curves.png")
-    print(text, flush=True)
     print(f"outputs: {args.out / 'full_size.json'}, {args.out / 'full_size.txt'}, {args.out / 'loss_curves.png'}")
     return 0 if report["ok"] else 1
 

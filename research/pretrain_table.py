@@ -31,6 +31,7 @@ from splitface.device.privacy.options import add_privacy_args, release_mechanism
 from research.demo import run_recorded
 from research.distill import CROP, TeacherCache, default_cache, distilled_start
 from research.evaluation.verification import verification_report, view1_pairs
+from research.results import write_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,13 +153,11 @@ def main(argv: list[str] | None = None) -> None:
             ("distilled-main-release-server-head-8-epochs", [*start, *release, *wire, "--epochs", "8"])]
     rows += [finetune_row(name, [*demo_args, *extra], args) for name, demo_args in runs]
     spec = resolve_spec(args.model)
-    (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
     text = (f"Reduced configuration: {args.model} ({spec.family}, width {spec.width}) at {spec.input_size} px; LFW "
             f"View 1 DevTest pairs (1,000); fine-tuning on LFW-158 as the main job does (2 devices, 3 epochs unless "
             f"the epochs column says otherwise).\n\n"
             + table(rows))
-    (args.out / "table.md").write_text(text)
-    print(text)
+    write_summary(args.out, rows, text)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from research.audit.recognizer import CachedFaces, DlibResNet, Eigenfaces, Publi
 from research.audit.substitute import fit_substitute  # noqa: E402
 from research.audit.run import AttackerView, GroundTruth, ground_truth, load_run, public_faces  # noqa: E402
 from splitface.common.options import add_data_root_arg, add_threads_arg
+from research.results import write_summary
 
 SAMPLES = 6  # reconstructions shown per run
 STRONG = "dlib"  # the strong recognizer: identity matching targets its embedding
@@ -376,8 +377,7 @@ def main(argv: list[str] | None = None) -> None:
               f"| pixel linkage {r['linkage_pixels']:.3f} | server-model R@1 {r['server_model_risk@1']:.3f} "
               f"| MI AUC {_fmt(r['membership_auc'])} | label AUC {_fmt(r['label_direction_auc'])} "
               f"| {time.time() - started:.0f}s", flush=True)
-    (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
-    (args.out / "table.md").write_text(table(list(reports.values())))
+    write_summary(args.out, rows, table(list(reports.values())), echo=False)
     plot_privacy_utility(rows, args.out / "privacy_utility.png")
     plot_reconstructions(samples, reports, args.out / "reconstructions.png")
     print(f"wrote {args.out}", flush=True)
