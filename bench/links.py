@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The split loop over emulated phone links (issue #15, item 6), side by side per wire encoding.
+"""The split loop over emulated phone links, side by side per wire encoding.
 
 Run from the repository root:
 

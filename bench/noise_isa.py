@@ -1,4 +1,4 @@
-"""The native runner's noise generator on each x86 vector path, side by side in one run (issue 30, item 1).
+"""The native runner's noise generator on each x86 vector path, side by side in one run.
 
 The generator runs ChaCha20 on W lanes at once; its 16-vector state must stay in registers through the rounds
 (splitface/device/runtimes/native/chacha20_lanes.h). Until this benchmark it used 16 lanes on every path, which fits

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Pipelined devices against lock-step ones (issue #15, item 8), side by side in one run.
+"""Pipelined devices against lock-step ones, side by side in one run.
 
 Lock-step, a device makes batch n's release, sends it, waits for the gradient, applies it, and only then
 makes batch n+1's. Pipelined (`--pipeline`), it makes batch n+1's release while batch n is at the server, so

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Transport at the wire's speed (issue #15, item 7): 100 MB-class messages through the protocol vs raw sockets.
+"""Transport at the wire's speed: 100 MB-class messages through the protocol vs raw sockets.
 
 Run from the repository root:
 

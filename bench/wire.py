@@ -1,4 +1,4 @@
-"""Wire bytes with their accuracy cost (issue #15, item 5).
+"""Wire bytes with their accuracy cost.
 
 Each point trains the reduced configuration end to end through the product (`splitface-research demo`: an edge
 server and 2 simulated devices in their own processes, over the websocket protocol) with one wire

@@ -1,4 +1,4 @@
-"""Federated experiments (issue 13): DP-FedEmb against its baselines on LFW DevTrain people, scored on View 1
+"""Federated experiments: DP-FedEmb against its baselines on LFW DevTrain people, scored on View 1
 DevTest pairs. Writes results/federated/{summary.json, table.md, utility_vs_epsilon.png, utility_vs_rounds.png}.
 
 Runs (all from one start: by default the backbone pre-trained on the public split, see
