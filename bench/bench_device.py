@@ -530,7 +530,7 @@ def export_programs(model: str, release: str, keep: Path | None) -> Path:
     print(f"exporting and verifying {model} ({release}) into {artifacts} ...", flush=True)
     spec, split = release_spec(model, release)
     described = model if release == "none" else json.dumps(spec.to_dict())
-    export = subprocess.run([sys.executable, "-m", "splitface.export", "--model", described, "--split", split,
+    export = subprocess.run([sys.executable, "-m", "splitface.export.cli", "--model", described, "--split", split,
                              "--batch-size", "8", "--dp-clamp", "--gemm", "--out", str(artifacts)],
                             capture_output=True, text=True, cwd=ROOT)
     if export.returncode != 0:

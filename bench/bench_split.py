@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
 import math
 import multiprocessing as mp
 import os

@@ -4,9 +4,9 @@
 
 Each placement trains `--devices` devices for `--epochs` against its own fresh edge server (`splitface-server serve`
 on loopback, one torch thread), each device with its own small share of real LFW faces:
-- processes: `python -m splitface.sim --only-devices START:STOP` processes of `--devices-per-part` devices each, one
+- processes: `splitface-device sim --only-devices START:STOP` processes of `--devices-per-part` devices each, one
   torch thread each, as `splitface-research demo --device-processes` runs them, their results merged by `merge_results`;
-- ray: one `python -m splitface.sim --placement ray --devices-per-actor K` that starts a local Ray instance on this
+- ray: one `splitface-device sim --placement ray --devices-per-actor K` that starts a local Ray instance on this
   machine's cores and runs actors of the same K devices (Ray's start-up counts).
 The wall time runs from launching the simulator(s) to their exit (loading torch, the data, Ray); `training_span_s`
 from the first batch's start to the last batch's end, over all parts on this machine's clock (the parts' own wall_s,
@@ -41,8 +41,9 @@ PLACEMENTS = ("processes", "ray")
 
 def sim_argv(args: argparse.Namespace, url: str, tokens: Path, results: Path) -> list[str]:
     """The simulator's options, the same for both placements."""
-    return [sys.executable, "-m", "splitface.sim", "--server", url, "--tokens", str(tokens), "--data", str(args.data),
-            "--min-images", "10", "--max-identities", str(args.max_identities), "--max-images", str(args.max_images),
+    return [sys.executable, "-m", "splitface.device_cli", "sim", "--server", url, "--tokens", str(tokens),
+            "--data", str(args.data), "--min-images", "10", "--max-identities", str(args.max_identities),
+            "--max-images", str(args.max_images),
             "--model", args.model, "--devices", str(args.devices), "--epochs", str(args.epochs),
             "--batch-size", str(args.batch_size), "--lr", "0.005", "--no-progress", "--results", str(results)]
 

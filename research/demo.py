@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> None:
 
     common = model_argv(args)  # the same model and release options to the server and the devices
     data_args = data_argv(args)
-    server_cmd = [sys.executable, "-m", "splitface.server", "serve", *common, "--num-classes", str(len(data.class_names)),
-                  "--tokens", str(run_dir / "server" / "tokens.json"), "--port", str(args.port),
+    server_cmd = [sys.executable, "-m", "splitface.server.cli", "serve", *common,
+                  "--num-classes", str(len(data.class_names)), "--tokens", str(run_dir / "server" / "tokens.json"), "--port", str(args.port),
                   "--run-dir", str(run_dir / "server"), "--lr", str(args.lr), "--decay-steps", str(decay_steps),
                   "--max-batch", str(args.batch_size), "--seed", str(args.seed), "--train-only", args.train_only,
                   "--record-max", str(args.record_max), "--gradient-rounding", args.gradient_rounding,
@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> None:
         copier = threading.Thread(target=_copy, args=(server.stdout, server_log), daemon=True)
         copier.start()
         print(f"edge server on ws://127.0.0.1:{port} (log: {run_dir / 'server.log'})", flush=True)
-        sim_cmd = [sys.executable, "-m", "splitface.sim", "--server", f"ws://127.0.0.1:{port}", "--tokens", str(token_file),
-                   *common, *data_args, "--head", args.head, *(["--pipeline"] if args.pipeline else []),
+        sim_cmd = [sys.executable, "-m", "splitface.device_cli", "sim", "--server", f"ws://127.0.0.1:{port}",
+                   "--tokens", str(token_file), *common, *data_args, "--head", args.head, *(["--pipeline"] if args.pipeline else []),
                    "--devices", str(args.devices), "--epochs", str(args.epochs),
                    "--batch-size", str(args.batch_size), "--lr", str(args.device_lr),
                    "--head-lr-scale", str(args.head_lr_scale), *extra]

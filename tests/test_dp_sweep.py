@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from splitface.device.privacy.planner import release_schedule
-from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow  # real processes or real-face training: the full tier
 

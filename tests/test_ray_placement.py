@@ -55,12 +55,12 @@ def token_file(tmp_path: Path, devices: int) -> Path:
 
 
 def on_local_processes(lfw: Path, tmp_path: Path, devices: int, lr: float) -> dict:
-    """One `python -m splitface.sim` process per device (--only-devices k:k+1, one torch thread), at once, against a fresh
+    """One `splitface-device sim` process per device (--only-devices k:k+1, one torch thread), at once, against a fresh
     server; their parts merged as splitface-research demo merges them."""
     tokens = token_file(tmp_path, devices)
     with serve_in_thread(small_trainer(IDENTITIES, TINY, lr=lr), tmp_path / "server-local") as server:
         parts = [tmp_path / "local" / f"results.part-{k}.json" for k in range(devices)]
-        procs = [subprocess.Popen([sys.executable, "-m", "splitface.sim",
+        procs = [subprocess.Popen([sys.executable, "-m", "splitface.device_cli", "sim",
                                    *sim_argv(lfw, server.url, tokens, parts[k], devices, lr), "--threads", "1",
                                    *(["--only-devices", f"{k}:{k + 1}"] if devices > 1 else [])],
                                   cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
