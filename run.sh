@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up .venv (first run only) and runs the main job: an edge server plus simulated devices
-# training on LFW. Arguments go to splitface-demo (see --help), e.g. --data PATH; they come after the
+# training on LFW. Arguments go to `splitface-research demo` (see --help), e.g. --data PATH; they come after the
 # default release below, so they override it (`--release none --split conv1` is the paper's conv1 release).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -17,4 +17,4 @@ DEFAULT_WIRE=(--activation-encoding i8c --gradient-encoding i8c)
 # at 10x the rest's rate, the usual fine-tuning ratio (results/pretrain/). `--init scratch --head-lr-scale 1` is
 # the old start from seeded weights.
 DEFAULT_START=(--init distilled --head-lr-scale 10)
-exec .venv/bin/python -m research.demo "${DEFAULT_START[@]}" "${DEFAULT_RELEASE[@]}" "${DEFAULT_WIRE[@]}" "$@"
+exec .venv/bin/python -m research demo "${DEFAULT_START[@]}" "${DEFAULT_RELEASE[@]}" "${DEFAULT_WIRE[@]}" "$@"

@@ -33,6 +33,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from research.results import write_record
+
 ROOT = Path(__file__).resolve().parents[1]
 
 MODELS = {"vgg_face": 224, "iresnet18": 112}
@@ -487,10 +489,7 @@ def main(argv: list[str] | None = None) -> None:
         for section in ("minimal_rss", "lrn_window", "noise"):
             if getattr(args, section):
                 saved["section_load"][section] = [before, os.getloadavg()]
-        args.out.with_suffix(".json").write_text(json.dumps(saved, indent=2))
-        text = full_text(saved)
-        print(text)
-        args.out.with_suffix(".txt").write_text(text)
+        write_record(args.out, saved, full_text(saved))
         return
     cores = os.cpu_count() or 1
     results = []
@@ -532,7 +531,7 @@ def export_programs(model: str, release: str, keep: Path | None) -> Path:
     print(f"exporting and verifying {model} ({release}) into {artifacts} ...", flush=True)
     spec, split = release_spec(model, release)
     described = model if release == "none" else json.dumps(spec.to_dict())
-    export = subprocess.run([sys.executable, "-m", "export", "--model", described, "--split", split,
+    export = subprocess.run([sys.executable, "-m", "splitface.export.cli", "--model", described, "--split", split,
                              "--batch-size", "8", "--dp-clamp", "--gemm", "--out", str(artifacts)],
                             capture_output=True, text=True, cwd=ROOT)
     if export.returncode != 0:
@@ -599,8 +598,7 @@ def write(out: Path, results: list[dict], cores: int, load_before: tuple[float, 
                  "merged": merged + [{"command": "python bench/bench_device.py " + " ".join(sys.argv[1:]),
                                       "rows": [row_label(r) for r in results], "load_before": load_before,
                                       "load_after": os.getloadavg()}]}
-    out.with_suffix(".json").write_text(json.dumps(saved, indent=2))
-    out.with_suffix(".txt").write_text(full_text(saved))
+    write_record(out, saved, full_text(saved), echo=False)
 
 
 if __name__ == "__main__":

@@ -16,21 +16,18 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import msgpack
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.bench_native import device_layer, export_for_batch, inputs
+from splitface.device.runtimes.native import jni_library
+from splitface.export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE, write_strip_ptes
+from splitface.export.java_layer import java_layer_job
 
-from bench_native import device_layer, export_for_batch, inputs  # noqa: E402
-from splitface.device.runtimes.native import jni_library  # noqa: E402
-from splitface.export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE, write_strip_ptes  # noqa: E402
-from splitface.export.java_layer import java_layer_job  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 TRAINERS = {"reference": "plain Java (DeviceLayer: loops, its own backward)",
             "gemm": "ExecuTorch via JNI, the batch im2col programs (XNNPACK)",

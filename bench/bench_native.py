@@ -27,24 +27,22 @@ import json
 import os
 import platform
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.machine import cmake_flags, describe, record  # noqa: E402
-from bench_device import minimal_rss  # noqa: E402  (the Python binding's process, same programs)
-
-from splitface.common.models import build_device_part, resolve_spec  # noqa: E402
-from splitface.common.models.lrn import PaperLRN  # noqa: E402
-from splitface.device.runtimes.native import build, etdump_ops, reference_normals, run_native, write_inputs  # noqa: E402
+from bench.machine import cmake_flags, describe, record
+from bench.bench_device import minimal_rss  # the Python binding's process, same programs
+from splitface.common.models import build_device_part, resolve_spec
+from splitface.common.models.lrn import PaperLRN
+from splitface.device.runtimes.native import build, etdump_ops, reference_normals, run_native, write_inputs
 from splitface.export.artifacts import (RELEASE_GEMM_PTE, RELEASE_STRIP_PTE, VJP_GEMM_PTE, VJP_STRIP_PTE, export_gemm_ptes, write_strip_ptes)
-from splitface.export.verify import GRAD_RTOL, RELEASE_ATOL, reference  # noqa: E402
+from splitface.export.verify import GRAD_RTOL, RELEASE_ATOL, reference
+from research.results import write_record
+
+ROOT = Path(__file__).resolve().parents[1]
 
 RELEASE_INPUTS = ["images", "noise", "weight", "bias"]
 STRIP_RELEASE_INPUTS = ["images", "weight", "bias"]
@@ -315,11 +313,7 @@ def main(argv: list[str] | None = None) -> None:
              "record": {**record(cmake_flags(args.build_dir, "splitface_native")), "load_avg": list(load_before)},
              "noise_std": NOISE_STD, "native": native, "profiles": profiles, "python_binding": python_binding, "python_binding_warm": warm,
              "load_before": load_before, "load_after": os.getloadavg()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(saved, indent=2))
-    text = table(saved) + ("\n" + profile_table(profiles) if profiles else "")
-    args.out.with_suffix(".txt").write_text(text)
-    print(text)
+    write_record(args.out, saved, table(saved) + ("\n" + profile_table(profiles) if profiles else ""))
 
 
 if __name__ == "__main__":

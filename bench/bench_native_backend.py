@@ -21,23 +21,21 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.machine import cmake_flags, describe, record  # noqa: E402
-from bench_native import device_layer, inputs  # noqa: E402
-from splitface.device.privacy.fastnoise import fresh_key  # noqa: E402
-from splitface.device.runtimes.native import cache_dir  # noqa: E402
-from splitface.device.runtimes.native_runtime import NativeRuntime  # noqa: E402
-from splitface.export.artifacts import example_inputs, manifest_of  # noqa: E402
+from bench.machine import cmake_flags, describe, record
+from bench.bench_native import device_layer, inputs
+from splitface.device.privacy.fastnoise import fresh_key
+from splitface.device.runtimes.native import cache_dir
+from splitface.device.runtimes.native_runtime import NativeRuntime
+from splitface.export.artifacts import example_inputs, manifest_of
 from splitface.export.exporter import EXPORTER
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def timed(call) -> tuple[float, dict]:

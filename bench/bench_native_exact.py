@@ -15,17 +15,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.bench_native import NOISE_STD, STRIP_RELEASE_INPUTS, device_layer, inputs
+from splitface.device.privacy.discrete import DiscreteGaussianMechanism
+from splitface.device.runtimes.native import build_cached, run_native, write_inputs
+from splitface.export.artifacts import write_strip_ptes
 
-from bench_native import NOISE_STD, STRIP_RELEASE_INPUTS, device_layer, inputs  # noqa: E402
-from splitface.device.privacy.discrete import DiscreteGaussianMechanism  # noqa: E402
-from splitface.device.runtimes.native import build_cached, run_native, write_inputs  # noqa: E402
-from splitface.export.artifacts import write_strip_ptes  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
 import math
 import multiprocessing as mp
 import os
@@ -48,6 +47,7 @@ import numpy as np
 from splitface.protocol import messages as m
 from splitface.protocol.session import ClientSession, DeviceRecord, ServerInfo, ServerSession
 from splitface.protocol.tensor import WIRE_DTYPES, decode_tensor, encode_tensor, payload_bytes
+from research.results import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -739,12 +739,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.skip_training:
         res["train"] = {}
-    text = report(res) if res["train"] else report_no_train(res)
-    print(text)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(res, indent=2) + "\n")
     txt = args.txt or args.json.with_suffix(".txt")
-    txt.write_text(text)
+    write_report(args.json, res, txt, report(res) if res["train"] else report_no_train(res), newline=True)
     log(f"wrote {args.json} and {txt}")
     return 0
 

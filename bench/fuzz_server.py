@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/fuzz_server.py [--messages 10000] [--seed 0] [--out results/reliability/fuzz.json]
 
-Starts `python -m splitface.server serve` on loopback with a tiny model and its default limits, then sends
+Starts `splitface-server serve` on loopback with a tiny model and its default limits, then sends
 `--messages` messages from a few concurrent workers. About a tenth are pre-HELLO: each on a fresh
 connection from its own loopback address 127.0.0.x (as attackers elsewhere would; the honest devices use
 127.0.0.1). The rest go to authenticated sessions (server and device head). Messages are honest ones and
@@ -345,7 +345,7 @@ def tracebacks(log_text: str) -> Counter:
 
 
 class ServerProcess(Target):
-    """`python -m splitface.server serve` in a subprocess, logging to a file; restarted if it dies."""
+    """`splitface-server serve` in a subprocess, logging to a file; restarted if it dies."""
 
     def __init__(self, workdir: Path, server_root: Path = ROOT):
         super().__init__("")
@@ -354,7 +354,7 @@ class ServerProcess(Target):
         self.crashes = 0
         tokens = workdir / "tokens.json"
         tokens.write_text(json.dumps({d: hash_token(t) for d, t in TOKENS.items()}))
-        self.command = [sys.executable, "-m", "splitface.server", "serve", "--model", json.dumps(MODEL),
+        self.command = [sys.executable, "-m", "splitface.server.cli", "serve", "--model", json.dumps(MODEL),
                         "--num-classes", str(NUM_CLASSES), "--tokens", str(tokens), "--port", "0",
                         "--run-dir", str(workdir / "run"), "--max-batch", str(MAX_BATCH),
                         "--max-message-mb", str(MAX_MESSAGE_MB), "--threads", "1", "--checkpoint-every", "5"]

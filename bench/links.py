@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The split loop over emulated phone links (issue #15, item 6), side by side per wire encoding.
+"""The split loop over emulated phone links, side by side per wire encoding.
 
 Run from the repository root:
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
 import os
 import statistics
 import sys
@@ -39,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from research.results import write_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 64 * 1024
@@ -264,11 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             res["rows"].append(bench_link(LINKS[name], enc, args.batch_size, args.batches, args.warmup,
                                           args.num_classes))
     res["loadavg_end"] = os.getloadavg()
-    text = table(res)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "summary.json").write_text(json.dumps(res, indent=2) + "\n")
-    (args.out / "table.md").write_text(text)
-    print(text)
+    write_summary(args.out, res, table(res), newline=True)
     return 0
 
 

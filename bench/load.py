@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.load [--devices 32] [--batch-size 16] [--seconds 75] [--out results/reliability/load.json]
 
-Starts `python -m splitface.server serve` on loopback with the tiny configuration (vgg_face_small split at conv1,
+Starts `splitface-server serve` on loopback with the tiny configuration (vgg_face_small split at conv1,
 20 LFW identities), then runs `--devices` devices in this process, each a real `DeviceClient` and
 `DeviceTrainer` on its own share of the real faces (alternately server head and device head). Shares hold
 33 and 40 images, so at batch 16 every other device's last batch of an epoch holds one image. Devices train

@@ -1,6 +1,6 @@
 """What a benchmark figure was measured on: the CPU (model, the vector extensions that decide which code runs),
 the compiler and the load. Every native benchmark stores `record()` beside its figures, so that a figure from
-another machine can be told apart from a regression (issue 30: AVX2 machines drew noise 6-7x slower)."""
+another machine can be told apart from a regression (docs/device.md: the noise generator differs per vector path)."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,4 @@
-"""The native runner's noise generator on each x86 vector path, side by side in one run (issue 30, item 1).
+"""The native runner's noise generator on each x86 vector path, side by side in one run.
 
 The generator runs ChaCha20 on W lanes at once; its 16-vector state must stay in registers through the rounds
 (splitface/device/runtimes/native/chacha20_lanes.h). Until this benchmark it used 16 lanes on every path, which fits
@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.machine import cpu, describe, record
+from research.results import write_record
 
 ROOT = Path(__file__).resolve().parents[1]
 NATIVE = ROOT / "splitface" / "device" / "runtimes" / "native"
@@ -111,11 +112,7 @@ def main(argv: list[str] | None = None) -> None:
              "rows": [{"path": label, "march": march, "lanes": width, **b}
                       for (label, march, width, _), b in zip(paths, best)],
              "not_run": [p[0] for p in PATHS if p not in paths]}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(saved, indent=2))
-    text = table(saved)
-    args.out.with_suffix(".txt").write_text(text)
-    print(text)
+    write_record(args.out, saved, table(saved))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
-"""Pipelined devices against lock-step ones (issue #15, item 8), side by side in one run.
+"""Pipelined devices against lock-step ones, side by side in one run.
 
 Lock-step, a device makes batch n's release, sends it, waits for the gradient, applies it, and only then
 makes batch n+1's. Pipelined (`--pipeline`), it makes batch n+1's release while batch n is at the server, so
 its device compute overlaps the server's and the network's, and that release uses weights one step stale
 (the gradient is taken at them, `splitface/device/trainer.py`). Each pair of runs is the main job
-(`splitface-demo`: an edge server and simulated devices in their own processes on loopback) with the same
+(`splitface-research demo`: an edge server and simulated devices in their own processes on loopback) with the same
 data, seed and release, once each way; reduced size (IResNet-small at 64 px).
 
     python bench/pipeline.py --data ../shared/data/lfw       # results/pipeline/{summary.json,table.md}
@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from research.demo import run_recorded
+from research.results import write_summary
 
-from research.demo import run_recorded  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 LOAD_FILE = "load.json"
 
@@ -113,11 +112,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(row(name, seed, mode, results, metrics)
                             | {"load": json.loads(load.read_text()) if load.exists() else None})
                 print(json.dumps(rows[-1]), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "summary.json").write_text(json.dumps({"rows": rows, "args": vars(args)}, indent=2, default=str))
-    text = table(rows, args)
-    (args.out / "table.md").write_text(text)
-    print(text)
+    write_summary(args.out, {"rows": rows, "args": vars(args)}, table(rows, args), default=str)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@
 
 Each placement trains `--devices` devices for `--epochs` against its own fresh edge server (`splitface-server serve`
 on loopback, one torch thread), each device with its own small share of real LFW faces:
-- processes: `python -m splitface.sim --only-devices START:STOP` processes of `--devices-per-part` devices each, one
-  torch thread each, as `splitface-demo --device-processes` runs them, their results merged by `merge_results`;
-- ray: one `python -m splitface.sim --placement ray --devices-per-actor K` that starts a local Ray instance on this
+- processes: `splitface-device sim --only-devices START:STOP` processes of `--devices-per-part` devices each, one
+  torch thread each, as `splitface-research demo --device-processes` runs them, their results merged by `merge_results`;
+- ray: one `splitface-device sim --placement ray --devices-per-actor K` that starts a local Ray instance on this
   machine's cores and runs actors of the same K devices (Ray's start-up counts).
 The wall time runs from launching the simulator(s) to their exit (loading torch, the data, Ray); `training_span_s`
 from the first batch's start to the last batch's end, over all parts on this machine's clock (the parts' own wall_s,
@@ -32,6 +32,7 @@ from splitface.common.data import load_lfw
 from splitface.common.options import add_data_root_arg, add_devices_arg
 from splitface.sim.simulator import device_ranges, merge_results
 from splitface.server.auth import issue_tokens
+from research.results import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 LFW = ROOT.parent / "shared" / "data" / "lfw"
@@ -40,8 +41,9 @@ PLACEMENTS = ("processes", "ray")
 
 def sim_argv(args: argparse.Namespace, url: str, tokens: Path, results: Path) -> list[str]:
     """The simulator's options, the same for both placements."""
-    return [sys.executable, "-m", "splitface.sim", "--server", url, "--tokens", str(tokens), "--data", str(args.data),
-            "--min-images", "10", "--max-identities", str(args.max_identities), "--max-images", str(args.max_images),
+    return [sys.executable, "-m", "splitface.device_cli", "sim", "--server", url, "--tokens", str(tokens),
+            "--data", str(args.data), "--min-images", "10", "--max-identities", str(args.max_identities),
+            "--max-images", str(args.max_images),
             "--model", args.model, "--devices", str(args.devices), "--epochs", str(args.epochs),
             "--batch-size", str(args.batch_size), "--lr", "0.005", "--no-progress", "--results", str(results)]
 
@@ -144,9 +146,7 @@ def main(argv: list[str] | None = None) -> None:
                                             len(data.class_names)))
         print(json.dumps(report["rows"][-1]), flush=True)
     report["machine_after"] = record()
-    (args.out / "ray_sim.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "ray_sim.md").write_text(table(report))
-    print(table(report))
+    write_report(args.out / "ray_sim.json", report, args.out / "ray_sim.md", table(report), newline=True)
 
 
 if __name__ == "__main__":

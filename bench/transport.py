@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Transport at the wire's speed (issue #15, item 7): 100 MB-class messages through the protocol vs raw sockets.
+"""Transport at the wire's speed: 100 MB-class messages through the protocol vs raw sockets.
 
 Run from the repository root:
 
@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
 import math
 import multiprocessing as mp
 import os
@@ -66,6 +65,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from research.results import write_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1e6
@@ -574,11 +575,7 @@ def main(argv: list[str] | None = None) -> int:
                            "loadavg_start": os.getloadavg()}
     res.update(run(tuple(args.shape), args.rounds, args.trips, args.warmup, args.variants))
     res["loadavg_end"] = os.getloadavg()
-    text = table(res)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "summary.json").write_text(json.dumps(res, indent=2) + "\n")
-    (args.out / "table.md").write_text(text)
-    print(text)
+    write_summary(args.out, res, table(res), newline=True)
     return 0
 
 

@@ -42,7 +42,6 @@ def _top(prof: cProfile.Profile, trips: int, n: int) -> list[tuple[str, float, i
 
 
 def server_main(conn, fast: bool, top: int) -> None:
-    sys.path.insert(0, str(ROOT))
     from websockets.asyncio.server import serve
     from websockets.exceptions import ConnectionClosed
 
@@ -125,7 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", type=int, nargs="+", default=[8, 64, 224, 224])
     p.add_argument("--out", type=Path, default=ROOT / "results" / "transport" / "profile.md")
     args = p.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     ctx = mp.get_context("spawn")
     load_start = os.getloadavg()
     lines = []

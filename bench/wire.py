@@ -1,6 +1,6 @@
-"""Wire bytes with their accuracy cost (issue #15, item 5).
+"""Wire bytes with their accuracy cost.
 
-Each point trains the reduced configuration end to end through the product (`splitface-demo`: an edge
+Each point trains the reduced configuration end to end through the product (`splitface-research demo`: an edge
 server and 2 simulated devices in their own processes, over the websocket protocol) with one wire
 encoding or release, then scores it on LFW classification (the run's own test accuracy, measured over
 the wire) and on View 1 verification of unseen people. The points:
@@ -10,7 +10,7 @@ the wire) and on View 1 verification of unseen people. The points:
 - i8 up and f16 down; i8 both ways with the gradients rounded stochastically (`--gradient-rounding stochastic`);
 - i8c both ways: int8 with a scale per image and channel (SPEC.md section 4).
 
-View 1 is scored as `python -m research.evaluation` scores a run (device 0's layer, its release, the
+View 1 is scored as `splitface-research evaluate` scores a run (device 0's layer, its release, the
 server's tail), with the release passed through the run's activation encoding and back, as the wire
 carries it (for f32 that round trip is the identity, so the figure equals the evaluator's).
 
@@ -33,9 +33,11 @@ from typing import Any
 
 import numpy as np
 
+from research.results import write_summary
+
 ROOT = Path(__file__).resolve().parents[1]
 
-# (name, activation encoding, gradient encoding, splitface-demo arguments); the first is the reference
+# (name, activation encoding, gradient encoding, splitface-research demo arguments); the first is the reference
 BOTTLENECK = ["--release", "bottleneck", "--bottleneck-channels", "4", "--bottleneck-stride", "1"]
 POINTS: list[tuple[str, str, str, list[str]]] = [
     ("f32", "f32", "f32", []),
@@ -60,7 +62,7 @@ def view1_over_wire(run_dir: Path, data: Path, encoding: str, limit: int | None)
     """View 1 of a finished run, the release passed through `encoding` and back as the wire carries it."""
     from research.evaluation.run import evaluate_run
 
-    # f32 is exactly `python -m research.evaluation`: the evaluator's release is already f32
+    # f32 is exactly `splitface-research evaluate`: the evaluator's release is already f32
     return evaluate_run(run_dir, data, limit, None if encoding == "f32" else encoding)
 
 
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--force", action="store_true", help="re-train and re-evaluate every point")
     p.add_argument("--report-only", action="store_true",
                    help="train nothing: evaluate and tabulate the runs that have finished (each point with the seeds it has)")
-    p.add_argument("--demo-args", default="--threads 1", help="more splitface-demo arguments")
+    p.add_argument("--demo-args", default="--threads 1", help="more splitface-research demo arguments")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     points = [pt for pt in POINTS if args.only is None or pt[0] in args.only or pt == POINTS[0]]
@@ -209,14 +211,11 @@ def main(argv: list[str] | None = None) -> None:
     missing = [name for name, *_ in POINTS if name not in {p[0] for p in points}]
     summary = summarise(rows)
     config = json.loads((args.out / "runs" / rows[0]["run"] / "results.json").read_text())["config"]
-    (args.out / "summary.json").write_text(json.dumps({"target": TARGET, "points": summary, "runs": rows,
-                                                       "seed_spread": spread(rows), "not_measured": missing},
-                                                      indent=2) + "\n")
     text = table(summary, rows, config, args.demo_args)
     if missing:
         text += f"\nNot measured in this run: {', '.join(missing)}.\n"
-    (args.out / "table.md").write_text(text)
-    print(text)
+    write_summary(args.out, {"target": TARGET, "points": summary, "runs": rows, "seed_spread": spread(rows),
+                             "not_measured": missing}, text, newline=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ as a what-if that the protocol does not offer, one int8 scale per channel shared
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 from typing import Callable
@@ -25,6 +24,8 @@ from typing import Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from research.results import write_record
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,12 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     rows = measure(args.data, args.steps, args.every, args.batch, args.seed)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gradient_error.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                               "rows": rows}, indent=2) + "\n")
-    text = table(rows, args)
-    (args.out / "gradient_error.txt").write_text(text)
-    print(text)
+    write_record(args.out / "gradient_error", {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
+                 table(rows, args), newline=True)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ OUT = Path(__file__).with_name("layers.png")
 WHAT = {
     "research": "experiments: the demo (main job), audit, distillation,\nevaluation, FaceMAE, ResSFL, federated "
                 "experiments,\nfrontier, DP sweep (bench/ sits beside it)",
+    "splitface.device_cli": "splitface-device: the simulator, the federated\ndevice and the privacy planner, as subcommands",
     "splitface.sim": "simulated devices (processes or Ray actors),\nexporting their programs when needed",
     "splitface.export": "ExecuTorch / ONNX programs, verified;\nthe Android app's bundle",
     "splitface.server": "edge server: app, auth, checkpoints,\nmetrics, recorder, split trainer",
@@ -27,7 +28,13 @@ WHAT = {
     "splitface.common": "shared core: models, release transforms,\ndata, options, optimiser, faults, accountants",
     "splitface.protocol": "the wire: SPEC.md, byte-exact vectors,\nsans-I/O sessions (numpy + msgpack only)",
 }
-COLOURS = ["#eeeeee", "#f3e6f7", "#f6e0ec", "#fdebd3", "#e3f1de", "#dbe9f6"]
+COLOURS = ["#eeeeee", "#ececf9", "#f3e6f7", "#f6e0ec", "#fdebd3", "#e3f1de", "#dbe9f6"]
+
+
+def path(room: str) -> str:
+    """The room's folder (splitface/sim/), or its one module (splitface/device_cli.py)."""
+    folder = room.replace(".", "/")
+    return folder + "/" if (ROOT / folder).is_dir() else folder + ".py"
 
 
 def contracts() -> list[dict]:
@@ -61,7 +68,7 @@ def main() -> None:
             ax.add_patch(FancyBboxPatch((x0, y0), room_w, row_h, boxstyle="round,pad=0.02,rounding_size=0.12",
                                         facecolor=COLOURS[min(i, len(COLOURS) - 1)], edgecolor="#333333",
                                         linewidth=1.2, linestyle="--" if room == "research" else "-"))
-            ax.text(x0 + room_w / 2, y0 + row_h - 0.28, room.replace(".", "/") + "/", ha="center", va="center",
+            ax.text(x0 + room_w / 2, y0 + row_h - 0.28, path(room), ha="center", va="center",
                     fontsize=10.5, fontweight="bold", family="monospace")
             ax.text(x0 + room_w / 2, y0 + row_h / 2 - 0.18, WHAT.get(room, ""), ha="center", va="center",
                     fontsize=7.8)

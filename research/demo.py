@@ -1,4 +1,4 @@
-"""`splitface-demo`: the main job. Starts an edge server and N simulated devices as separate
+"""`splitface-research demo`: the main job. Starts an edge server and N simulated devices as separate
 processes on loopback, trains on LFW (or the data given), and prints the results.
 
 The server and the devices share nothing but the websocket: the launcher only issues
@@ -32,13 +32,13 @@ from research.distill import distilled_start
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="splitface-demo", description=__doc__)
+    p = argparse.ArgumentParser(prog="splitface-research demo", description=__doc__)
     add_data_args(p)
     add_model_args(p, model="iresnet_small")
     p.add_argument("--init", default="scratch",
                    help="where the model starts: scratch (seeded weights), distilled (the public start distilled from "
                         "dlib's recognizer for this model, cut and release: built on first use, then cached; "
-                        "splitface-pretrain distill), or a backbone file; the server's tail and the devices' layer "
+                        "splitface-research pretrain distill), or a backbone file; the server's tail and the devices' layer "
                         "start from it")
     p.add_argument("--server-init", type=Path, default=None,
                    help="start only the server's tail from this saved backbone (the devices' weights are set apart)")
@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> None:
 
     common = model_argv(args)  # the same model and release options to the server and the devices
     data_args = data_argv(args)
-    server_cmd = [sys.executable, "-m", "splitface.server", "serve", *common, "--num-classes", str(len(data.class_names)),
-                  "--tokens", str(run_dir / "server" / "tokens.json"), "--port", str(args.port),
+    server_cmd = [sys.executable, "-m", "splitface.server.cli", "serve", *common,
+                  "--num-classes", str(len(data.class_names)), "--tokens", str(run_dir / "server" / "tokens.json"), "--port", str(args.port),
                   "--run-dir", str(run_dir / "server"), "--lr", str(args.lr), "--decay-steps", str(decay_steps),
                   "--max-batch", str(args.batch_size), "--seed", str(args.seed), "--train-only", args.train_only,
                   "--record-max", str(args.record_max), "--gradient-rounding", args.gradient_rounding,
@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> None:
         copier = threading.Thread(target=_copy, args=(server.stdout, server_log), daemon=True)
         copier.start()
         print(f"edge server on ws://127.0.0.1:{port} (log: {run_dir / 'server.log'})", flush=True)
-        sim_cmd = [sys.executable, "-m", "splitface.sim", "--server", f"ws://127.0.0.1:{port}", "--tokens", str(token_file),
-                   *common, *data_args, "--head", args.head, *(["--pipeline"] if args.pipeline else []),
+        sim_cmd = [sys.executable, "-m", "splitface.device_cli", "sim", "--server", f"ws://127.0.0.1:{port}",
+                   "--tokens", str(token_file), *common, *data_args, "--head", args.head, *(["--pipeline"] if args.pipeline else []),
                    "--devices", str(args.devices), "--epochs", str(args.epochs),
                    "--batch-size", str(args.batch_size), "--lr", str(args.device_lr),
                    "--head-lr-scale", str(args.head_lr_scale), *extra]
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
                                    processes=len(parts))
             (run_dir / "results.json").write_text(json.dumps(merged, indent=2))
     except Stopped as stop:
-        print(f"splitface-demo: {stop.name}: stopping the devices and the edge server", file=sys.stderr, flush=True)
+        print(f"splitface-research demo: {stop.name}: stopping the devices and the edge server", file=sys.stderr, flush=True)
         raise SystemExit(128 + stop.signum) from None
     finally:
         for sig in previous:  # a second signal must not cut the stopping short

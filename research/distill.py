@@ -465,7 +465,7 @@ def estimate_minutes(images: int, missing: int, recipe: Recipe, spec: ModelSpec)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="splitface-pretrain", description=__doc__,
+    p = argparse.ArgumentParser(prog="splitface-research pretrain", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("distill", help="distil dlib's recognizer into a splitface backbone on public LFW faces")

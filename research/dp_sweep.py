@@ -1,5 +1,5 @@
 """The source paper's epsilon sweep on LFW, run through the product: for every setting an edge
-server process and a simulator process (`splitface-demo`), then the paper's figures.
+server process and a simulator process (`splitface-research demo`), then the paper's figures.
 
 Settings:
 - scratch:  both sides train from scratch; the device layer trains without DP (the paper's
@@ -11,7 +11,7 @@ per-image clipped Gaussian planned for per-image targets in --image-targets, wit
 a pooled (lower-dimensional) release.
 
 The server records up to --record-max training releases per device (gitignored, under
-runs/<name>/server/recordings/) for `splitface-audit`, which plays the curious server against them.
+runs/<name>/server/recordings/) for `splitface-research audit`, which plays the curious server against them.
 
 Outputs (under --out): runs/<name>/ (each run's results.json and server log), summary.json,
 fig_training_<setting>.png (train accuracy, test accuracy, loss per epoch per epsilon: the
@@ -20,7 +20,6 @@ paper's figures 3 and 4), fig_activations.png (its figure 2), and table.md.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from splitface.device.privacy.options import add_clip_norm_arg
 from splitface.common.options import add_data_root_arg, add_model_arg, add_training_args  # noqa: E402
 from splitface.server.cli import add_record_max_arg  # noqa: E402
 from research.demo import run_recorded  # noqa: E402
+from research.results import write_summary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=ROOT / "results" / "dp_sweep")
     add_model_arg(p, "iresnet_small")
     p.add_argument("--public", type=Path, default=ROOT / "runs" / "public_iresnet_small.pt",
-                   help="backbone pre-trained on the public split (splitface-pretrain classify)")
+                   help="backbone pre-trained on the public split (splitface-research pretrain classify)")
     p.add_argument("--settings", nargs="+", default=["scratch", "finetune"], choices=("scratch", "finetune"))
     p.add_argument("--epsilons", nargs="+", type=float, default=[1, 2, 3, 5, 10, math.inf])
     p.add_argument("--image-targets", nargs="+", type=float, default=[10, 1000])
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="scratch: also run these with the classifier on the device (for the label-leakage audit)")
     add_record_max_arg(p, default=256)
     p.add_argument("--force", action="store_true", help="re-run settings that already have results")
-    p.add_argument("--demo-args", default="", help="more splitface-demo arguments, e.g. '--max-identities 20'")
+    p.add_argument("--demo-args", default="", help="more splitface-research demo arguments, e.g. '--max-identities 20'")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if "finetune" in args.settings and not args.public.exists():
@@ -188,13 +188,10 @@ def main(argv: list[str] | None = None) -> None:
     plan = runs(args)
     outcomes = [run_one(run, args) for run in plan]
     rows = summarize(plan, outcomes)
-    (args.out / "summary.json").write_text(json.dumps(rows, indent=2, default=str))
     for setting in args.settings:
         plot_training(rows, setting, args.out)
     plot_activations(args, args.out)
-    text = table(rows, outcomes[0]["config"])
-    (args.out / "table.md").write_text(text)
-    print(text)
+    write_summary(args.out, rows, table(rows, outcomes[0]["config"]), default=str)
 
 
 if __name__ == "__main__":

@@ -201,7 +201,7 @@ def retrieval_risk(run_dir: Path, lfw_root: Path, cache: Path | None = Path("run
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m research.facemae", description=__doc__,
+    p = argparse.ArgumentParser(prog="splitface-research facemae", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     pre = sub.add_parser("pretrain", help="train the mask release's MAE on public faces; write a backbone file")
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     pre.add_argument("--limit", type=int, default=None, help="only the first N public images (smoke tests)")
     add_threads_arg(pre)
     risk = sub.add_parser("risk", help="R(A, S, K) of a --release mask run's MAE reconstructions")
-    risk.add_argument("run", type=Path, help="a splitface-demo --record-max N run with --release mask")
+    risk.add_argument("run", type=Path, help="a splitface-research demo --record-max N run with --release mask")
     add_data_root_arg(risk, required=True)
     risk.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
     risk.add_argument("--cache", type=Path, default=Path("runs") / "audit-cache")

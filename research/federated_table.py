@@ -1,4 +1,4 @@
-"""Federated experiments (issue 13): DP-FedEmb against its baselines on LFW DevTrain people, scored on View 1
+"""Federated experiments: DP-FedEmb against its baselines on LFW DevTrain people, scored on View 1
 DevTest pairs. Writes results/federated/{summary.json, table.md, utility_vs_epsilon.png, utility_vs_rounds.png}.
 
 Runs (all from one start: by default the backbone pre-trained on the public split, see
@@ -47,6 +47,7 @@ from splitface.common.options import add_data_root_arg, add_threads_arg, apply_t
 from research.federated import FederatedConfig, extrapolate  # noqa: E402
 from research.federated.experiment import (Shared, add_start_args, describe_start, load_shared, run_centralized, run_federated, run_public_only)
 from research.federated.population import load_population  # noqa: E402
+from research.results import write_summary  # noqa: E402
 
 # The reduced configuration: every federated run shares it (CPU budget: ~45 min for everything). Client lr 0.01:
 # at 0.05 local updates grew from norm 1.2 to 2.5 over rounds and View 1 fell from 0.79 to 0.63 (fedemb and fedavg
@@ -455,8 +456,7 @@ def main() -> None:
                     and name != SINGLE_PHOTO:
                 rows.extend({**x, "run": f"{name} @ {x['users']:.0e} users"} for x in extrapolation_rows(row, name))
     info = {"users": len(shared.population.users), "start": shared.start}
-    (args.out / "summary.json").write_text(json.dumps(rows + neighbour_rows(args.out), indent=2))
-    (args.out / "table.md").write_text(table(rows, info))
+    write_summary(args.out, rows + neighbour_rows(args.out), table(rows, info), echo=False)
     figures(rows, args.out, shared.start["start"])
     print(f"{len(rows)} rows -> {args.out} ({time.time() - started:.0f} s)")
 

@@ -2,12 +2,12 @@
 scored on accuracy (LFW classification and View 1 verification of unseen people), attacked by the
 strong audit, and costed on the device.
 
-Each point is one `splitface-demo` run (an edge server and simulated devices in their own
+Each point is one `splitface-research demo` run (an edge server and simulated devices in their own
 processes) that trains on View 1's DevTrain people with >= 10 images (111 identities: the source
 paper's LFW-158 set less its 47 people who are in View 1's DevTest list), with the server recording the first
 --record-max releases of each device. Then:
-- View 1: DevTest pairs, released as the device releases them (`python -m research.evaluation`);
-- the audit (`splitface-audit --substitute`): reconstructions, identity matching with dlib's
+- View 1: DevTest pairs, released as the device releases them (`splitface-research evaluate`);
+- the audit (`splitface-research audit --substitute`): reconstructions, identity matching with dlib's
   recognizer, the server's own model, every attacker trained on releases of the same transform and
   mechanism, through a copy of the device part fitted to the recorded releases where the devices
   trained their own.
@@ -56,10 +56,11 @@ from splitface.common.models import ModelSpec  # noqa: E402
 from research.audit.cli import headline  # noqa: E402
 from splitface.server.cli import add_record_max_arg  # noqa: E402
 from research.demo import run_recorded, same_arguments  # noqa: E402
+from research.results import write_json, write_summary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# (transform, params, splitface-demo arguments): the undefended point first, the reference for relative accuracy
+# (transform, params, splitface-research demo arguments): the undefended point first, the reference for relative accuracy
 POINTS: list[tuple[str, dict, list[str]]] = [
     ("none", {}, []),
     ("per-activation", {"epsilon": 3}, ["--mechanism", "per-activation", "--epsilon", "3"]),
@@ -144,8 +145,8 @@ def reference_of(demo_args: list[str], undefended: str) -> str:
 
 def pretrained_weights(name: str, params: dict, demo_args: list[str], args: argparse.Namespace,
                        placeholder: str = "{pretrained}") -> Path:
-    """The point's pre-trained weights: the attacker-aware device part (`python -m research.ressfl`) or the
-    FaceMAE reconstruction (`python -m research.facemae pretrain`), made once and kept (re-made when its
+    """The point's pre-trained weights: the attacker-aware device part (`splitface-research ressfl`) or the
+    FaceMAE reconstruction (`splitface-research facemae pretrain`), made once and kept (re-made when its
     settings differ or with --force)."""
     module, passed, _ = PRETRAININGS[placeholder]
     weights = args.out / "pretrained" / f"{name}.pt"
@@ -166,7 +167,7 @@ def pretrained_weights(name: str, params: dict, demo_args: list[str], args: argp
 
 
 def point_args(name: str, params: dict, demo_args: list[str], args: argparse.Namespace) -> list[str]:
-    """The point's splitface-demo arguments, with "{pretrained}" or "{facemae}" made real."""
+    """The point's splitface-research demo arguments, with "{pretrained}" or "{facemae}" made real."""
     placeholder = next((a for a in demo_args if a in PRETRAININGS), None)
     if placeholder is None:
         return demo_args
@@ -188,7 +189,7 @@ def run_point(name: str, demo_args: list[str], args: argparse.Namespace, seed: i
     pairs = args.view1_limit or 1000
     if not view1.exists() or args.force or json.loads(view1.read_text())["pairs"] != pairs:
         limit = ["--limit", str(args.view1_limit)] if args.view1_limit else []
-        subprocess.run([sys.executable, "-m", "research.evaluation", str(run_dir), "--data", str(args.data), *limit],
+        subprocess.run([sys.executable, "-m", "research", "evaluate", str(run_dir), "--data", str(args.data), *limit],
                        check=True)
     return {"results": results, "view1": json.loads(view1.read_text())}
 
@@ -208,7 +209,7 @@ def audit(names: list[str], args: argparse.Namespace) -> dict[str, dict]:
 
 def retrieval_risks(names: list[str], transforms: list[str], args: argparse.Namespace) -> dict[str, dict]:
     """FaceMAE's retrieval risk R(A, S, K) of each facemae point's server-side reconstructions
-    (`python -m research.facemae risk`), computed once per run and kept beside it."""
+    (`splitface-research facemae risk`), computed once per run and kept beside it."""
     risks = {}
     for name, transform in zip(names, transforms):
         if transform != "facemae":
@@ -399,18 +400,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--force", action="store_true", help="re-train, re-evaluate and re-audit every point")
     p.add_argument("--start", choices=("scratch", "distilled"), default="scratch",
                    help="distilled: every point starts from the public start distilled from dlib's recognizer, "
-                        "noise-aware for its release (splitface-demo --init distilled; the undefended point is the "
+                        "noise-aware for its release (splitface-research demo --init distilled; the undefended point is the "
                         "plain student, the reference of relative accuracy); points with a pre-training of their own "
                         "({pretrained}, {facemae}) are left out")
     p.add_argument("--accuracy-seeds", type=int, default=3,
                    help="train and score each point run now at seeds 0..K-1 (seed 0's run is the one audited): its "
                         "accuracies are the means, relative to the reference's mean over the same seeds")
-    p.add_argument("--demo-args", default="--threads 1", help="more splitface-demo arguments")
-    p.add_argument("--audit-args", default="--threads 2 --substitute", help="more splitface-audit arguments")
+    p.add_argument("--demo-args", default="--threads 1", help="more splitface-research demo arguments")
+    p.add_argument("--audit-args", default="--threads 2 --substitute", help="more splitface-research audit arguments")
     p.add_argument("--pretrain-args", default="--epochs 4 --threads 2",
-                   help="more arguments of the attacker-aware pre-training (python -m research.ressfl)")
+                   help="more arguments of the attacker-aware pre-training (splitface-research ressfl)")
     p.add_argument("--facemae-args", default="--epochs 3 --threads 2",
-                   help="more arguments of the FaceMAE pre-training (python -m research.facemae pretrain)")
+                   help="more arguments of the FaceMAE pre-training (splitface-research facemae pretrain)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     wanted = set(args.only or [point_name(t, params) for t, params, _ in POINTS])
@@ -438,15 +439,12 @@ def main(argv: list[str] | None = None) -> None:
                 r.update(identity_r1=risk["reconstructions_R@1"], identity_r1_chance=risk["chance_R@1"],
                          attack="server's MAE + dlib")
     rows = merged_rows(rows, args)
-    (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
     best = best_point(rows)
     _, best_params, best_args = next(p for p in POINTS if point_name(*p[:2]) == best["run"])
     best["demo_args"] = point_args(best["run"], best_params, best_args, args)
-    (args.out / "best.json").write_text(json.dumps(best, indent=2))
-    text = table(rows, outcomes[0]["results"]["config"])
-    (args.out / "table.md").write_text(text)
+    write_json(args.out / "best.json", best)
+    write_summary(args.out, rows, table(rows, outcomes[0]["results"]["config"]))
     plot(rows, outcomes[0]["results"]["config"], args.out / "frontier.png")
-    print(text)
     print(f"best point (the main job's default release): {best['run']} "
           f"({'meets' if best['meets_goal'] else 'does not meet'} the goal)")
 

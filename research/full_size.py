@@ -1,62 +1,14 @@
 #!/usr/bin/env python
-"""Full size on a GPU (issue #31): the split loop with the server's layers on CUDA in bf16, at the presets'
-real sizes, in one command of at most 8 minutes.
-
-Why: the mission puts the server's layers on a GPU. The CUDA + bf16 path (splitface/server/trainer.py: autocast to
-bf16 whenever the trainer's device is CUDA) had never run on one, and every figure so far is from reduced
-models on 2 CPU cores. A GPU machine is lent to only some sessions, for minutes, with nothing but the working
-tree: so everything it needs is packed here first, and the run reads only that pack.
-
-Two steps:
+"""Full size on a GPU: the split loop with the server's layers on CUDA in bf16, at the presets' real sizes, in one
+command of at most 8 minutes. The server's layers are meant for a GPU, and a GPU machine is lent only for minutes
+with nothing but the working tree, so everything the run needs is packed here first and the run reads only that:
 
     .venv/bin/python research/full_size.py pack       # here: LFW-158 and the missing wheels -> build/full_size
     python3 research/full_size.py run --out "$OUT"     # on the CUDA machine: reads only build/full_size
 
-`pack` copies LFW-158 (people with >= 10 images: 158 people, 4324 images, their original JPEG bytes, about
-38 MB) from ../shared/data/lfw into build/full_size/lfw (an LFW tree: the run loads it with the same loader,
-selection and split as every other run), and downloads the wheels that the CUDA machine's image lacks
-(websockets and dp-accounting, at the versions installed here, for CPython 3.12 on manylinux x86-64) into
-build/full_size/wheels, checking that pip would install them there. It refuses a pack that would make the
-travelling tree exceed the device tool's 64 MiB. build/ is git-ignored; the device tool's `carry` names it.
-
-On the device tool, in one call, from the checkout the session runs in, after `pack` there:
-
-    run(command='PYTHONUNBUFFERED=1 python3 research/full_size.py run --out "$OUT"',
-        carry=["build/full_size"], timeout_s=560)
-
-`run` installs the carried wheels into a temporary folder when websockets or dp_accounting is missing (pip
---no-index --no-deps; the project itself runs from the tree, on the PYTHONPATH of every process it starts),
-then, within --budget-s (450 s by default):
-
-1. The split loop at full size: `splitface-demo` (an edge server process, its model on CUDA with bf16 autocast,
-   and --devices simulated devices in as many processes, one torch thread each, over loopback websockets, with
-   the main job's wire from run.sh) for one epoch of LFW-158: VGG-Face at 224 px split after conv1, then
-   IResNet-50 at 112 px. The step count is fixed by the data, the devices, the batch and the epochs (16
-   devices, batch 32: 128 steps). Per model: the server's samples/s over the training window (first to last
-   applied batch, from the devices' per-batch records) and its own compute-only figure, the GPU memory peak
-   (torch's allocator in the server process, metrics.json), device ms per batch, the loss at the first and
-   last step, and exactly-once: every device's committed batches against the server's checkpoint (per-device
-   last_applied and applied-batch counts, and its step count against their sum: bench/load.py check_counts).
-2. Split equals unsplit on CUDA: --compare-steps SGD steps on the same real faces, through the real protocol
-   (an edge server in a thread, its trainer on CUDA, a device engine on the CPU, f32 on the wire), against the
-   unsplit model in one process on CUDA with the same start: once in the split's own precision (the device
-   layers in fp32, the rest under bf16 autocast) and once all in fp32. Dropout is off in both (its masks are
-   draws the two cannot share); TF32 is off. The largest differences of loss and of every weight after the
-   steps, beside the largest change the steps made to any weight.
-3. The source paper's setting: VGG-Face at 224 px from conv1, the per-activation Gaussian at epsilon 3 and no
-   noise, on LFW-158, for --paper-epochs epochs (128 steps each at the defaults), the same wire. Planned from
-   step 1's timing to fit the budget: fewer epochs when they do not fit, skipped when one does not (said in
-   the output). The loss curve of each (per-step losses in order of application, averaged in bins).
-
-Outputs, in --out ($OUT on the CUDA machine): full_size.json (every figure, the machine, the card, the
-load, the plan) and full_size.txt (the tables), loss_curves.png. Runs are kept under --work. The server
-throughput is shown beside the same script's CPU figure at --tiny size (results/full_size/cpu-tiny, made on
-this project's 2-core machine), where that file exists. Commit a GPU run's outputs to
-results/full_size/<card>-<date>/.
-
---tiny: the same on a CPU at reduced size (vgg_face_small and iresnet_small at 64 px, 2 devices, one epoch,
-2 comparison steps) on a tiny pack (`pack --tiny`: 4 people); the suite's smoke test runs it end to end
-(tests/test_full_size.py).
+`run` measures the split loop at full size, split against unsplit on CUDA, and the source paper's setting, within
+--budget-s; --tiny does the same on a CPU at reduced size (the suite's smoke test). docs/full_size.md says what
+each step measures, how to call the device tool, and what to commit.
 """
 from __future__ import annotations
 
@@ -184,6 +136,7 @@ def run(args: argparse.Namespace, boot: dict[str, Any]) -> int:
 
     from bench.bench_split import code_version, machine
     from research.pretrain_table import run_sh_array
+    from research.results import write_record
 
     cfg = dict(TINY if args.tiny else FULL)
     for key in ("devices", "batch_size", "epochs", "paper_epochs", "budget_s"):
@@ -216,11 +169,8 @@ def run(args: argparse.Namespace, boot: dict[str, Any]) -> int:
     report["seconds"] = round(time.monotonic() - started, 1)
     report["cpu_reference"] = None if args.tiny else _read_json(CPU_REFERENCE)
     report["ok"] = all(r.get("exactly_once") for r in report["split_loop"] + report["paper_setting"]["runs"])
-    (args.out / "full_size.json").write_text(json.dumps(report, indent=2))
-    text = table(report)
-    (args.out / "full_size.txt").write_text(text)
+    write_record(args.out / "full_size", report, table(report))
     plot(report, args.out / "loss_curves.png")
-    print(text, flush=True)
     print(f"outputs: {args.out / 'full_size.json'}, {args.out / 'full_size.txt'}, {args.out / 'loss_curves.png'}")
     return 0 if report["ok"] else 1
 
@@ -231,7 +181,7 @@ def _read_json(path: Path) -> Any:
 
 def split_loop(model: str, common: list[str], epochs: int, work: Path, name: str | None = None,
                extra: list[str] = ()) -> dict[str, Any]:
-    """One `splitface-demo` run (fresh processes), measured from its outputs."""
+    """One `splitface-research demo` run (fresh processes), measured from its outputs."""
     from bench.load import check_counts
     from splitface.common.models import resolve_spec
     from splitface.server.checkpoint import load_checkpoint
@@ -602,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     rn.add_argument("--budget-s", type=float, default=None,
                     help=f"the paper's setting runs only what fits in this many seconds from the start "
                          f"(default {FULL['budget_s']:.0f})")
-    rn.add_argument("--demo-args", default="", help="more splitface-demo arguments for every run (they come last)")
+    rn.add_argument("--demo-args", default="", help="more splitface-research demo arguments for every run (they come last)")
     for sp in (pk, rn):
         sp.add_argument("--pack", type=Path, default=DEFAULT_PACK, help="the pack's folder (git-ignored; carried)")
         sp.add_argument("--tiny", action="store_true", help="reduced size on a CPU (the smoke test)")

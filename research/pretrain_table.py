@@ -5,10 +5,10 @@ Rows (results/pretrain/summary.json, table.md):
   and at the input it was distilled from (150 px);
 - student: each distilled backbone (`--init distilled` builds them: research/distill.py), its embedding on
   View 1 as a device releases it (with the release's noise, for a noise-aware start);
-- split-finetune: `splitface-demo` on LFW-158 (the main job's data: people with >= 10 images) from the
+- split-finetune: `splitface-research demo` on LFW-158 (the main job's data: people with >= 10 images) from the
   distilled start, with the main job's release and wire (run.sh), server head and device head; the same from
   scratch (the old start), and from the distilled start with the paper's plain conv1 release. LFW-158 test
-  accuracy, and View 1 of the fine-tuned model (`python -m research.evaluation`; LFW-158 holds 43 of the
+  accuracy, and View 1 of the fine-tuned model (`splitface-research evaluate`; LFW-158 holds 43 of the
   DevTest pairs' people, so some pairs show people the run trained on: the row says how many).
 
 Reduced configuration (2 CPU cores): iresnet_small at 64 px, the main job's 3 epochs and 2 devices. Resumable:
@@ -31,6 +31,7 @@ from splitface.device.privacy.options import add_privacy_args, release_mechanism
 from research.demo import run_recorded
 from research.distill import CROP, TeacherCache, default_cache, distilled_start
 from research.evaluation.verification import verification_report, view1_pairs
+from research.results import write_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,7 +85,7 @@ def finetune_row(name: str, demo_args: list[str], args: argparse.Namespace) -> d
     results = run_recorded(run_dir, ["--data", str(args.data), "--model", args.model, *demo_args], args.force)
     view1 = run_dir / "view1.json"
     if not view1.exists() or args.force:
-        subprocess.run([sys.executable, "-m", "research.evaluation", str(run_dir), "--data", str(args.data)],
+        subprocess.run([sys.executable, "-m", "research", "evaluate", str(run_dir), "--data", str(args.data)],
                        check=True)
     report = json.loads(view1.read_text())
     config, last = results["config"], results["epochs"][-1]
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=ROOT / "results" / "pretrain")
     add_model_arg(p, "iresnet_small")
     p.add_argument("--cache", type=Path, default=default_cache(), help="teacher embeddings and distilled starts")
-    p.add_argument("--demo-args", default="", help="more splitface-demo arguments for every fine-tuning run")
+    p.add_argument("--demo-args", default="", help="more splitface-research demo arguments for every fine-tuning run")
     p.add_argument("--force", action="store_true", help="train and evaluate every fine-tuning run again")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -152,13 +153,11 @@ def main(argv: list[str] | None = None) -> None:
             ("distilled-main-release-server-head-8-epochs", [*start, *release, *wire, "--epochs", "8"])]
     rows += [finetune_row(name, [*demo_args, *extra], args) for name, demo_args in runs]
     spec = resolve_spec(args.model)
-    (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
     text = (f"Reduced configuration: {args.model} ({spec.family}, width {spec.width}) at {spec.input_size} px; LFW "
             f"View 1 DevTest pairs (1,000); fine-tuning on LFW-158 as the main job does (2 devices, 3 epochs unless "
             f"the epochs column says otherwise).\n\n"
             + table(rows))
-    (args.out / "table.md").write_text(text)
-    print(text)
+    write_summary(args.out, rows, text)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Issue 14, reduced: FedPE, the fixed random head, FedGC and PrivacyFace on identity-partitioned clients,
-scored on LFW View 1 DevTest pairs. Writes results/federated/privacyface_fedgc.json (one row per run, with
+"""FedPE, the fixed random head, FedGC and PrivacyFace on identity-partitioned clients, reduced, scored on LFW
+View 1 DevTest pairs (docs/privacyface.md). Writes results/federated/privacyface_fedgc.json (one row per run, with
 summary.json's keys plus `mode`; `epsilon` is PrivacyFace's composed identity-level epsilon; the backbone
 averaging is not private in any run here).
 
@@ -235,7 +235,7 @@ SUMMARY_KEYS = ("run", "method", "mode", "noise_multiplier", "rounds", "users_pe
 
 
 def summary_rows(rows: list[dict]) -> list[dict]:
-    """Issue 14's rows in results/federated/summary.json's form (its keys, plus `mode` and the method's own:
+    """These rows in results/federated/summary.json's form (its keys, plus `mode` and the method's own:
     class-embedding linkage for FedPE/FedGC, T and per-query epsilon for PrivacyFace); the public-only
     reference is summary.json's own row already. research/federated_table.py appends these (see docs/privacyface.md)."""
     return [{k: row[k] for k in SUMMARY_KEYS if k in row} for row in rows if row["method"] != "public-only"]

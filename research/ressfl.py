@@ -145,7 +145,7 @@ def attacker_aware_pretrain(spec: ModelSpec, split: str, lfw_root: Path, out: Pa
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m research.ressfl", description=__doc__,
+    p = argparse.ArgumentParser(prog="splitface-research ressfl", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_data_root_arg(p, required=True, help="LFW root (with View 1's people files)")
     p.add_argument("--out", type=Path, required=True, help="the backbone file to write")

@@ -1,5 +1,5 @@
-"""Issue 14, U-shaped split, reduced: identity-partitioned device-head devices over a real loopback EdgeServer,
-plain (each head alone) against PrivacyFace (DPLC releases relayed by the server, consensus-aware loss) and FedGC's
+"""PrivacyFace and FedGC in U-shaped split training, reduced: identity-partitioned device-head devices over a
+real loopback EdgeServer, plain (each head alone) against PrivacyFace (DPLC releases relayed by the server, consensus-aware loss) and FedGC's
 opt-in head correction, with the server head on the same people as the reference. Scored on LFW View 1 DevTest pairs (research.evaluation)
 with device 0's first layer and the server's shared part. Writes results/federated/u_split.json.
 

@@ -10,7 +10,6 @@ Writes `reference.json` (one row per method) and `table.md` under --out.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Callable
@@ -22,6 +21,7 @@ from splitface.device.trainer import to_input
 from splitface.common.options import add_data_root_arg
 from research.audit.recognizer import DlibResNet, Eigenfaces
 from research.evaluation import evaluate_embedder, view1_pairs
+from research.results import write_report
 
 
 def devtrain_faces(lfw: str | None, count: int, seed: int = 0) -> FaceSet:
@@ -65,9 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         row("dlib ResNet (face-recognition-models)", DlibResNet().embed, args,
             fitted_on="dlib's public training set (about 3 million faces)"),
     ]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "reference.json").write_text(json.dumps(rows, indent=2))
-    (args.out / "table.md").write_text(table(rows))
+    write_report(args.out / "reference.json", rows, args.out / "table.md", table(rows), echo=False)
     print(f"wrote {args.out / 'reference.json'} and {args.out / 'table.md'}")
 
 

@@ -1,4 +1,4 @@
-"""Killing `splitface-demo` stops its edge server and its devices: SIGTERM (what research/frontier.py and a
+"""Killing `splitface-research demo` stops its edge server and its devices: SIGTERM (what research/frontier.py and a
 service manager send) and SIGINT (Ctrl-C, or a kill of the launcher alone) leave no process behind."""
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_sigterm_to_the_demo_stops_its_server_and_devices(tmp_path):
         children: dict[int, str] = {}
         while time.monotonic() < deadline and demo.poll() is None:
             children = {pid: cmd for pid, cmd in _processes_naming(str(run_dir)).items() if pid != demo.pid}
-            if any(" -m splitface.sim " in c for c in children.values()) and any(" -m splitface.server serve " in c
+            if any(" -m splitface.device_cli sim " in c for c in children.values()) and any(" -m splitface.server.cli serve " in c
                                                                              for c in children.values()):
                 break
             time.sleep(0.2)

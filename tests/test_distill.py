@@ -156,7 +156,7 @@ def test_a_noise_aware_start_builds_on_the_plain_student_and_the_cache_serves_it
 
 @pytest.mark.slow
 def test_a_split_run_starts_from_a_distilled_file_and_is_audited(tmp_path, lfw, cache):
-    """splitface-demo --init FILE: the server's tail and the device's layer start from the file (with both
+    """splitface-research demo --init FILE: the server's tail and the device's layer start from the file (with both
     learning rates 0 their weights stay the file's), and the audit attacks the run end to end."""
     start = tmp_path / "start.pt"
     distill(SPEC, "conv1", NoNoise(), lfw, start, Recipe(epochs=1, batch_size=16), cache, limit=LIMIT,

@@ -22,7 +22,7 @@ RELEASE_NUMEL = 16 * 64 * 64  # what one image releases: IResNet-small's conv1 (
 
 
 def _simulate(port: int, lfw: Path, run_dir: Path, tokens: Path, *extra: str, data: list[str] = DATA) -> dict:
-    cmd = [sys.executable, "-m", "splitface.sim", "--server", f"ws://127.0.0.1:{port}", "--tokens", str(tokens),
+    cmd = [sys.executable, "-m", "splitface.device_cli", "sim", "--server", f"ws://127.0.0.1:{port}", "--tokens", str(tokens),
            "--data", str(lfw), *data, "--model", MODEL, "--devices", "2", "--batch-size", "32", "--lr", "0.05",
            "--results", str(run_dir / "results.json"), "--threads", "1", "--no-progress", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -1,5 +1,5 @@
 """The epsilon sweep, reduced to CI size: real processes, its table and figures; then the privacy
-audit (`splitface-audit`) plays the curious server against the sweep's recorded runs."""
+audit (`splitface-research audit`) plays the curious server against the sweep's recorded runs."""
 from __future__ import annotations
 
 import json
@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 
 from splitface.device.privacy.planner import release_schedule
-from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow  # real processes or real-face training: the full tier
 
 
 def test_reduced_sweep_runs_end_to_end(tmp_path, lfw):
     out = tmp_path / "sweep"
-    cmd = [sys.executable, str(ROOT / "research" / "dp_sweep.py"), "--data", str(lfw), "--out", str(out),
+    cmd = [sys.executable, "-m", "research.dp_sweep", "--data", str(lfw), "--out", str(out),
            "--settings", "scratch", "--epsilons", "0.05", "inf", "--epochs", "1", "--device-head-epsilons", "inf",
            "--demo-args=--min-images 20 --max-identities 10 --devices 1 --batch-size 32"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -92,4 +91,4 @@ def test_audit_refuses_a_run_without_recordings(tmp_path, lfw):
     (tmp_path / "run").mkdir()
     proc = subprocess.run([sys.executable, "-m", "research.audit.cli", str(tmp_path / "run"), "--data", str(lfw),
                            "--out", str(tmp_path / "audit")], capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "not a finished splitface-demo run" in proc.stderr
+    assert proc.returncode != 0 and "not a finished splitface-research demo run" in proc.stderr

@@ -1,4 +1,4 @@
-"""Federated runs end to end through `python -m research.federated` (slow: LFW decoding, View 1 scoring): the
+"""Federated runs end to end through `splitface-research federated` (slow: LFW decoding, View 1 scoring): the
 documented command's output; `splitface-server serve` takes the same run options; an experiment starts from the
 distilled start on the federated public set."""
 from __future__ import annotations

@@ -331,7 +331,7 @@ def test_device_processes_across_a_server_kill_equal_the_in_process_run(lfw, tmp
              "--max-batch", "8", "--threads", "1", *options("federated-")], cwd=ROOT, stdout=open(log, "w"),
             stderr=subprocess.STDOUT)
         split = subprocess.Popen(
-            [sys.executable, "-m", "splitface.sim", "--server", f"ws://127.0.0.1:{port}", "--tokens",
+            [sys.executable, "-m", "splitface.device_cli", "sim", "--server", f"ws://127.0.0.1:{port}", "--tokens",
              str(tmp_path / "split-tokens.json"), "--data", str(lfw), "--model", json.dumps(TINY.to_dict()),
              "--min-images", "10", "--max-images", "11", "--max-identities", "2", "--devices", "1", "--epochs", "1",
              "--batch-size", "8", "--crop", "160", "--threads", "1", "--no-progress", "--reconnect-timeout", "120",

@@ -27,7 +27,7 @@ def test_frontier_runs_its_full_size_configuration_and_resumes(tmp_path, lfw):
     takes the attackers through odd sizes. Then the same command again, which must train, score and
     audit nothing twice."""
     out = tmp_path / "full"
-    cmd = [sys.executable, str(ROOT / "bench" / "frontier.py"), "--data", str(lfw), "--out", str(out),
+    cmd = [sys.executable, "-m", "research.frontier", "--data", str(lfw), "--out", str(out),
            "--model", "iresnet50", "--only", "dct-drop4-keep36", "--epochs", "1", "--record-max", "8",
            "--view1-limit", "20", "--accuracy-seeds", "1",
            "--demo-args=--threads 2 --max-identities 2 --max-images 11 --devices 1 --batch-size 8",

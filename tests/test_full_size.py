@@ -2,7 +2,7 @@
 
 A tiny pack of real LFW faces (4 of LFW-158's people, their original JPEG bytes) and the wheels the CUDA machine
 lacks (for CPython 3.12, checked installable there by a pip dry run); then the run from that pack alone: the
-split loop of both reduced models (`splitface-demo`, a server process and 2 devices in 2 processes) with
+split loop of both reduced models (`splitface-research demo`, a server process and 2 devices in 2 processes) with
 exactly-once from the server's checkpoint, and split against unsplit. The paper's setting is left out here
 (--paper-epochs 0: it is two more runs of the same split loop, a minute on 2 cores)."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from splitface.sim.simulator import device_ranges
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "bench" / "full_size.py"
+SCRIPT = ROOT / "research" / "full_size.py"
 LOOP_KEYS = {"model", "input_size", "devices", "processes", "batch_size", "steps", "steps_planned", "lost",
              "double_applied", "mismatched_devices", "exactly_once", "samples_per_s", "server_compute_samples_per_s",
              "accelerator", "device_ms_per_batch", "round_trip_ms_per_batch", "loss_first", "loss_last",

@@ -30,7 +30,7 @@ LEARN_EPOCHS = 2
 
 def _start_server(run_dir: Path, port: int = 0, num_classes: int = NUM_CLASSES,
                   **extra: str) -> tuple[subprocess.Popen, int]:
-    cmd = [sys.executable, "-m", "splitface.server", "serve", "--model", MODEL, "--num-classes", str(num_classes),
+    cmd = [sys.executable, "-m", "splitface.server.cli", "serve", "--model", MODEL, "--num-classes", str(num_classes),
            "--tokens", str(run_dir / "tokens.json"), "--port", str(port), "--run-dir", str(run_dir),
            "--lr", "0.05", "--decay-steps", "400", "--threads", "1"]
     for k, v in extra.items():
@@ -44,7 +44,7 @@ def _start_server(run_dir: Path, port: int = 0, num_classes: int = NUM_CLASSES,
 
 def _simulator(port: int, lfw: Path, run_dir: Path, tokens: Path, epochs: int, head: str = "server",
                pipeline: bool = False) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "splitface.sim", "--server", f"ws://127.0.0.1:{port}", "--tokens", str(tokens),
+    cmd = [sys.executable, "-m", "splitface.device_cli", "sim", "--server", f"ws://127.0.0.1:{port}", "--tokens", str(tokens),
            "--data", str(lfw), *DATA, "--model", MODEL, "--head", head, *(["--pipeline"] if pipeline else []),
            "--devices", "2", "--epochs", str(epochs),
            "--batch-size", "32", "--lr", "0.005", "--results", str(run_dir / "results.json"), "--threads", "1",

@@ -136,8 +136,8 @@ def _image_folder(root: Path) -> None:
 
 
 def _device_process(url: str, tmp_path: Path, budget: float, fault: str = "") -> subprocess.CompletedProcess:
-    """`splitface-sim` for one device: frozen public layer, per-image noise z = 2, 3 epochs of 3 batches."""
-    argv = [sys.executable, "-m", "splitface.sim", "--server", url, "--tokens", str(tmp_path / "tokens.json"),
+    """`splitface-device sim` for one device: frozen public layer, per-image noise z = 2, 3 epochs of 3 batches."""
+    argv = [sys.executable, "-m", "splitface.device_cli", "sim", "--server", url, "--tokens", str(tmp_path / "tokens.json"),
             "--data", str(tmp_path / "faces"), "--image-folder", "--model", json.dumps(MODEL), "--devices", "1",
             "--epochs", "3", "--batch-size", "8", "--mechanism", "per-image", "--noise-multiplier", str(Z),
             "--layer-training", "frozen", "--budget-epsilon", str(budget), "--results",

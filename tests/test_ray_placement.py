@@ -1,6 +1,6 @@
-"""`splitface-sim --placement ray` (slow: Ray's start-up and real device processes): the simulated devices as actors
+"""`splitface-device sim --placement ray` (slow: Ray's start-up and real device processes): the simulated devices as actors
 of a real local Ray instance, against a real edge server on loopback, give the per-batch results of local simulator
-processes (`--only-devices`, as `splitface-demo --device-processes` runs them) for the same seeds.
+processes (`--only-devices`, as `splitface-research demo --device-processes` runs them) for the same seeds.
 
 Both runs are exact, not close: a device's batches are the same images (its share and order are seeded by its
 index), its layer starts from the same seeded weights and runs on one torch thread either way, and the server in
@@ -55,12 +55,12 @@ def token_file(tmp_path: Path, devices: int) -> Path:
 
 
 def on_local_processes(lfw: Path, tmp_path: Path, devices: int, lr: float) -> dict:
-    """One `python -m splitface.sim` process per device (--only-devices k:k+1, one torch thread), at once, against a fresh
-    server; their parts merged as splitface-demo merges them."""
+    """One `splitface-device sim` process per device (--only-devices k:k+1, one torch thread), at once, against a fresh
+    server; their parts merged as splitface-research demo merges them."""
     tokens = token_file(tmp_path, devices)
     with serve_in_thread(small_trainer(IDENTITIES, TINY, lr=lr), tmp_path / "server-local") as server:
         parts = [tmp_path / "local" / f"results.part-{k}.json" for k in range(devices)]
-        procs = [subprocess.Popen([sys.executable, "-m", "splitface.sim",
+        procs = [subprocess.Popen([sys.executable, "-m", "splitface.device_cli", "sim",
                                    *sim_argv(lfw, server.url, tokens, parts[k], devices, lr), "--threads", "1",
                                    *(["--only-devices", f"{k}:{k + 1}"] if devices > 1 else [])],
                                   cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -73,7 +73,7 @@ def on_local_processes(lfw: Path, tmp_path: Path, devices: int, lr: float) -> di
 
 
 def on_ray(lfw: Path, tmp_path: Path, devices: int, lr: float) -> dict:
-    """`splitface-sim --placement ray` (its own main, in this process: Ray is this module's local instance), one
+    """`splitface-device sim --placement ray` (its own main, in this process: Ray is this module's local instance), one
     actor per device, against a fresh server."""
     tokens = token_file(tmp_path, devices)
     results = tmp_path / "ray" / "results.json"

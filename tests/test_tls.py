@@ -117,7 +117,7 @@ def test_serve_command_with_tls_and_metrics(tmp_path, pki):
 
 @pytest.mark.slow
 def test_the_simulator_trains_over_wss_with_its_ca_file(tmp_path, pki):
-    """`splitface-sim --ca-file` (a real device process) trains against a wss:// server; without the CA
+    """`splitface-device sim --ca-file` (a real device process) trains against a wss:// server; without the CA
     file it is refused before sending anything. The faces are noise: the test is about the channel."""
     rng = np.random.default_rng(0)
     for person in range(NUM_CLASSES):  # 4 photos each: 3 train, 1 test
@@ -129,7 +129,7 @@ def test_the_simulator_trains_over_wss_with_its_ca_file(tmp_path, pki):
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps({"device-0": TOKENS["device-0"]}))
     with serve_in_thread(trainer, tmp_path, max_batch=8, tls_cert=pki / "cert.pem", tls_key=pki / "key.pem") as server:
-        cmd = [sys.executable, "-m", "splitface.sim", "--server", f"wss://localhost:{server.server.port}",
+        cmd = [sys.executable, "-m", "splitface.device_cli", "sim", "--server", f"wss://localhost:{server.server.port}",
                "--tokens", str(tokens), "--data", str(tmp_path / "faces"), "--image-folder", "--model", "vgg_face_small", "--devices", "1", "--epochs", "1", "--batch-size",
                "8", "--results", str(tmp_path / "results.json"), "--threads", "1", "--no-progress",
                "--reconnect-timeout", "5"]

@@ -148,9 +148,9 @@ def test_a_restarted_device_rejoins_its_run_exactly_once(tmp_path, head):
 
 
 def _sim(url: str, tmp_path: Path, run: str) -> subprocess.Popen:
-    """`splitface-sim` for one device: its layer trains (plain), no noise, 3 epochs of 3 batches of 8; its
+    """`splitface-device sim` for one device: its layer trains (plain), no noise, 3 epochs of 3 batches of 8; its
     privacy and training state in <run>/privacy_state."""
-    argv = [sys.executable, "-m", "splitface.sim", "--server", url, "--tokens", str(tmp_path / "tokens.json"),
+    argv = [sys.executable, "-m", "splitface.device_cli", "sim", "--server", url, "--tokens", str(tmp_path / "tokens.json"),
             "--data", str(tmp_path / "faces"), "--image-folder", "--model", json.dumps(MODEL), "--devices", "1",
             "--epochs", "3", "--batch-size", "8", "--results", str(tmp_path / run / "results.json"), "--no-progress",
             "--threads", "1", "--reconnect-timeout", "30"]

@@ -1,1 +1,1 @@
-"""The curious edge server's audit (issue 6): attacks on what the server sees, and their metrics."""
+"""The curious edge server's audit: attacks on what the server sees, and their metrics."""

@@ -1,9 +1,9 @@
-"""`splitface-audit`: play the curious edge server against recorded training runs.
+"""`splitface-research audit`: play the curious edge server against recorded training runs.
 
-    splitface-audit RUN_DIR [RUN_DIR ...] --data LFW --out results/audit/sweep \\
+    splitface-research audit RUN_DIR [RUN_DIR ...] --data LFW --out results/audit/sweep \\
         [--recognizer-weights runs/public_iresnet_small.pt]
 
-Each RUN_DIR is a `splitface-demo --record-max N` run (the epsilon sweep records every run). Per
+Each RUN_DIR is a `splitface-research demo --record-max N` run (the epsilon sweep records every run). Per
 run: reconstructions (ridge and decoder, fitted on public faces) scored by PSNR, SSIM, linkage and
 re-identification risk; identity matching straight from the releases to dlib's embedding; linkage
 through the server's own model; label leakage; membership inference. Every attacker knows the
@@ -41,6 +41,7 @@ from research.audit.recognizer import CachedFaces, DlibResNet, Eigenfaces, Publi
 from research.audit.substitute import fit_substitute  # noqa: E402
 from research.audit.run import AttackerView, GroundTruth, ground_truth, load_run, public_faces  # noqa: E402
 from splitface.common.options import add_data_root_arg, add_threads_arg
+from research.results import write_summary
 
 SAMPLES = 6  # reconstructions shown per run
 STRONG = "dlib"  # the strong recognizer: identity matching targets its embedding
@@ -264,7 +265,7 @@ def add_attacker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recognizers", nargs="+", choices=("dlib", "eigenfaces"), default=["dlib", "eigenfaces"],
                    help="face recognizers for re-identification; dlib (the audit extra) is the strong one")
     p.add_argument("--recognizer-weights", type=Path, default=None,
-                   help="also a backbone pre-trained on public faces (splitface-pretrain classify) as a recognizer")
+                   help="also a backbone pre-trained on public faces (splitface-research pretrain classify) as a recognizer")
     p.add_argument("--public-images", type=int, default=1200, help="public faces the attacker fits on")
     p.add_argument("--image-size", type=int, default=32, help="reconstruction size")
     p.add_argument("--decoder-epochs", type=int, default=12)
@@ -286,7 +287,7 @@ def attacker_settings(args: argparse.Namespace, run_dir: Path) -> dict:
     try:
         digest = hashlib.sha256((run_dir / "results.json").read_bytes()).hexdigest()
     except FileNotFoundError as exc:
-        raise SystemExit(f"splitface-audit: {run_dir} has no results.json: not a finished splitface-demo run ({exc})")
+        raise SystemExit(f"splitface-research audit: {run_dir} has no results.json: not a finished splitface-research demo run ({exc})")
     return {"public_images": args.public_images, "image_size": args.image_size, "decoder_epochs": args.decoder_epochs,
             "recognizers": recognizer_names(args), "matcher_epochs": args.matcher_epochs,
             "substitute": args.substitute, "run_results_sha256": digest}
@@ -315,7 +316,7 @@ def make_recognizers(args: argparse.Namespace, public: np.ndarray) -> dict[str, 
                 dlib = DlibResNet()
                 recognizers[name] = CachedFaces(dlib, f"{name}-{dlib.fingerprint}", args.cache)
             except ImportError as exc:
-                raise SystemExit(f"splitface-audit: {exc} (or pass --recognizers eigenfaces)")
+                raise SystemExit(f"splitface-research audit: {exc} (or pass --recognizers eigenfaces)")
         else:
             recognizers[name] = CachedFaces(Eigenfaces().fit(public), name, None)
     if args.recognizer_weights:
@@ -324,9 +325,9 @@ def make_recognizers(args: argparse.Namespace, public: np.ndarray) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="splitface-audit", description=__doc__,
+    p = argparse.ArgumentParser(prog="splitface-research audit", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", type=Path, help="splitface-demo run directories recorded with --record-max")
+    p.add_argument("runs", nargs="+", type=Path, help="splitface-research demo run directories recorded with --record-max")
     add_data_root_arg(p, help="LFW root (the private images' ground truth and the public faces)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--published-weights", type=Path, default=None,
@@ -339,8 +340,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     root = find_lfw_root(args.data)
     if args.recognizer_weights and not args.recognizer_weights.exists():
-        raise SystemExit(f"splitface-audit: {args.recognizer_weights} does not exist "
-                         f"(make one with `splitface-pretrain classify`, or leave --recognizer-weights out)")
+        raise SystemExit(f"splitface-research audit: {args.recognizer_weights} does not exist "
+                         f"(make one with `splitface-research pretrain classify`, or leave --recognizer-weights out)")
     kept = {r: kept_report(args, r) for r in args.runs}
     to_audit = [r for r in args.runs if kept[r] is None]
     try:
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
         faces = public_faces(root, args.public_images) if to_audit else None
         truths = {r: ground_truth(views[r], root, faces) for r in to_audit}
     except (FileNotFoundError, ValueError, KeyError) as exc:
-        raise SystemExit(f"splitface-audit: {exc}")
+        raise SystemExit(f"splitface-research audit: {exc}")
     args.out.mkdir(parents=True, exist_ok=True)
     public: dict[tuple[int, int], PublicFaces] = {}   # decoded once per input size and crop, for all runs
     for truth in truths.values():
@@ -376,8 +377,7 @@ def main(argv: list[str] | None = None) -> None:
               f"| pixel linkage {r['linkage_pixels']:.3f} | server-model R@1 {r['server_model_risk@1']:.3f} "
               f"| MI AUC {_fmt(r['membership_auc'])} | label AUC {_fmt(r['label_direction_auc'])} "
               f"| {time.time() - started:.0f}s", flush=True)
-    (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
-    (args.out / "table.md").write_text(table(list(reports.values())))
+    write_summary(args.out, rows, table(list(reports.values())), echo=False)
     plot_privacy_utility(rows, args.out / "privacy_utility.png")
     plot_reconstructions(samples, reports, args.out / "reconstructions.png")
     print(f"wrote {args.out}", flush=True)

@@ -5,7 +5,7 @@ modern recognizers but honest and fast; the audit always reports its re-identifi
 clean photos next to every attack result, so the attack's numbers can be read against it.
 
 `PublicBackbone`: a face-recognition backbone pre-trained on public LFW people
-(`splitface-pretrain classify`), its embedding as the recognizer.
+(`splitface-research pretrain classify`), its embedding as the recognizer.
 
 `DlibResNet`: dlib's ResNet face recognizer (the `face-recognition-models` wheel, trained on
 about 3 million public faces; about 0.99 on LFW pairs). The strong attacker: the audit's

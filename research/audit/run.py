@@ -86,18 +86,18 @@ class AttackerView:
 
 
 def load_run(run_dir: Path, published_weights: Path | None = None) -> AttackerView:
-    """`run_dir`: a `splitface-demo --record-max N` run (results.json, server/checkpoint.pt, server/recordings).
+    """`run_dir`: a `splitface-research demo --record-max N` run (results.json, server/checkpoint.pt, server/recordings).
     `published_weights`: where the frozen device layer's weights are on this machine, if not where the run
     recorded them."""
     run_dir = Path(run_dir)
     results_file = run_dir / "results.json"
     if not results_file.exists():
-        raise FileNotFoundError(f"{run_dir} has no results.json: not a finished splitface-demo run")
+        raise FileNotFoundError(f"{run_dir} has no results.json: not a finished splitface-research demo run")
     results = json.loads(results_file.read_text())
     recordings = load_recordings(run_dir / "server" / "recordings")
     if not recordings:
         raise FileNotFoundError(f"{run_dir / 'server' / 'recordings'} is empty: the server recorded nothing "
-                                f"(run splitface-demo with --record-max N)")
+                                f"(run splitface-research demo with --record-max N)")
     state = load_checkpoint(run_dir / "server" / "checkpoint.pt")
     if state is None:
         raise FileNotFoundError(f"{run_dir / 'server' / 'checkpoint.pt'} is missing")

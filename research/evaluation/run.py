@@ -6,6 +6,7 @@ each device trains its own, and the report names the one used.
 """
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from splitface.common.options import load_selection
+from splitface.common.options import add_data_root_arg, load_selection
 from splitface.device.trainer import bound_for, privatize
 from splitface.common.models import ModelSpec, build_backbone, split_backbone
 from splitface.device.privacy.described import from_description
@@ -30,7 +31,7 @@ def load_split_model(run_dir: Path) -> tuple[nn.Module, nn.Module, dict]:
     """(device 0's layer, the server's tail, the run's results), both in eval mode."""
     results_file = run_dir / "results.json"
     if not results_file.exists():
-        raise FileNotFoundError(f"{run_dir} has no results.json: not a finished splitface-demo run")
+        raise FileNotFoundError(f"{run_dir} has no results.json: not a finished splitface-research demo run")
     results = json.loads(results_file.read_text())
     state = load_checkpoint(run_dir / "server" / "checkpoint.pt")
     if state is None:
@@ -86,3 +87,26 @@ def evaluate_run(run_dir: str | Path, lfw_root: str | Path | None, limit: int | 
             "release": f"as deployed: layer, transform, mechanism (evaluator's own noise){wire}",
             "test_acc": results["epochs"][-1]["test_acc"] if results["epochs"] else None,
             **seen_people(lfw_root, results, limit), **report}
+
+
+def summary(report: dict) -> str:
+    seen = report["pairs_with_seen_people"]
+    trained = "unseen people" if seen == 0 else f"{seen} of {report['pairs']} pairs show people it trained on"
+    return (f"{report['run']}: View 1 accuracy {report['view1_accuracy']:.3f} +- {report['view1_std']:.3f}, "
+            f"ROC AUC {report['roc_auc']:.3f}, TAR@FAR=1e-2 {report['tar_at_far_1e-2']:.3f} "
+            f"({trained if seen is not None else 'training people unknown'})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`splitface-research evaluate RUN_DIR [RUN_DIR...] --data LFW`: each run's View 1 verification, one line per
+    run, and `view1.json` in the run's directory."""
+    p = argparse.ArgumentParser(prog="splitface-research evaluate", description=main.__doc__)
+    p.add_argument("runs", nargs="+", type=Path, help="splitface-research demo run directories")
+    add_data_root_arg(p, help="LFW root (holding images/ and the View 1 pairs files); "
+                              "default: $SPLITFACE_DATA, ~/.cache/splitface/lfw, ./data/lfw")
+    p.add_argument("--limit", type=int, default=None, help="only the first N/2 matched and N/2 mismatched pairs")
+    args = p.parse_args(argv)
+    for run_dir in args.runs:
+        report = evaluate_run(run_dir, args.data, args.limit)
+        (run_dir / "view1.json").write_text(json.dumps(report, indent=2))
+        print(summary(report), flush=True)

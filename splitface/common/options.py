@@ -40,7 +40,7 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-images", type=int, default=None, help="LFW: only people with at most this many images")
     p.add_argument("--people", choices=LFW_PEOPLE, default="all",
                    help="LFW: everyone, or only View 1's DevTrain people (peopleDevTrain.txt), so that View 1's "
-                        "test pairs are people the model never saw (python -m research.evaluation)")
+                        "test pairs are people the model never saw (splitface-research evaluate)")
     add_seed_arg(p)
 
 

@@ -2,8 +2,8 @@
 snapshots back to the server's `durable_through` (SPEC.md section 11), so that a device killed mid-epoch and
 restarted rejoins the same server run where it stopped, with the same data order.
 
-Without it a restarted device began again at batch 0 while the server held its later batches, and the
-client's reconcile could only refuse (issue 28). Written like the privacy state (privacy/state.py): an index
+Without it a restarted device would begin again at batch 0 while the server held its later batches, and the
+client's reconcile could only refuse. Written like the privacy state (privacy/state.py): an index
 file, atomic and checksummed, names the committed batch and the SHA-256 of each snapshot file; a snapshot
 file is written (atomically) before the index names it, so after a crash the index is the old one or the new
 one and every file it names is whole. A file that fails its checks is an error, never a reason to start

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="splitface-export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    p.add_argument("--weights", type=Path, default=None, help="a saved backbone (splitface-pretrain classify); "
+    p.add_argument("--weights", type=Path, default=None, help="a saved backbone (splitface-research pretrain classify); "
                    "default: the seeded initial layer every device starts from")
     p.add_argument("--batch-size", type=int, default=8, help="fixed in the programs; shorter batches are zero-padded")
     p.add_argument("--out", type=Path, required=True)

@@ -411,7 +411,7 @@ class EdgeServer:
         return None
 
     def _displace(self, address: str) -> bool:
-        """The fair share of a full server (issue #28: eight addresses reconnecting could hold all 1,024 slots):
+        """The fair share of a full server (otherwise eight addresses reconnecting could hold all 1,024 slots):
         close the oldest connection still without a successful HELLO of the address holding the most connections,
         when it holds more than `address` would with the new one. Authenticated sessions are never displaced, so
         a device with a valid token keeps its place, and a newcomer gets in while some address holds more than

@@ -55,10 +55,10 @@ def add_record_max_arg(p: argparse.ArgumentParser, default: int = 0) -> None:
 
 def add_serve_args(s: argparse.ArgumentParser) -> None:
     """`serve`'s options (also those of a server that hosts a federated run beside its split sessions,
-    `python -m research.federated.served`)."""
+    `splitface-research federated-serve`)."""
     add_model_args(s)
     s.add_argument("--init", type=Path, default=None,
-                   help="start the tail from a saved backbone (see `splitface-pretrain classify`)")
+                   help="start the tail from a saved backbone (see `splitface-research pretrain classify`)")
     add_tail_args(s)
     s.add_argument("--num-classes", type=int, required=True, help="identities of the server-head classifier")
     s.add_argument("--tokens", type=Path, required=True, help="JSON of device id -> token digest (see `tokens`)")

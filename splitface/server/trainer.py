@@ -45,7 +45,7 @@ class StepGuard:
     """What a step must look like to reach the shared model. One device's batch must never poison it:
     a finite but huge tensor (e.g. 3e38) passes the codec's finiteness check and turns the loss into NaN, and a
     batch of finite values far outside what a device releases (all 1e4 at the conv1 split) drags the batch norms'
-    running statistics, which inference and every later checkpoint use (issue #28)."""
+    running statistics, which inference and every later checkpoint use."""
     max_abs_value: float = field(default=1e6, metadata={
         "help": "largest |value| accepted in received activations and embedding gradients (0: no bound)"})
     max_grad_norm: float = field(default=1e6, metadata={
@@ -53,7 +53,7 @@ class StepGuard:
     release_noise_std: float = field(default=-1.0, metadata={
         "help": "the largest noise std per released value of the devices' privacy mechanism (0: none; per-image: "
                 "noise multiplier x clip norm; per-activation: its std; the device's Mechanism.value_noise_std(); "
-                "splitface-demo passes it): activations outside the release's honest range widened by 10 of it "
+                "splitface-research demo passes it): activations outside the release's honest range widened by 10 of it "
                 "are refused (bad_tensor). -1: not stated, no release-aware bound (the server cannot know the "
                 "devices' noise), --max-abs-value and the statistics clip only"})
     stat_clip_sigmas: float = field(default=3.0, metadata={

@@ -1,4 +1,4 @@
-"""`splitface-sim`: run N simulated devices against a running edge server."""
+"""`splitface-device sim`: run N simulated devices against a running edge server."""
 from __future__ import annotations
 
 import argparse
@@ -31,7 +31,7 @@ def device_range(text: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="splitface-sim", description=__doc__)
+    p = argparse.ArgumentParser(prog="splitface-device sim", description=__doc__)
     p.add_argument("--server", default="ws://127.0.0.1:8765")
     p.add_argument("--tokens", type=Path, required=True, help="JSON of device id -> token (from `splitface-server tokens`)")
     add_data_args(p)
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--only-devices", type=device_range, default=None, metavar="START:STOP",
                    help="run only devices START..STOP-1 of --devices here, each with the share and seeds it has in a "
-                        "run of all of them; the others run in other processes (splitface-demo --device-processes)")
+                        "run of all of them; the others run in other processes (splitface-research demo --device-processes)")
     p.add_argument("--placement", choices=("local", "ray"), default="local",
                    help="where the simulated devices run: local (all in this process, as asyncio tasks) or ray (each "
                         "device a Ray actor, all at once, on a local Ray instance or the cluster at --ray-address; "
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             results = asyncio.run(simulate(config, data, tokens))
     except StateFileError as exc:
-        raise SystemExit(f"splitface-sim: {exc}") from exc
+        raise SystemExit(f"splitface-device sim: {exc}") from exc
     for e in results["epochs"]:
         print(f"epoch {e['epoch']}: train acc {e['train_acc']:.3f} loss {e['train_loss']:.3f} | "
               f"test acc {e['test_acc']:.3f} loss {e['test_loss']:.3f} | "

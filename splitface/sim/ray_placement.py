@@ -1,8 +1,8 @@
-"""`splitface-sim --placement ray`: the simulated devices as Ray actors, on a local Ray instance or a cluster.
+"""`splitface-device sim --placement ray`: the simulated devices as Ray actors, on a local Ray instance or a cluster.
 
 Each actor runs `run_simulation` for its own devices (`only_devices`: one by default), each device with the index,
 share and seeds it has in a run of all of them, over the same websocket protocol to the same server; their results
-come back to the caller and are merged by `merge_results`, the one merge `splitface-demo --device-processes` uses,
+come back to the caller and are merged by `merge_results`, the one merge `splitface-research demo --device-processes` uses,
 into the results.json a local run writes. So a device's batches are the same wherever it runs.
 
 Every actor loads its own share from `data`'s paths: on a cluster, every node needs the data at the same path,

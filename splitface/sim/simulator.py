@@ -61,7 +61,7 @@ class SimConfig:
     pipeline: bool = False                 # make batch n+1's release while batch n is at the server
     data: dict[str, Any] = field(default_factory=dict)  # how the data was selected: lets an audit find each batch's images
     # run only devices [start, stop) of the num_devices here (each keeps its index, share and seeds): the others run
-    # in other processes (splitface-demo --device-processes); None: all of them
+    # in other processes (splitface-research demo --device-processes); None: all of them
     only_devices: tuple[int, int] | None = None
 
     def devices_here(self) -> range:

@@ -17,7 +17,7 @@ patches were visible, which it needs to reconstruct; they reveal nothing of the 
 Server side (`MaskedReconstruction`): a small convolutional MAE that sees the masked image and the
 mask it infers from the zeros, predicts every pixel and keeps the visible ones as received (as MAE's
 reconstructions do); then a stem to the split's channels, and the backbone's tail continues. The MAE is
-pre-trained on public faces (`python -m research.facemae`, with the instance-relation-matching loss)
+pre-trained on public faces (`splitface-research facemae`, with the instance-relation-matching loss)
 and kept frozen while recognition trains on its reconstructions.
 """
 from __future__ import annotations

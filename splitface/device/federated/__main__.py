@@ -1,6 +1,7 @@
-"""python -m splitface.device.federated: one federated device process (SPEC.md section 15).
+"""`splitface-device federated`: one federated device process (SPEC.md section 15; also run as
+`python -m splitface.device.federated`, how the federated experiment launches its devices).
 
-    python -m splitface.device.federated --url ws://127.0.0.1:8765 --device-id client-0 --token-file T \
+    splitface-device federated --url ws://127.0.0.1:8765 --device-id client-0 --token-file T \
         --data client-0.npz --model iresnet_small
 
 `--data` is this device's own photos: an .npz with `images` (uint8, N x 3 x S x S) and `labels` (one person
@@ -23,7 +24,7 @@ from splitface.common.options import add_model_arg, add_threads_arg
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m splitface.device.federated", description=__doc__,
+    p = argparse.ArgumentParser(prog="splitface-device federated", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", required=True)
     p.add_argument("--device-id", required=True)

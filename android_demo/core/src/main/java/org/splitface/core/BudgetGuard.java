@@ -12,7 +12,7 @@ import java.util.TreeMap;
 /**
  * Refuses a release that would take any image past its budget, before anything is sent. The
  * epsilon after k releases comes from a schedule the Python accountant (dp_accounting's PLD)
- * computed for this mechanism ({@code python -m splitface.device.privacy schedule}); the phone does no
+ * computed for this mechanism ({@code splitface-device schedule}); the phone does no
  * composition of its own.
  *
  * <p>With {@link #persistIn} the releases are durable (as splitface/device/privacy/state.py): one file per

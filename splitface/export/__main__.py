@@ -1,3 +1,0 @@
-from splitface.export.cli import main
-
-main()

@@ -1,3 +1,0 @@
-from splitface.server.cli import main
-
-main()

@@ -1,3 +1,0 @@
-from splitface.sim.cli import main
-
-main()
