@@ -1,6 +1,6 @@
 """The Ray backend (`--backend ray`): the round's clients as Ray tasks, on a local Ray instance or a cluster.
 
-Each task runs `engine.run_task` (the in-process backend's function) with the same arguments and seeds, and
+Each task runs `tasks.run_task` (the in-process backend's function) with the same arguments and seeds, and
 the results come back in task order, so the round logic sees exactly what the in-process backend gives it.
 The caller starts Ray (`ray.init(...)`); the Ray workers need this project importable (it is installed in the
 environment, or shipped with a runtime_env).
@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from splitface.device.federated import ClientResult
 
-from research.federated.rounds import ClientTask, run_task
+from research.federated.tasks import ClientTask, run_task
 
 
 @functools.cache

@@ -31,7 +31,7 @@ from splitface.protocol.session import RoundBoard, ServerInfo
 
 from splitface.server.app import EdgeServer, ServerConfig, ServerThread
 from splitface.server.auth import TokenAuthenticator
-from research.federated.rounds import ClientTask
+from research.federated.tasks import ClientTask
 
 
 def client_device_id(client: int) -> str:
