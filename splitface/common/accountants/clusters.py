@@ -14,6 +14,9 @@ Gaussians; a client that runs DPLC in M rounds composes M calls (its centres mov
 each round's release is a fresh mechanism on them: adaptive composition). No amplification by
 sampling is claimed. Not covered (as in the paper): the cap's choice, |S| and the T test are computed
 without noise.
+
+`ClusterAccountant` keeps the books a federated run needs (DPLC calls per client) behind the accountants'
+common interface; `identity_epsilon` is the composition itself, for callers that count calls themselves.
 """
 from __future__ import annotations
 
