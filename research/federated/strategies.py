@@ -66,7 +66,8 @@ class Strategy:
         raise NotImplementedError
 
     def round_privacy(self, run: FederatedRun) -> dict[str, Any]:
-        """What each round's row reports of privacy (the whole guarantee by default)."""
+        """What each round's row reports of privacy: the guarantee so far by default; nothing for the
+        private-head family, whose identity-level epsilon is reported once for the run."""
         return self.privacy(run)
 
     def progress(self, run: FederatedRun, row: dict[str, Any]) -> str:
