@@ -7,7 +7,7 @@ one clipped contribution: the guarantee is user-level (add/remove neighbours).
 Adaptive clipping (Andrew et al. 2021) also releases a noised count of clients whose update was within
 the clip norm. The bits have sensitivity 1/2 once centred, so a count noise of std sigma_b is a Gaussian
 mechanism of multiplier 2*sigma_b, released on the same sample: the two together are exactly one
-Gaussian mechanism of multiplier (z_delta^-2 + (2 sigma_b)^-2)^-1/2. The engine picks z_delta so that
+Gaussian mechanism of multiplier (z_delta^-2 + (2 sigma_b)^-2)^-1/2. The DP strategies pick z_delta so that
 this total equals the requested z, so the accountant's z already includes the clipping's cost.
 """
 from __future__ import annotations
