@@ -47,3 +47,28 @@ def test_ray_backend_equals_in_process(local_ray, lfw, tmp_path, method):
     assert all(torch.equal(a[k], b[k]) for k in a)
     if on_ray.head is not None:
         assert torch.equal(on_ray.head.weight, here.head.weight)
+
+
+@pytest.mark.slow
+def test_a_private_head_method_on_ray_equals_in_process(local_ray, lfw, tmp_path):
+    """The one round loop runs the private-head strategies on any backend that runs tasks: FedGC's clients as Ray
+    tasks give the in-process run's backbone and corrected heads bit for bit."""
+    from splitface.device.federated.private_head import HeadConfig
+    from research.federated.methods import MethodConfig
+    population = load_population(lfw, TINY.input_size, max_users=8, seed=0)
+    torch.manual_seed(0)
+    init = build_backbone(TINY).state_dict()
+    config = MethodConfig("fedgc", rounds=2, users_per_client=2, clients_per_round=2,
+                          head=HeadConfig(epochs=1, batch_size=4), fedgc_scale=4.0)
+    on_ray = FederatedRun(config, TINY, population, init, tmp_path / "ray", ray_backend)
+    on_ray.run(log=lambda _: None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        here = FederatedRun(config, TINY, population, init)
+        here.run(log=lambda _: None)
+    finally:
+        torch.set_num_threads(threads)
+    a, b = on_ray.backbone.state_dict(), here.backbone.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert set(on_ray.heads) == set(here.heads) and all(torch.equal(on_ray.heads[c], here.heads[c]) for c in here.heads)

@@ -1,7 +1,7 @@
 """The Ray backend (`--backend ray`): the round's clients as Ray tasks, on a local Ray instance or a cluster.
 
-Each task runs `engine.run_task` (the in-process backend's function) with the same arguments and seeds, and
-the results come back in task order, so the round logic sees exactly what the in-process backend gives it.
+Each task (any method's) runs `tasks.run_task`, the in-process backend's function, with the same arguments and
+seeds, and the results come back in task order, so the round logic sees exactly what the in-process backend gives it.
 The caller starts Ray (`ray.init(...)`); the Ray workers need this project importable (it is installed in the
 environment, or shipped with a runtime_env).
 """
@@ -10,9 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence
 
-from splitface.device.federated import ClientResult
-
-from research.federated.rounds import ClientTask, run_task
+from research.federated.tasks import run_task
 
 
 @functools.cache
@@ -22,7 +20,7 @@ def _remote() -> Any:
     return ray.remote(num_cpus=1)(run_task)
 
 
-def ray_backend(tasks: Sequence[ClientTask]) -> list[ClientResult | None]:
+def ray_backend(tasks: Sequence[Any]) -> list[Any]:
     """All clients of the round at once on Ray's workers (one CPU each); their results in task order."""
     import ray
 

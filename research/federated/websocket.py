@@ -31,7 +31,7 @@ from splitface.protocol.session import RoundBoard, ServerInfo
 
 from splitface.server.app import EdgeServer, ServerConfig, ServerThread
 from splitface.server.auth import TokenAuthenticator
-from research.federated.rounds import ClientTask
+from research.federated.tasks import ClientTask
 
 
 def client_device_id(client: int) -> str:
@@ -90,6 +90,9 @@ class WebsocketBackend:
     def __call__(self, tasks: Sequence[ClientTask]) -> list[ClientResult | None]:
         if not tasks:
             return []
+        if not all(isinstance(t, ClientTask) for t in tasks):
+            raise TypeError("the protocol's round messages carry ClientTasks only (the DP-FedEmb family's); "
+                            "private-head methods run in process or on Ray")
         first = tasks[0]
         config, clip_norm = config_to_wire(first.config)
         head_shape = None if first.head_state is None else tuple(first.head_state["weight"].shape)

@@ -14,16 +14,21 @@ Gaussians; a client that runs DPLC in M rounds composes M calls (its centres mov
 each round's release is a fresh mechanism on them: adaptive composition). No amplification by
 sampling is claimed. Not covered (as in the paper): the cap's choice, |S| and the T test are computed
 without noise.
+
+`ClusterAccountant` keeps the books a federated run needs (DPLC calls per client) behind the accountants'
+common interface; `identity_epsilon` is the composition itself, for callers that count calls themselves.
 """
 from __future__ import annotations
 
 import math
 
 import dp_accounting
+import numpy as np
 
 from splitface.common.dplc import DPLCConfig
 
-from splitface.common.accountants.user_level import pld_epsilon, rdp_epsilon
+from splitface.common.accountants.base import Accountant, rdp_epsilon
+from splitface.common.accountants.user_level import pld_epsilon
 
 
 def query_noise_multiplier(epsilon: float, delta: float) -> float:
@@ -57,3 +62,34 @@ def identity_epsilon(config: DPLCConfig, rounds: int, delta: float) -> dict[str,
             "noise_multiplier": z, "releases": releases, "query_epsilon": config.epsilon,
             "query_delta": config.delta,
             "query_epsilon_pld": pld_epsilon(dp_accounting.GaussianDpEvent(z), config.delta)}
+
+
+class ClusterAccountant(Accountant):
+    """PrivacyFace's releases so far: the number of DPLC calls of each client (its whole state). An identity
+    is in one client, so the worst identity is in the client with the most calls."""
+    name = "clusters"
+
+    def __init__(self, config: DPLCConfig, clients: int) -> None:
+        self.config = config
+        self.calls = np.zeros(clients, dtype=np.int64)
+
+    def record(self, client: int) -> None:
+        """One DPLC call (Q queries) of `client`."""
+        self.calls[client] += 1
+
+    def epsilon(self, delta: float) -> dict[str, float | int | None]:
+        """`identity_epsilon` for the client with the most calls."""
+        return identity_epsilon(self.config, int(self.calls.max()), delta)
+
+    def get_epsilon(self, delta: float) -> float:
+        """The worst identity's PLD epsilon at `delta` (inf where DPLC adds no noise)."""
+        if not self.calls.max():
+            return 0.0
+        epsilon = self.epsilon(delta)["epsilon"]
+        return math.inf if epsilon is None else epsilon
+
+    def state_dict(self) -> list[int]:
+        return [int(n) for n in self.calls]
+
+    def load_state_dict(self, state: list[int]) -> None:
+        self.calls = np.asarray(state, dtype=np.int64)

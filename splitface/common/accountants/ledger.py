@@ -17,7 +17,9 @@ import attr
 from dp_accounting import dp_event
 from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 from dp_accounting.privacy_accountant import NeighboringRelation
-from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
+
+from splitface.common.accountants.base import Accountant, is_non_private, rdp_epsilon
+from splitface.common.accountants.base import to_add_or_remove  # noqa: F401 (the planner's import)
 
 DpEvent = dp_event.DpEvent
 LEVELS = ("image", "identity")
@@ -31,18 +33,6 @@ MAX_INTERVAL = 100.0  # the library computes expm1(interval): far above this it 
 
 # ---- epsilon of one event, from the library ---------------------------------------------
 
-def _is_non_private(event: DpEvent) -> bool:
-    if isinstance(event, dp_event.NonPrivateDpEvent):
-        return True
-    if isinstance(event, dp_event.GaussianDpEvent):
-        return event.noise_multiplier == 0
-    if isinstance(event, dp_event.SelfComposedDpEvent):
-        return event.count > 0 and _is_non_private(event.event)
-    if isinstance(event, dp_event.ComposedDpEvent):
-        return any(_is_non_private(e) for e in event.events)
-    return False
-
-
 def _has_zcdp(event: DpEvent) -> bool:
     if isinstance(event, dp_event.ZCDpEvent):
         return True
@@ -53,34 +43,6 @@ def _has_zcdp(event: DpEvent) -> bool:
     return False
 
 
-def to_add_or_remove(event: DpEvent) -> DpEvent:
-    """REPLACE_ONE GaussianDpEvent(z) as the equivalent ADD_OR_REMOVE_ONE GaussianDpEvent(z / 2).
-
-    Both have privacy loss N(mu^2/2, mu^2) with mu = 2/z (a shift of 2r against noise z r, or of
-    r against z r / 2); checked with PLD: 4.3772 for both at z=2, delta=1e-5. Needed because
-    RdpAccountant's GaussianDpEvent ignores the neighbouring relation (it always uses the
-    add/remove sensitivity), so handing it REPLACE_ONE events directly under-reports by ~2x.
-    """
-    if isinstance(event, dp_event.GaussianDpEvent):
-        return dp_event.GaussianDpEvent(event.noise_multiplier / 2)
-    if isinstance(event, dp_event.SelfComposedDpEvent):
-        return dp_event.SelfComposedDpEvent(to_add_or_remove(event.event), event.count)
-    if isinstance(event, dp_event.ComposedDpEvent):
-        return dp_event.ComposedDpEvent([to_add_or_remove(e) for e in event.events])
-    if isinstance(event, (dp_event.NoOpDpEvent, dp_event.NonPrivateDpEvent, dp_event.ZCDpEvent)):
-        return event  # a zCDP event states its Renyi curve for the relation it was derived under (here REPLACE_ONE)
-    raise ValueError(f"no add/remove equivalent known for {event}")
-
-
-def rdp_epsilon(event: DpEvent, delta: float) -> float:
-    """RdpAccountant's epsilon for a REPLACE_ONE event (via :func:`to_add_or_remove`)."""
-    if _is_non_private(event):
-        return math.inf
-    acc = RdpAccountant(neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE)
-    acc.compose(to_add_or_remove(event))
-    return float(acc.get_epsilon(delta))
-
-
 def epsilon_of(event: DpEvent, delta: float, value_discretization_interval: float = 1e-3) -> float:
     """PLDAccountant(REPLACE_ONE) epsilon of ``event`` at ``delta``; math.inf if any part is non-private.
     A history with a zCDP event (the discrete Gaussian) is composed by RdpAccountant instead, whole:
@@ -89,13 +51,14 @@ def epsilon_of(event: DpEvent, delta: float, value_discretization_interval: floa
     The interval is coarsened for huge epsilons (see RELATIVE_INTERVAL), using RDP's epsilon,
     which is never below PLD's, as the scale.
     """
-    if _is_non_private(event):
+    if is_non_private(event):
         return math.inf
     if _has_zcdp(event):
-        return rdp_epsilon(event, delta)
+        return rdp_epsilon(event, delta, NeighboringRelation.REPLACE_ONE)
     interval = value_discretization_interval
     try:
-        interval = max(interval, min(MAX_INTERVAL, RELATIVE_INTERVAL * rdp_epsilon(event, delta)))
+        interval = max(interval, min(MAX_INTERVAL, RELATIVE_INTERVAL * rdp_epsilon(event, delta,
+                                                                              NeighboringRelation.REPLACE_ONE)))
     except ValueError:
         pass  # not a Gaussian composition: keep the base interval
     acc = PLDAccountant(NeighboringRelation.REPLACE_ONE, value_discretization_interval=interval)
@@ -144,7 +107,7 @@ def _scaled(event: DpEvent, k: int) -> DpEvent:
     raise ValueError(f"joint releases are supported for GaussianDpEvent only, got {event}")
 
 
-class PrivacyAccountant:
+class PrivacyAccountant(Accountant):
     """Per-image and per-identity ledger of releases, composed with dp_accounting's PLD accountant.
 
     A release is keyed (e.g. "train:12", "eval:3:5"); recording the same key again for the same
@@ -158,6 +121,7 @@ class PrivacyAccountant:
     independent GaussianDpEvent(z) (which would under-count). Activation releases draw
     independent noise per image and are not joint.
     """
+    name = "ledger"
 
     def __init__(self, delta: float, value_discretization_interval: float = 1e-3) -> None:
         if not 0 < delta < 1:
@@ -246,6 +210,13 @@ class PrivacyAccountant:
     def max_epsilon_identity(self) -> float:
         return max(self._all("identity"), default=0.0)
 
+    def get_epsilon(self, delta: float) -> float:
+        """The worst identity's epsilon at `delta` (an identity's releases include each of its images')."""
+        if delta == self.delta:
+            return self.max_epsilon_identity()
+        return max((epsilon_of(compose(h), delta, self.value_discretization_interval) if h else 0.0
+                    for h in self._identity_hist.values()), default=0.0)
+
     def epsilon_after(self, image_ids: Sequence[int], identities: Sequence[int], event: DpEvent, level: str,
                       *, release: str | None = None, joint: bool = False) -> dict[int, tuple[float, float, bool]]:
         """{image or identity: (epsilon now, epsilon after, whether this release adds to it)} for those it
@@ -285,7 +256,7 @@ class PrivacyAccountant:
         :func:`to_add_or_remove` (REPLACE_ONE G(z) == ADD_OR_REMOVE G(z/2), verified with PLD).
         """
         hist = self._image_hist.get(int(image_id), Counter())
-        return rdp_epsilon(compose(hist), self.delta) if hist else 0.0
+        return rdp_epsilon(compose(hist), self.delta, NeighboringRelation.REPLACE_ONE) if hist else 0.0
 
     def report(self) -> dict[str, Any]:
         """Summary for logs: numbers of releases and images, epsilon spread per image and per identity."""

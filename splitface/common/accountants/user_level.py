@@ -7,7 +7,7 @@ one clipped contribution: the guarantee is user-level (add/remove neighbours).
 Adaptive clipping (Andrew et al. 2021) also releases a noised count of clients whose update was within
 the clip norm. The bits have sensitivity 1/2 once centred, so a count noise of std sigma_b is a Gaussian
 mechanism of multiplier 2*sigma_b, released on the same sample: the two together are exactly one
-Gaussian mechanism of multiplier (z_delta^-2 + (2 sigma_b)^-2)^-1/2. The engine picks z_delta so that
+Gaussian mechanism of multiplier (z_delta^-2 + (2 sigma_b)^-2)^-1/2. The DP strategies pick z_delta so that
 this total equals the requested z, so the accountant's z already includes the clipping's cost.
 """
 from __future__ import annotations
@@ -17,9 +17,10 @@ import math
 from itertools import groupby
 
 import dp_accounting
-from dp_accounting import pld, rdp
+from dp_accounting import pld
 
-RDP_ORDERS = [1.5, 1.75] + [2 + x / 4 for x in range(40)] + list(range(12, 64)) + [128, 256, 512, 1024]
+from splitface.common.accountants.base import Accountant, rdp_epsilon
+
 
 
 class _ExcludedOrders(logging.Filter):
@@ -47,8 +48,9 @@ def update_noise(z_total: float, count_noise_std: float) -> float:
     return (z_total ** -2 - (2 * count_noise_std) ** -2) ** -0.5
 
 
-class UserLevelAccountant:
+class UserLevelAccountant(Accountant):
     """The rounds run so far, as (sampling rate, noise multiplier) pairs: its whole state, JSON-safe."""
+    name = "user_level"
 
     def __init__(self, rounds: list[tuple[float, float]] | None = None) -> None:
         self.rounds: list[tuple[float, float]] = [(float(q), float(z)) for q, z in rounds or []]
@@ -58,8 +60,13 @@ class UserLevelAccountant:
             raise ValueError(f"need 0 < q <= 1 and z > 0, got q={sampling_rate}, z={noise_multiplier}")
         self.rounds.append((float(sampling_rate), float(noise_multiplier)))
 
-    def state(self) -> list[list[float]]:
+    def state_dict(self) -> list[list[float]]:
         return [[q, z] for q, z in self.rounds]
+
+    state = state_dict  # the name federated checkpoints were written with
+
+    def load_state_dict(self, state: list[list[float]]) -> None:
+        self.rounds = [(float(q), float(z)) for q, z in state]
 
     def event(self) -> dp_accounting.DpEvent:
         """The whole run as one dp_accounting event (runs of equal rounds self-composed)."""
@@ -76,6 +83,10 @@ class UserLevelAccountant:
             return {"epsilon": 0.0, "epsilon_rdp": 0.0}
         return {"epsilon": pld_epsilon(self.event(), delta), "epsilon_rdp": rdp_epsilon(self.event(), delta)}
 
+    def get_epsilon(self, delta: float) -> float:
+        """The user-level PLD epsilon at `delta`."""
+        return self.epsilon(delta)["epsilon"]
+
 
 def pld_epsilon(event: dp_accounting.DpEvent, delta: float) -> float:
     """PLD epsilon with a discretization at most 1/100 of the epsilon it finds (a coarse grid overstates a small
@@ -86,11 +97,6 @@ def pld_epsilon(event: dp_accounting.DpEvent, delta: float) -> float:
         if interval <= max(epsilon / 100, 1e-7):
             return epsilon
         interval = max(epsilon / 1000, 1e-7)
-
-
-def rdp_epsilon(event: dp_accounting.DpEvent, delta: float) -> float:
-    accountant = rdp.RdpAccountant(RDP_ORDERS)
-    return float(accountant.compose(event).get_epsilon(delta))
 
 
 def default_delta(num_users: int) -> float:
