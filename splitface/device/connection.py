@@ -23,7 +23,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from splitface.protocol import messages as m
 from splitface.protocol.errors import ErrorCode, RemoteError
-from splitface.protocol.session import ClientSession
+from splitface.protocol.client_session import ClientSession
 from splitface.net.transport import (CLIENT_WS_OPTIONS, Message, message_size, receive, reuse_large_buffers, send_fragments)
 
 from splitface.common.faults import FAULT_EXIT, Fault, crash

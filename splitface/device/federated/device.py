@@ -23,7 +23,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from splitface.protocol import messages as m
 from splitface.protocol.errors import ErrorCode, RemoteError
-from splitface.protocol.session import FederatedClientSession
+from splitface.protocol.client_session import FederatedClientSession
 from splitface.net.transport import CLIENT_WS_OPTIONS, send_fragments
 
 from splitface.net.tls import UntrustedServer, tls_context

@@ -23,7 +23,9 @@ import numpy as np
 
 from splitface.protocol import messages as m
 from splitface.protocol.errors import ErrorCode, ProtocolError
-from splitface.protocol.session import (Admit, ClientSession, DeviceRecord, FederatedClientSession, RoundBoard, ServerInfo, ServerSession)
+from splitface.protocol.client_session import ClientSession, FederatedClientSession
+from splitface.protocol.round_board import RoundBoard
+from splitface.protocol.server_session import Admit, DeviceRecord, ServerInfo, ServerSession
 from splitface.protocol.tensor import decode_tensor
 
 HERE = Path(__file__).resolve().parent

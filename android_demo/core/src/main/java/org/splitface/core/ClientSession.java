@@ -6,7 +6,7 @@ import java.util.List;
 import java.util.Map;
 import java.util.Set;
 
-/** The device's side of splitface/protocol/session.py: builds messages and checks replies (no I/O). */
+/** The device's side of splitface/protocol/client_session.py: builds messages and checks replies (no I/O). */
 public final class ClientSession {
     public final String deviceId, token, split, head;
     public final Map<String, Object> model;
