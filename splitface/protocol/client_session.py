@@ -1,7 +1,8 @@
 """The device's side of a connection, sans I/O: it builds the device's messages and checks the server's replies.
 
-Split (`ClientSession`) and federated (`FederatedClientSession`) devices; every client shell, Python or
-JVM, follows the same rules, so they are written once here and pinned by the test vectors.
+Split (`ClientSession`) and federated (`FederatedClientSession`) devices. What a device does after a
+WELCOME (resume, re-send its batch in flight, or roll back) is decided here, once (`welcome_decision`), so
+that every client shell, Python or JVM, follows the same rule, pinned by vectors/reconnect/.
 """
 from __future__ import annotations
 
@@ -16,6 +17,68 @@ from splitface.protocol.errors import ErrorCode, ProtocolError, RemoteError, bri
 from splitface.protocol.messages import message_size
 from splitface.protocol.patches import pack
 from splitface.protocol.tensor import encode_tensor
+
+
+def _reply(data: bytes, expect: set[str], max_message_bytes: int) -> dict[str, Any]:
+    """A server message of one of the expected types (never refused for a size under the spec's floor); ERROR
+    becomes RemoteError."""
+    message = m.decode(data, max_size=max(max_message_bytes, m.DEFAULT_MAX_MESSAGE_BYTES))
+    if message["type"] == m.ERROR:
+        raise RemoteError(message["code"], message["message"], message.get("batch_id"))
+    if message["type"] not in expect:
+        raise ProtocolError(ErrorCode.BAD_STATE, f"expected {sorted(expect)}, got {message['type']}")
+    return message
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Go on at `next_batch` (the device's last committed batch + 1). `resend`: the device holds that batch's
+    FORWARD (in flight when the connection dropped) and re-sends those exact bytes; `replay`: the server has
+    applied that batch already, so it answers the FORWARD with its cached BACKWARD and applies nothing (a device
+    that does not hold the bytes, one restarted from its training state, makes the same batch again)."""
+    next_batch: int
+    resend: bool
+    replay: bool
+    forget_before: int  # the device's snapshots of batches before this one can never be needed (SPEC.md section 11)
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """The server restarted from an older checkpoint: restore the snapshot of `batch_id` (the server's last applied
+    batch), drop the later ones and any batch in flight, and go on at `batch_id + 1`."""
+    batch_id: int
+    forget_before: int
+
+
+class CannotResume(ProtocolError):
+    """WELCOME's progress cannot be reconciled with the device's: the device must stop (SPEC.md section 10).
+    `reason`: "server_ahead" (the server claims a batch this device never sent: the device lost its state) or
+    "durable_ahead" (the checkpoint covers a batch the server says it has not applied)."""
+
+    def __init__(self, reason: str, message: str, server_applied: int, committed: int):
+        super().__init__(ErrorCode.BAD_STATE, message)
+        self.reason = reason
+        self.server_applied = server_applied
+        self.committed = committed
+
+
+def welcome_decision(committed: int, in_flight: int | None, resume_from: int, durable_through: int) -> Resume | Rollback:
+    """SPEC.md section 10's reconciliation: the device's last committed batch `committed` (C) and the batch whose
+    FORWARD it holds unanswered `in_flight` (None, or C + 1), against WELCOME's `resume_from` (R + 1) and
+    `durable_through`. R == C or C + 1: resume at C + 1; R < C: roll back to R; else CannotResume."""
+    if in_flight is not None and in_flight != committed + 1:
+        raise ValueError(f"the batch in flight is {in_flight}, but only batch {committed + 1} can be (committed: {committed})")
+    applied = resume_from - 1
+    if applied > committed + 1:
+        raise CannotResume("server_ahead", f"server has applied batch {applied}, device only {committed}", applied,
+                           committed)
+    if durable_through > applied:
+        raise CannotResume("durable_ahead", f"server's checkpoint covers batch {durable_through}, but it has applied "
+                                            f"only {applied}", applied, committed)
+    forget_before = min(durable_through, committed)
+    if applied < committed:
+        return Rollback(applied, forget_before)
+    return Resume(committed + 1, in_flight is not None, applied == committed + 1, forget_before)
 
 
 @dataclass
@@ -53,6 +116,14 @@ class ClientSession:
                                                        f"got {brief(limits)}")
         self.welcome = welcome
         return welcome
+
+    def reconcile(self, committed: int, in_flight: int | None = None) -> Resume | Rollback:
+        """What to do after the accepted WELCOME, given the device's last committed batch and the batch whose FORWARD
+        it holds unanswered (`welcome_decision`); raises CannotResume if the device must stop. Separate from
+        `accept_welcome` so that a shell can first check WELCOME's `spent_epsilon` (SPEC.md section 5.11)."""
+        if self.welcome is None:
+            raise ProtocolError(ErrorCode.BAD_STATE, "no welcome accepted yet")
+        return welcome_decision(committed, in_flight, self.welcome["resume_from"], self.welcome["durable_through"])
 
     @property
     def max_message_bytes(self) -> int:
@@ -116,11 +187,7 @@ class ClientSession:
 
     def receive(self, data: bytes, expect: set[str], batch_id: int | None = None) -> dict[str, Any]:
         """A validated reply of one of the expected types; ERROR becomes RemoteError."""
-        message = m.decode(data, max_size=max(self.max_message_bytes, m.DEFAULT_MAX_MESSAGE_BYTES))
-        if message["type"] == m.ERROR:
-            raise RemoteError(message["code"], message["message"], message.get("batch_id"))
-        if message["type"] not in expect:
-            raise ProtocolError(ErrorCode.BAD_STATE, f"expected {sorted(expect)}, got {message['type']}")
+        message = _reply(data, expect, self.max_message_bytes)
         if batch_id is not None and message.get("batch_id") != batch_id:
             raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"reply for batch {message.get('batch_id')}, expected {batch_id}")
         return message
@@ -157,11 +224,7 @@ class FederatedClientSession:
 
     def receive(self, data: bytes, expect: set[str], round_id: int | None = None) -> dict[str, Any]:
         """A validated reply of one of the expected types; ERROR becomes RemoteError."""
-        message = m.decode(data, max_size=max(self.max_message_bytes, m.DEFAULT_MAX_MESSAGE_BYTES))
-        if message["type"] == m.ERROR:
-            raise RemoteError(message["code"], message["message"], message.get("batch_id"))
-        if message["type"] not in expect:
-            raise ProtocolError(ErrorCode.BAD_STATE, f"expected {sorted(expect)}, got {message['type']}")
+        message = _reply(data, expect, self.max_message_bytes)
         if round_id is not None and message.get("round_id") != round_id:
             raise ProtocolError(ErrorCode.BAD_STATE, f"reply for round {message.get('round_id')}, expected {round_id}")
         if message["type"] == m.ROUND_START:

@@ -48,6 +48,16 @@ public final class ClientSession {
         return welcome;
     }
 
+    /**
+     * What to do after the accepted WELCOME ({@link WelcomeDecision}), given the device's last committed batch and the
+     * batch whose FORWARD it holds unanswered (null: none); throws WelcomeDecision.CannotResume if it must stop.
+     */
+    public WelcomeDecision reconcile(long committed, Long inFlight) {
+        if (welcome == null) throw new ProtocolException(ProtocolException.BAD_STATE, "no welcome accepted yet");
+        return WelcomeDecision.decide(committed, inFlight, (Long) welcome.get("resume_from"),
+                (Long) welcome.get("durable_through"));
+    }
+
     public long maxMessageBytes() {
         if (welcome == null) return Messages.DEFAULT_MAX_MESSAGE_BYTES;
         Object limit = ((Map<?, ?>) welcome.get("limits")).get("max_message_bytes");
