@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from splitface.common.options import add_data_args, add_devices_args, add_model_args, add_optimizer_args, add_threads_arg, add_training_args, apply_threads, data_argv, model_argv, model_spec, train_config
+from splitface.common.options import add_data_args, add_devices_args, add_model_args, add_optimizer_args, add_threads_arg, add_training_args, apply_threads, data_argv, data_selection, load_data, model_argv, model_spec, train_config
 from splitface.device.privacy.options import add_privacy_args, privacy_engines
 from splitface.device.privacy.state import StateFileError
 from splitface.protocol.tensor import ENCODINGS
