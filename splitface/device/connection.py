@@ -11,7 +11,6 @@ import asyncio
 import logging
 import math
 import os
-import ssl
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake
+from websockets.exceptions import ConnectionClosed
 
 from splitface.protocol import messages as m
 from splitface.protocol.errors import ErrorCode, RemoteError
@@ -28,6 +27,7 @@ from splitface.net.transport import (CLIENT_WS_OPTIONS, Message, message_size, r
 
 from splitface.common.faults import FAULT_EXIT, Fault, crash
 from splitface.device.trainer import DeviceTrainer
+from splitface.net.reconnect import connect_with_backoff
 from splitface.net.tls import UntrustedServer, is_loopback, tls_context
 from splitface.net.fastws import FastClientConnection
 from splitface.device.meter import BatchCost, EnergyCounter, Stopwatch, peak_rss_bytes
@@ -147,29 +147,18 @@ class DeviceClient:
     async def connect(self) -> None:
         """Connect and handshake, retrying until the server answers; then reconcile progress."""
         reuse_large_buffers()  # large tensors' buffers are reused, not page-faulted afresh (splitface/net/transport.py)
-        deadline = time.monotonic() + self.reconnect_timeout_s
-        delay = 0.2
-        while True:
-            try:
-                self._ws = await connect(self.url, max_size=self.max_message_bytes, ssl=self.ssl,
-                                         create_connection=FastClientConnection, **CLIENT_WS_OPTIONS)
-                await self._ws.send(self.session.hello())
-                welcome = self.session.accept_welcome(await self._ws.recv())
-                self._ws.protocol.max_message_size = max(self.max_message_bytes, self.session.max_message_bytes)
-                break
-            except RemoteError:
-                await self.close()
-                raise  # unauthorised, wrong model...: retrying cannot help
-            except ssl.SSLCertVerificationError as exc:
-                await self.close()
-                raise UntrustedServer(f"{self.device_id}: TLS certificate of {self.url} not accepted: "
-                                      f"{exc.verify_message or exc}") from exc
-            except (OSError, ConnectionClosed, InvalidHandshake, asyncio.TimeoutError) as exc:
-                await self.close()
-                if time.monotonic() > deadline:
-                    raise ConnectionError(f"{self.device_id}: cannot reach {self.url}: {exc}") from exc
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+
+        async def attempt() -> dict[str, Any]:
+            self._ws = await connect(self.url, max_size=self.max_message_bytes, ssl=self.ssl,
+                                     create_connection=FastClientConnection, **CLIENT_WS_OPTIONS)
+            await self._ws.send(self.session.hello())
+            welcome = self.session.accept_welcome(await self._ws.recv())
+            self._ws.protocol.max_message_size = max(self.max_message_bytes, self.session.max_message_bytes)
+            return welcome
+
+        # an ERROR (unauthorised, wrong model...) is not retried: retrying cannot help
+        welcome = await connect_with_backoff(attempt, url=self.url, name=self.device_id,
+                                             timeout_s=self.reconnect_timeout_s, cleanup=self.close)
         async with self._engine_lock:
             try:
                 check_server_figure(self.device_id, self.engine.privacy.state_path,
