@@ -328,7 +328,7 @@ def test_device_processes_across_a_server_kill_equal_the_in_process_run(lfw, tmp
         assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["round"] == 1
         log = tmp_path / "serve.log"
         served = subprocess.Popen(
-            [sys.executable, "-m", "splitface.server.cli", "serve", "--model", json.dumps(TINY.to_dict()), "--num-classes",
+            [sys.executable, "-m", "research.federated.served", "--model", json.dumps(TINY.to_dict()), "--num-classes",
              "2", "--tokens", str(tmp_path / "tokens.json"), "--port", str(port), "--run-dir", str(tmp_path / "split"),
              "--max-batch", "8", "--threads", "1", *options("federated-")], cwd=ROOT, stdout=open(log, "w"),
             stderr=subprocess.STDOUT)
