@@ -45,7 +45,8 @@ import msgpack
 import numpy as np
 
 from splitface.protocol import messages as m
-from splitface.protocol.session import ClientSession, DeviceRecord, ServerInfo, ServerSession
+from splitface.protocol.client_session import ClientSession
+from splitface.protocol.server_session import DeviceRecord, ServerInfo, ServerSession
 from splitface.protocol.tensor import WIRE_DTYPES, decode_tensor, encode_tensor, payload_bytes
 from research.results import write_report
 

@@ -44,7 +44,7 @@ from splitface.server.auth import hash_token
 from splitface.protocol import messages as m
 from splitface.protocol import mutate
 from splitface.protocol.errors import ProtocolError
-from splitface.protocol.session import ClientSession
+from splitface.protocol.client_session import ClientSession
 from splitface.protocol.vectors import generate as vectors
 
 ROOT = Path(__file__).resolve().parents[1]

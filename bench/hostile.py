@@ -44,7 +44,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 from splitface.protocol import messages as m
-from splitface.protocol.session import ClientSession
+from splitface.protocol.client_session import ClientSession
 
 MODEL, SPLIT, NUM_CLASSES, BATCH = "vgg_face_small", "conv1", 5, 8
 IDLE_FROM, SLOW_FROM, GUESS_FROM = "127.0.0.2", "127.0.0.3", "127.0.0.4"

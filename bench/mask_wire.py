@@ -26,7 +26,7 @@ from splitface.device.trainer import DeviceTrainer, PrivacyEngine
 from splitface.common.models import ModelSpec
 from splitface.common.options import add_data_root_arg
 from splitface.sim.simulator import batch_indices, batches_per_epoch
-from splitface.protocol.session import ClientSession
+from splitface.protocol.client_session import ClientSession
 from splitface.protocol.tensor import ENCODINGS
 
 

@@ -335,7 +335,7 @@ async def _client_loop(conn, port: int, setting: Setting, activations: np.ndarra
     from websockets.asyncio.client import connect
 
     from splitface.protocol import messages as m
-    from splitface.protocol.session import ClientSession
+    from splitface.protocol.client_session import ClientSession
     from splitface.protocol.messages import message_size
     from splitface.net.transport import receive, send_fragments
     session = ClientSession("bench-device", "bench-token", {}, "conv1", "server", len(activations), 1000,

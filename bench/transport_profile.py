@@ -86,7 +86,7 @@ def client_main(port: int, fast: bool, trips: int, shape: tuple[int, ...], top: 
 
     from splitface.protocol import messages as m
     from splitface.net import transport as t
-    from splitface.protocol.session import ClientSession
+    from splitface.protocol.client_session import ClientSession
     t.reuse_large_buffers()
     rng = np.random.default_rng(1)
     activations, labels = rng.random(shape, dtype=np.float32), rng.integers(0, 1000, shape[0])

@@ -321,7 +321,8 @@ def wire_bytes(spec_name: str = "iresnet_small", users: int = 1073) -> dict:
 
     from splitface.device.federated.wire import backbone_template, config_to_wire, state_to_wire, upload_shapes
     from splitface.protocol import messages as m
-    from splitface.protocol.session import FederatedClientSession, RoundBoard
+    from splitface.protocol.client_session import FederatedClientSession
+    from splitface.protocol.round_board import RoundBoard
 
     spec = resolve_spec(spec_name)
     out = {"model": spec_name, "users_fedavg_head": users, "encoding": "f32"}

@@ -16,7 +16,7 @@ from splitface.device.trainer import DeviceTrainer
 from splitface.server.checkpoint import load_checkpoint
 from splitface.protocol import messages as m
 from splitface.protocol.errors import RemoteError
-from splitface.protocol.session import ClientSession
+from splitface.protocol.client_session import ClientSession
 from splitface.protocol.tensor import encode_tensor
 from tests.conftest import TOKENS, serve_in_thread, small_trainer
 

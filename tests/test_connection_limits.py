@@ -16,7 +16,7 @@ from splitface.common.optim import TrainConfig
 from splitface.server.app import Limits
 from splitface.server.trainer import ServerTrainer
 from splitface.protocol import messages as m
-from splitface.protocol.session import ClientSession
+from splitface.protocol.client_session import ClientSession
 from tests.conftest import TOKENS, serve_in_thread
 
 NUM_CLASSES = 5

@@ -21,7 +21,7 @@ from splitface.device.privacy.discrete import (DiscreteGaussian, DiscreteGaussia
 from splitface.device.privacy.fastnoise import NoiseStream, fresh_key, gaussian
 import msgpack
 
-from splitface.protocol.session import ClientSession
+from splitface.protocol.client_session import ClientSession
 from splitface.protocol.tensor import decode_tensor, encode_tensor
 
 KEY = bytes(range(32))  # tests only: production keys come from fresh_key()

@@ -24,7 +24,7 @@ from splitface.server.auth import TokenAuthenticator, hash_token, issue_tokens
 from splitface.server.checkpoint import ReplyStore, load_checkpoint
 from splitface.server.trainer import ServerTrainer
 from splitface.protocol import messages as m
-from splitface.protocol.session import ClientSession
+from splitface.protocol.client_session import ClientSession
 
 # The fuzz's tiny configuration (conv1 activations [4, 32, 32]); N: images per batch.
 MODEL, SPLIT, NUM_CLASSES, N = {"family": "vgg_face", "input_size": 32, "width": 4, "fc_width": 32, "dropout": 0.0}, \

@@ -34,7 +34,9 @@ from research.federated.websocket import WebsocketBackend, client_device_id, fed
 from splitface.server.trainer import ServerTrainer
 from splitface.protocol import messages as m
 from splitface.protocol.errors import ErrorCode
-from splitface.protocol.session import (Admit, ClientSession, FederatedClientSession, Reply, RoundBoard, ServerInfo, ServerSession)
+from splitface.protocol.client_session import ClientSession, FederatedClientSession
+from splitface.protocol.round_board import RoundBoard
+from splitface.protocol.server_session import Admit, Reply, ServerInfo, ServerSession
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ModelSpec("iresnet", 16, width=4, depth=18, embedding_size=16, dropout=0.0)

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from splitface.protocol import messages as m
 from splitface.protocol import mutate
 from splitface.protocol.errors import FATAL_CODES, ErrorCode, ProtocolError, RemoteError
-from splitface.protocol.session import Admit, DeviceRecord, Embed, Evaluate, Reply, ServerSession, Train, TrainTail
+from splitface.protocol.server_session import Admit, DeviceRecord, Embed, Evaluate, Reply, ServerSession, Train, TrainTail
 from splitface.protocol.tensor import MAX_DIM, MAX_RANK, WIRE_DTYPES, decode_tensor, encode_tensor
 from splitface.protocol.vectors import generate as gen
 

@@ -21,7 +21,7 @@ from splitface.server.auth import AuthThrottle
 from splitface.server.checkpoint import NonFiniteState, load_checkpoint, save_checkpoint
 from splitface.server.trainer import ServerTrainer, StepGuard
 from splitface.protocol import messages as m
-from splitface.protocol.session import ClientSession
+from splitface.protocol.client_session import ClientSession
 from tests.conftest import TOKENS, serve_in_thread
 
 NUM_CLASSES = 5

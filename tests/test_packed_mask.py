@@ -28,7 +28,8 @@ from splitface.protocol import messages as m
 from splitface.protocol.errors import ErrorCode
 from splitface.protocol.mutate import mutate
 from splitface.protocol.patches import pack
-from splitface.protocol.session import (Admit, ClientSession, DeviceRecord, Embed, Evaluate, Reply, ServerInfo, ServerSession, Train)
+from splitface.protocol.client_session import ClientSession
+from splitface.protocol.server_session import Admit, DeviceRecord, Embed, Evaluate, Reply, ServerInfo, ServerSession, Train
 from splitface.protocol.tensor import encode_tensor
 from splitface.protocol.vectors import generate as gen
 from tests.conftest import TOKENS, serve_in_thread

@@ -19,7 +19,7 @@ from splitface.common.optim import TrainConfig
 from splitface.server.checkpoint import load_checkpoint
 from splitface.server.trainer import STAT_VAR_RATIO, ServerTrainer, StepGuard
 from splitface.protocol import messages as m
-from splitface.protocol.session import ClientSession
+from splitface.protocol.client_session import ClientSession
 from tests.conftest import TOKENS, serve_in_thread
 
 # copies of one trained server (copy.deepcopy) step an optimizer that torch's scheduler no longer wraps: its warning

@@ -11,7 +11,8 @@ import pytest
 
 from splitface.protocol import messages as m
 from splitface.protocol.errors import FATAL_CODES, ErrorCode, ProtocolError, RemoteError
-from splitface.protocol.session import (Admit, ClientSession, DeviceRecord, Embed, Evaluate, Reply, ServerInfo, ServerSession, Train, TrainTail)
+from splitface.protocol.client_session import ClientSession
+from splitface.protocol.server_session import (Admit, DeviceRecord, Embed, Evaluate, Reply, ServerInfo, ServerSession, Train, TrainTail)
 from splitface.protocol.tensor import decode_tensor, encode_tensor, payload_bytes
 from splitface.protocol.vectors import generate as gen
 

@@ -124,6 +124,8 @@ def test_every_valid_vector_is_reproducible_from_the_spec_tables():
         assert ["type", *fields] == message_keys[mtype], mtype
     checked = 0
     for path in sorted(gen.HERE.rglob("*.json")):
+        if path == gen.HERE / gen.RECONNECT_FILE:   # WELCOME decisions, not a message
+            continue
         meaning = json.loads(path.read_text())
         if meaning.get("invalid") or meaning.get("accepted"):
             continue

@@ -12,7 +12,7 @@ import pytest
 from splitface.device.privacy.state import LostPrivacyState, StateFileError, check_server_figure
 from splitface.protocol import messages as m
 from splitface.protocol.errors import ErrorCode
-from splitface.protocol.session import Reply, Train
+from splitface.protocol.server_session import Reply, Train
 from splitface.protocol.vectors import generate as gen
 
 DEVICE = gen.DEVICE_ID

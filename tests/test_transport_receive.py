@@ -16,7 +16,7 @@ from websockets.exceptions import ConnectionClosed
 from splitface.protocol import messages as m
 from splitface.net import transport
 from splitface.protocol.errors import ProtocolError
-from splitface.protocol.session import DeviceRecord, ServerInfo, ServerSession
+from splitface.protocol.server_session import DeviceRecord, ServerInfo, ServerSession
 from splitface.protocol.tensor import encode_tensor
 from splitface.net.transport import CLIENT_WS_OPTIONS, SERVER_WS_OPTIONS, receive, send_fragments
 from splitface.protocol.messages import Message

@@ -18,7 +18,8 @@ from research.federated.population import private_faces
 from splitface.protocol import messages as m
 from splitface.protocol.clusters import ClusterRelay, HeadBoard
 from splitface.protocol.errors import ErrorCode
-from splitface.protocol.session import Admit, ClientSession, Reply, ServerInfo, ServerSession
+from splitface.protocol.client_session import ClientSession
+from splitface.protocol.server_session import Admit, Reply, ServerInfo, ServerSession
 
 DIM = 4
 INFO = ServerInfo(model={"family": "toy"}, split="conv1", activation_shape=(2,), embedding_dim=DIM, num_classes=3,

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from splitface.protocol.session import RoundBoard
+from splitface.protocol.round_board import RoundBoard
 from splitface.server.app import EdgeServer
 from splitface.server.cli import add_serve_args, serve
 from research.federated.rounds import CRASH_EXIT_CODE, SimulatedCrash

@@ -27,7 +27,8 @@ from splitface.device.federated import ClientResult
 from splitface.device.federated.wire import config_to_wire, state_to_wire, upload_shapes
 from splitface.common.models import ModelSpec
 from splitface.protocol import messages as m
-from splitface.protocol.session import RoundBoard, ServerInfo
+from splitface.protocol.round_board import RoundBoard
+from splitface.protocol.server_session import ServerInfo
 
 from splitface.server.app import EdgeServer, ServerConfig, ServerThread
 from splitface.server.auth import TokenAuthenticator

@@ -11,7 +11,6 @@ import asyncio
 import logging
 import math
 import os
-import ssl
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,16 +18,17 @@ from typing import Any
 
 import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake
+from websockets.exceptions import ConnectionClosed
 
 from splitface.protocol import messages as m
 from splitface.protocol.errors import ErrorCode, RemoteError
-from splitface.protocol.session import ClientSession
+from splitface.protocol.client_session import CannotResume, ClientSession, Resume, Rollback as RollbackTo
 from splitface.net.transport import CLIENT_WS_OPTIONS, receive, reuse_large_buffers, send_fragments
 from splitface.protocol.messages import Message, message_size
 
 from splitface.common.faults import Fault, crash
 from splitface.device.trainer import DeviceTrainer
+from splitface.net.reconnect import connect_with_backoff
 from splitface.net.tls import UntrustedServer, tls_context
 from splitface.net.fastws import FastClientConnection
 from splitface.device.meter import BatchCost, EnergyCounter, Stopwatch, peak_rss_bytes
@@ -134,6 +134,7 @@ class DeviceClient:
         self.server_retries = server_retries
         self.traffic = Traffic()
         self._ws: ClientConnection | None = None
+        self._in_flight: int | None = None  # the training batch whose FORWARD is being sent and not yet answered
         self._eval_id = 0
         self.faults = list(device_faults().get(device_id, []) if faults is None else faults)
         for fault in self.faults:
@@ -147,29 +148,18 @@ class DeviceClient:
     async def connect(self) -> None:
         """Connect and handshake, retrying until the server answers; then reconcile progress."""
         reuse_large_buffers()  # large tensors' buffers are reused, not page-faulted afresh (splitface/net/transport.py)
-        deadline = time.monotonic() + self.reconnect_timeout_s
-        delay = 0.2
-        while True:
-            try:
-                self._ws = await connect(self.url, max_size=self.max_message_bytes, ssl=self.ssl,
-                                         create_connection=FastClientConnection, **CLIENT_WS_OPTIONS)
-                await self._ws.send(self.session.hello())
-                welcome = self.session.accept_welcome(await self._ws.recv())
-                self._ws.protocol.max_message_size = max(self.max_message_bytes, self.session.max_message_bytes)
-                break
-            except RemoteError:
-                await self.close()
-                raise  # unauthorised, wrong model...: retrying cannot help
-            except ssl.SSLCertVerificationError as exc:
-                await self.close()
-                raise UntrustedServer(f"{self.device_id}: TLS certificate of {self.url} not accepted: "
-                                      f"{exc.verify_message or exc}") from exc
-            except (OSError, ConnectionClosed, InvalidHandshake, asyncio.TimeoutError) as exc:
-                await self.close()
-                if time.monotonic() > deadline:
-                    raise ConnectionError(f"{self.device_id}: cannot reach {self.url}: {exc}") from exc
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+
+        async def attempt() -> dict[str, Any]:
+            self._ws = await connect(self.url, max_size=self.max_message_bytes, ssl=self.ssl,
+                                     create_connection=FastClientConnection, **CLIENT_WS_OPTIONS)
+            await self._ws.send(self.session.hello())
+            welcome = self.session.accept_welcome(await self._ws.recv())
+            self._ws.protocol.max_message_size = max(self.max_message_bytes, self.session.max_message_bytes)
+            return welcome
+
+        # an ERROR (unauthorised, wrong model...) is not retried: retrying cannot help
+        welcome = await connect_with_backoff(attempt, url=self.url, name=self.device_id,
+                                             timeout_s=self.reconnect_timeout_s, cleanup=self.close)
         async with self._engine_lock:
             try:
                 check_server_figure(self.device_id, self.engine.privacy.state_path,
@@ -177,27 +167,38 @@ class DeviceClient:
             except Exception:  # LostPrivacyState: it stops here instead of spending its budget again (SPEC 5.11)
                 await self.close()
                 raise
-            self._reconcile(welcome["resume_from"] - 1, welcome["durable_through"])
+            try:
+                decision = self.session.reconcile(self.engine.committed, self._in_flight)
+            except CannotResume as exc:
+                await self.close()
+                raise RuntimeError(f"{self.device_id}: {exc.message}: {self._why_not(exc)}") from exc
+            self._act_on(decision)
 
     def _spent(self) -> float | None:
         """This device's spent epsilon with the release just made counted; None without a formal mechanism."""
         spent = spent_epsilon(self.engine.privacy.guard)
         return spent if math.isfinite(spent) else None
 
-    def _reconcile(self, server_applied: int, durable_through: int) -> None:
+    def _why_not(self, exc: CannotResume) -> str:
+        if exc.reason != "server_ahead":
+            return "the server's WELCOME contradicts itself; this device cannot rejoin it"
         engine = self.engine
-        if server_applied > engine.committed + 1:
-            where = (f"its training state {engine.progress.path} is older than the server's record (replaced by an "
-                     f"older copy, or kept for another run)" if engine.progress is not None else
-                     "it keeps no training state (no --state-dir), so a restarted device begins again at batch 0")
-            raise RuntimeError(f"{self.device_id}: server has applied batch {server_applied}, device only "
-                               f"{engine.committed}: the device lost its state ({where}); it cannot rejoin this run")
-        engine.forget_before(min(durable_through, server_applied))
-        if server_applied < engine.committed:
-            log.warning("%s: server resumed at batch %d, device was at %d: rolling back", self.device_id,
-                        server_applied, engine.committed)
-            engine.rollback(server_applied)
-            raise Rollback(server_applied)
+        where = (f"its training state {engine.progress.path} is older than the server's record (replaced by an "
+                 f"older copy, or kept for another run)" if engine.progress is not None else
+                 "it keeps no training state (no --state-dir), so a restarted device begins again at batch 0")
+        return f"the device lost its state ({where}); it cannot rejoin this run"
+
+    def _act_on(self, decision: Resume | RollbackTo) -> None:
+        """Carry out the session's decision after WELCOME (SPEC.md sections 10, 11): a Resume needs nothing but the
+        retry loop, which re-sends the batch in flight; a rollback restores the server's last applied batch."""
+        engine = self.engine
+        engine.forget_before(decision.forget_before)
+        if isinstance(decision, Resume):
+            return
+        log.warning("%s: server resumed at batch %d, device was at %d: rolling back", self.device_id,
+                    decision.batch_id, engine.committed)
+        engine.rollback(decision.batch_id)
+        raise Rollback(decision.batch_id)
 
     async def reconnect(self) -> None:
         self.traffic.reconnects += 1
@@ -310,7 +311,11 @@ class DeviceClient:
             prepared.server_s.append(reply.get("server_s", math.nan))
             return reply
 
-        return await self._with_retries(attempt)
+        self._in_flight = batch_id
+        try:
+            return await self._with_retries(attempt)
+        finally:
+            self._in_flight = None
 
     async def commit_batch(self, prepared: PreparedBatch, backward: dict[str, Any]) -> BatchResult:
         """Apply the batch's BACKWARD on the device and account for what the batch cost."""

@@ -30,7 +30,8 @@ from websockets.exceptions import ConnectionClosed
 from splitface.common.faults import Fault, crash
 from splitface.net.tls import is_loopback
 from splitface.common.models import activation_shape
-from splitface.protocol.session import (Action, Admit, Authenticator, DeviceRecord, Embed, Evaluate, Reply, RoundBoard, ServerInfo, ServerSession, Train, TrainTail)
+from splitface.protocol.round_board import RoundBoard
+from splitface.protocol.server_session import (Action, Admit, Authenticator, DeviceRecord, Embed, Evaluate, Reply, ServerInfo, ServerSession, Train, TrainTail)
 
 from splitface.protocol import messages as m
 from splitface.protocol.clusters import ClusterRelay, HeadBoard

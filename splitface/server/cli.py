@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from splitface.common.faults import Fault
 from splitface.common.options import (add_model_args, add_optimizer_args, add_seed_arg, add_threads_arg, add_training_args, apply_threads, model_spec, train_config)
 from splitface.protocol.messages import DEFAULT_MAX_MESSAGE_BYTES
-from splitface.protocol.session import GRADIENT_ROUNDING
+from splitface.protocol.server_session import GRADIENT_ROUNDING
 
 from splitface.server.app import SERVER_FAULTS, EdgeServer, Limits, ServerConfig, server_info
 from splitface.server.auth import TokenAuthenticator, issue_tokens, load_tokens

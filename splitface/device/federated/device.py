@@ -11,22 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake
+from websockets.exceptions import ConnectionClosed
 
 from splitface.protocol import messages as m
 from splitface.protocol.errors import ErrorCode, RemoteError
-from splitface.protocol.session import FederatedClientSession
+from splitface.protocol.client_session import FederatedClientSession
 from splitface.net.transport import CLIENT_WS_OPTIONS, send_fragments
 
-from splitface.net.tls import UntrustedServer, tls_context
+from splitface.net.reconnect import connect_with_backoff
+from splitface.net.tls import tls_context
 from splitface.common.models import ModelSpec, build_classifier
 from splitface.device.federated.local_round import train_client
 from splitface.device.federated.wire import backbone_template, config_from_wire, state_from_wire
@@ -53,26 +52,14 @@ class FederatedDevice:
 
     async def _connect(self) -> dict[str, Any]:
         """Connect and send HELLO; returns the first ROUND_START or ROUND_WAIT. Retries with back-off."""
-        deadline, delay = time.monotonic() + self.reconnect_timeout_s, 0.2
-        while True:
-            try:
-                self._ws = await connect(self.url, max_size=m.DEFAULT_MAX_MESSAGE_BYTES, ssl=self.ssl,
-                                         **CLIENT_WS_OPTIONS)
-                await self._ws.send(self.session.hello())
-                return self.session.receive(await self._ws.recv(), {m.ROUND_START, m.ROUND_WAIT})
-            except RemoteError:
-                await self.close()
-                raise  # unauthorised, wrong model: retrying cannot help
-            except ssl.SSLCertVerificationError as exc:
-                await self.close()
-                raise UntrustedServer(f"{self.session.device_id}: TLS certificate of {self.url} not accepted: "
-                                      f"{exc.verify_message or exc}") from exc
-            except (OSError, ConnectionClosed, InvalidHandshake, TimeoutError) as exc:
-                await self.close()
-                if time.monotonic() + delay > deadline:
-                    raise ConnectionError(f"{self.session.device_id}: no server at {self.url} ({exc})") from exc
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        async def attempt() -> dict[str, Any]:
+            self._ws = await connect(self.url, max_size=m.DEFAULT_MAX_MESSAGE_BYTES, ssl=self.ssl, **CLIENT_WS_OPTIONS)
+            await self._ws.send(self.session.hello())
+            return self.session.receive(await self._ws.recv(), {m.ROUND_START, m.ROUND_WAIT})
+
+        # an ERROR (unauthorised, wrong model) is not retried: retrying cannot help
+        return await connect_with_backoff(attempt, url=self.url, name=self.session.device_id,
+                                          timeout_s=self.reconnect_timeout_s, cleanup=self.close)
 
     async def _ask(self, data: bytes, expect: set[str], round_id: int | None = None) -> dict[str, Any]:
         await send_fragments(self._ws, data)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +23,13 @@ import numpy as np
 
 from splitface.protocol import messages as m
 from splitface.protocol.errors import ErrorCode, ProtocolError
-from splitface.protocol.session import (Admit, ClientSession, DeviceRecord, FederatedClientSession, RoundBoard, ServerInfo, ServerSession)
+from splitface.protocol.client_session import CannotResume, ClientSession, FederatedClientSession, Resume
+from splitface.protocol.round_board import RoundBoard
+from splitface.protocol.server_session import Admit, DeviceRecord, ServerInfo, ServerSession
 from splitface.protocol.tensor import decode_tensor
 
 HERE = Path(__file__).resolve().parent
+RECONNECT_FILE = Path("reconnect") / "welcome_decisions.json"   # one JSON file of cases, no message bytes
 
 # The toy server every valid vector talks to: tiny shapes on purpose, but the model map carries every
 # key of SPEC.md's model table, with the values of the `vgg_face_small` preset (tests/test_spec_keys.py
@@ -506,6 +509,50 @@ def channel_scaled_invalid_cases() -> list[tuple[str, bytes, ErrorCode, str]]:
     ]
 
 
+# ---- reconnect: what a device does after WELCOME (SPEC.md section 10) ---------------------------------
+# (name, description, the device's last committed batch, its batch in flight, WELCOME's resume_from, durable_through)
+RECONNECT_CASES: list[tuple[str, str, int, int | None, int, int]] = [
+    ("resume_fresh", "a new device meets a server with nothing of it", 0, None, 1, 0),
+    ("resume", "between batches: the server applied what the device committed", 5, None, 6, 4),
+    ("resume_resend_unapplied", "the FORWARD of batch 6 was lost: re-send it, the server applies it", 5, 6, 6, 5),
+    ("resume_resend_reply_lost", "batch 6 applied, its BACKWARD lost: re-send it, the server replays its reply",
+     5, 6, 7, 5),
+    ("resume_resend_reply_lost_checkpointed", "as above, the server's checkpoint covering batch 6 already: the "
+     "device still keeps its snapshot of batch 5 until it commits 6", 5, 6, 7, 6),
+    ("resume_restarted_replay", "a device restarted from its training state (nothing in flight) whose batch 6 the "
+     "server applied before it died: it makes batch 6 again and gets the cached reply", 5, None, 7, 2),
+    ("rollback", "the server restarted from its checkpoint of batch 3: the device drops batch 6 in flight, restores "
+     "batch 3 and replays from 4", 5, 6, 4, 3),
+    ("rollback_between_batches", "the same with nothing in flight", 7, None, 5, 4),
+    ("rollback_to_start", "a server run with no checkpoint of this device: back to the initial state", 2, None, 1, 0),
+    ("invalid_server_ahead", "the server claims batch 7, which the device never sent (it sent up to 6)",
+     5, 6, 8, 5),
+    ("invalid_server_ahead_lost_state", "a device that lost its state (restarted at 0) against a server at batch 4",
+     0, None, 5, 4),
+    ("invalid_durable_ahead", "the checkpoint covers batch 6, but the server says it applied only 5", 5, None, 6, 6),
+]
+
+
+def reconnect_cases() -> dict[str, Any]:
+    """The WELCOME decisions (ClientSession.reconcile) of RECONNECT_CASES, each WELCOME built by a real server
+    session whose records say `resume_from - 1` and whose checkpoint says `durable_through`."""
+    cases = []
+    for name, why, committed, in_flight, resume_from, durable in RECONNECT_CASES:
+        c = client("server")
+        welcome = c.accept_welcome(server(c, resume_from - 1, durable).welcome())
+        assert (welcome["resume_from"], welcome["durable_through"]) == (resume_from, durable), name
+        try:
+            d = c.reconcile(committed, in_flight)
+            decision = {"type": "resume" if isinstance(d, Resume) else "rollback", **asdict(d)}
+        except CannotResume as exc:
+            decision = {"type": "invalid", "reason": exc.reason, "error_code": exc.code.value}
+        cases.append({"name": name, "description": why, "device": {"committed": committed, "in_flight": in_flight},
+                      "welcome": {"resume_from": resume_from, "durable_through": durable}, "decision": decision})
+    return {"description": "What a split device does after WELCOME (SPEC.md section 10): the device's last "
+                           "committed batch and the batch whose FORWARD it holds unanswered (null: none), WELCOME's "
+                           "fields, and the decision.", "cases": cases}
+
+
 def build(valid: list[tuple[str, bytes]] | None = None,
           invalid: list[tuple[str, bytes, ErrorCode, str]] | None = None,
           accepted: list[tuple[str, bytes, str, str]] | None = None) -> list[tuple[str, bytes, dict[str, Any]]]:
@@ -537,7 +584,8 @@ def render_json(meaning: dict[str, Any]) -> str:
 
 
 def generate(out_dir: Path = HERE) -> list[Path]:
-    """Both sets: the split protocol's in `out_dir`, the federated rounds' in `out_dir/federated`."""
+    """Every set: the split protocol's in `out_dir`, the federated rounds' in `out_dir/federated`, ..., and the
+    WELCOME decisions in `out_dir/reconnect/welcome_decisions.json`."""
     written = []
     for folder, cases in ((out_dir, build()),
                           (out_dir / "federated", build(federated_valid_cases(), federated_invalid_cases(), [])),
@@ -552,7 +600,9 @@ def generate(out_dir: Path = HERE) -> list[Path]:
             (folder / f"{stem}.msgpack").write_bytes(data)
             (folder / f"{stem}.json").write_text(render_json(meaning))
             written += [folder / f"{stem}.msgpack", folder / f"{stem}.json"]
-    return written
+    (out_dir / "reconnect").mkdir(parents=True, exist_ok=True)
+    (out_dir / RECONNECT_FILE).write_text(render_json(reconnect_cases()))
+    return written + [out_dir / RECONNECT_FILE]
 
 
 def main() -> None:
@@ -560,7 +610,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE, help="directory to write into (default: this package)")
     args = parser.parse_args()
     written = generate(args.out)
-    print(f"wrote {len(written) // 2} vectors to {args.out}")
+    print(f"wrote {len(written) // 2} vectors and {len(RECONNECT_CASES)} WELCOME decisions to {args.out}")
 
 
 if __name__ == "__main__":

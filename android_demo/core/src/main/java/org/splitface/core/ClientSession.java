@@ -6,7 +6,7 @@ import java.util.List;
 import java.util.Map;
 import java.util.Set;
 
-/** The device's side of splitface/protocol/session.py: builds messages and checks replies (no I/O). */
+/** The device's side of splitface/protocol/client_session.py: builds messages and checks replies (no I/O). */
 public final class ClientSession {
     public final String deviceId, token, split, head;
     public final Map<String, Object> model;
@@ -46,6 +46,16 @@ public final class ClientSession {
         }
         welcome = w;
         return welcome;
+    }
+
+    /**
+     * What to do after the accepted WELCOME ({@link WelcomeDecision}), given the device's last committed batch and the
+     * batch whose FORWARD it holds unanswered (null: none); throws WelcomeDecision.CannotResume if it must stop.
+     */
+    public WelcomeDecision reconcile(long committed, Long inFlight) {
+        if (welcome == null) throw new ProtocolException(ProtocolException.BAD_STATE, "no welcome accepted yet");
+        return WelcomeDecision.decide(committed, inFlight, (Long) welcome.get("resume_from"),
+                (Long) welcome.get("durable_through"));
     }
 
     public long maxMessageBytes() {

@@ -36,6 +36,7 @@ public final class DeviceClient implements AutoCloseable {
     private TrainingState state;           // null: progress in memory only
     private Transport transport;
     private long committed;
+    private Long inFlight;                 // the training batch whose FORWARD is being sent and not yet answered
 
     /**
      * maxMessageBytes: the largest server message accepted (as splitface/device/connection.py: the spec's floor is 2^30,
@@ -95,17 +96,21 @@ public final class DeviceClient implements AutoCloseable {
                 throw e;
             }
         }
-        long serverApplied = (Long) welcome.get("resume_from") - 1;
-        long durable = (Long) welcome.get("durable_through");
-        if (serverApplied > committed + 1)
-            throw new IllegalStateException("server has applied batch " + serverApplied + ", device only " + committed
-                    + ": the device lost its state (" + (state == null ? "it keeps no training state, so a restarted "
+        WelcomeDecision decision;
+        try {
+            decision = session.reconcile(committed, inFlight);
+        } catch (WelcomeDecision.CannotResume e) {
+            close();
+            if (!"server_ahead".equals(e.reason))
+                throw new IllegalStateException(e.detail + ": the server's WELCOME contradicts itself", e);
+            throw new IllegalStateException(e.detail + ": the device lost its state (" + (state == null ? "it keeps no training state, so a restarted "
                     + "device begins again at batch 0" : "its training state " + state.file + " is older than the server's "
-                    + "record") + "); it cannot rejoin this run");
-        forgetBefore(Math.min(durable, serverApplied));
-        if (serverApplied < committed) {
-            restore(serverApplied);
-            throw new Rollback(serverApplied);
+                    + "record") + "); it cannot rejoin this run", e);
+        }
+        forgetBefore(decision.forgetBefore);
+        if (decision.kind == WelcomeDecision.Kind.ROLLBACK) {
+            restore(decision.batchId);
+            throw new Rollback(decision.batchId);
         }
     }
 
@@ -144,17 +149,22 @@ public final class DeviceClient implements AutoCloseable {
         Map<String, Object> backward = null;
         int serverFailures = 0;
         long received = 0;
-        while (backward == null) {
-            try {
-                transport.send(forward);
-                byte[] reply = transport.receive(replyTimeoutMs);
-                received = reply.length;
-                backward = session.receive(reply, Set.of(Messages.BACKWARD), batchId);
-            } catch (Transport.ConnectionLost e) {
-                reconnect();   // may throw Rollback: the caller continues from committed() + 1
-            } catch (RemoteError e) {
-                if (e.fatal() || !"server_error".equals(e.code) || ++serverFailures > 3) throw e;
+        inFlight = batchId;
+        try {
+            while (backward == null) {
+                try {
+                    transport.send(forward);
+                    byte[] reply = transport.receive(replyTimeoutMs);
+                    received = reply.length;
+                    backward = session.receive(reply, Set.of(Messages.BACKWARD), batchId);
+                } catch (Transport.ConnectionLost e) {
+                    reconnect();   // may throw Rollback: the caller continues from committed() + 1
+                } catch (RemoteError e) {
+                    if (e.fatal() || !"server_error".equals(e.code) || ++serverFailures > 3) throw e;
+                }
             }
+        } finally {
+            inFlight = null;
         }
         double roundTripMs = (System.nanoTime() - t1) / 1e6;
 

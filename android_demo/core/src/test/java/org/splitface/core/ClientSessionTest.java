@@ -9,7 +9,7 @@ import java.util.List;
 import java.util.Map;
 import org.junit.Test;
 
-/** A WELCOME whose limits the device cannot read is refused (bad_message), as splitface/protocol/session.py does. */
+/** A WELCOME whose limits the device cannot read is refused (bad_message), as splitface/protocol/client_session.py does. */
 public class ClientSessionTest {
     static ClientSession session() {
         return new ClientSession("phone-01", "s3cret-token", new LinkedHashMap<>(), "conv1", "server", 2, 10,

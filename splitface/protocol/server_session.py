@@ -1,26 +1,23 @@
-"""Sans-I/O session state machines: they turn bytes into decisions and know no sockets.
+"""The server's side of a device connection, sans I/O: it turns received bytes into actions and knows no sockets.
 
-The server shell feeds every received message to `ServerSession.receive` and carries out
-the returned action; the client shell uses `ClientSession` to build and check messages.
-Batch sequencing (apply once, replay the last reply on a retry) lives here so that every
-shell, Python or JVM, behaves the same; so do the federated round rules (`RoundBoard`: who may
-download which round's model, which uploads are accepted), shared by all federated sessions.
+The server shell feeds every message to `ServerSession.receive` and carries out the returned action. Batch
+sequencing (apply once, replay the last reply on a retry) lives here so that every shell behaves the same;
+a federated session asks the shared `RoundBoard` (round_board.py) what to answer.
 """
 from __future__ import annotations
 
-import math
-import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
 from splitface.protocol import messages as m
 from splitface.protocol.clusters import ClusterRelay, HeadBoard
-from splitface.protocol.errors import ErrorCode, ProtocolError, RemoteError, brief
-from splitface.protocol.messages import Message, message_size
-from splitface.protocol.patches import check_packed, pack, unpack
+from splitface.protocol.errors import ErrorCode, ProtocolError, brief
+from splitface.protocol.messages import Message
+from splitface.protocol.patches import check_packed, unpack
+from splitface.protocol.round_board import RoundBoard
 from splitface.protocol.tensor import ENCODINGS, encode_tensor
 
 
@@ -95,144 +92,6 @@ class TrainTail:
 Action = Reply | Admit | Train | Evaluate | Embed | TrainTail
 
 Authenticator = Callable[[str, str], bool]
-
-
-# ---- federated rounds ------------------------------------------------------------------------
-@dataclass
-class FederatedRound:
-    """One round as the server published it (SPEC.md section 15)."""
-    round_id: int
-    seeds: dict[str, int]                    # the devices sampled for this round -> their training seed
-    config: dict[str, Any]                   # ROUND_START's config (messages.LOCAL_CONFIG)
-    clip_norm: float | None                  # the bound on every update's L2 norm; None: not clipped
-    upload_shapes: dict[str, tuple[int, ...]]
-    model: bytes                             # the MODEL message, encoded once for every device
-    quorum: int                              # uploads that close the round before its deadline
-    deadline: float                          # on the board's clock
-    uploads: dict[str, dict[str, Any]] = field(default_factory=dict)
-    closed: bool = False
-
-
-class RoundBoard:
-    """The federated rounds' shared state on the server: one board for all federated sessions (like the
-    per-device records of split sessions). The engine opens a round and later closes it (at its quorum,
-    signalled through `on_complete`, or at its deadline) and takes the accepted uploads; sessions ask it
-    what to answer. Every refusal happens here, before an upload is stored, so a refused upload can never
-    reach the global model. Not thread-safe: use it from the server's event loop only."""
-
-    def __init__(self, model: dict[str, Any], completed: int = 0, retry_after_s: float = 1.0,
-                 max_message_bytes: int = m.DEFAULT_MAX_MESSAGE_BYTES, clock: Callable[[], float] = time.monotonic):
-        self.model = model
-        self.completed = completed  # the last round whose update the engine applied and checkpointed
-        self.retry_after_s = retry_after_s
-        self.max_message_bytes = max_message_bytes
-        self.clock = clock
-        self.current: FederatedRound | None = None
-        self.finished = False
-        self.on_complete: Callable[[int], None] | None = None
-
-    def open(self, round_id: int, seeds: dict[str, int], config: dict[str, Any], clip_norm: float | None,
-             upload_shapes: dict[str, tuple[int, ...]], weights: dict[str, np.ndarray],
-             head: dict[str, np.ndarray] | None, quorum: int, deadline_s: float) -> FederatedRound:
-        """Publish round `round_id`; the rounds before it are complete (the engine opens a round only after
-        checkpointing the previous one)."""
-        if self.current is not None and not self.current.closed:
-            raise RuntimeError(f"round {self.current.round_id} is still open")
-        if round_id <= self.completed:
-            raise ValueError(f"round {round_id} was completed already (last completed: {self.completed})")
-        if clip_norm is not None and not (math.isfinite(clip_norm) and clip_norm > 0):
-            raise ValueError(f"clip_norm must be finite and > 0 (None: not clipped), got {clip_norm}")
-        model: dict[str, Any] = {"type": m.MODEL, "round_id": round_id, "weights": dict(sorted(weights.items()))}
-        if head is not None:
-            model["head"] = dict(sorted(head.items()))
-        self.completed = round_id - 1
-        self.current = FederatedRound(round_id, dict(seeds), dict(config), clip_norm,
-                                      {k: tuple(v) for k, v in upload_shapes.items()}, m.encode(model),
-                                      max(1, min(quorum, len(seeds))), self.clock() + deadline_s)
-        return self.current
-
-    def close(self) -> dict[str, dict[str, Any]]:
-        """End the open round: later uploads for it are late (round_closed). Returns the accepted uploads."""
-        if self.current is None:
-            raise RuntimeError("no round is open")
-        self.current.closed = True
-        return self.current.uploads
-
-    def finish(self) -> None:
-        """The run is over: devices are told so and stop asking."""
-        self.finished = True
-
-    def _open_for(self, device_id: str) -> FederatedRound | None:
-        r = self.current
-        if r is None or r.closed or device_id not in r.seeds or device_id in r.uploads:
-            return None
-        if self.clock() > r.deadline:
-            return None
-        return r
-
-    def offer(self, device_id: str) -> bytes:
-        """ROUND_START when this device has work in the open round, else ROUND_WAIT."""
-        r = self._open_for(device_id)
-        if r is None:
-            closed = self.completed if self.current is None or not self.current.closed else self.current.round_id
-            return m.encode({"type": m.ROUND_WAIT, "closed_round": closed,
-                             "retry_after_s": float(self.retry_after_s), "finished": self.finished})
-        start: dict[str, Any] = {"type": m.ROUND_START, "round_id": r.round_id, "seed": r.seeds[device_id],
-                                 "config": r.config}
-        if r.clip_norm is not None:
-            start["clip_norm"] = float(r.clip_norm)
-        start["deadline_s"] = float(max(0.0, r.deadline - self.clock()))
-        start["max_message_bytes"] = self.max_message_bytes
-        return m.encode(start)
-
-    def _round(self, device_id: str, round_id: int) -> FederatedRound:
-        """The open round `round_id` if this device may take part in it now; else the error that says why."""
-        r = self.current
-        if r is None or round_id > r.round_id:
-            raise ProtocolError(ErrorCode.BAD_STATE, f"round {round_id} is not open")
-        if round_id < r.round_id or r.closed or self.clock() > r.deadline:
-            raise ProtocolError(ErrorCode.ROUND_CLOSED, f"round {round_id} is closed; ask for the next round")
-        if device_id not in r.seeds:
-            raise ProtocolError(ErrorCode.BAD_STATE, f"{device_id} was not sampled for round {round_id}")
-        if device_id in r.uploads:
-            raise ProtocolError(ErrorCode.BAD_STATE, f"{device_id} already uploaded its update for round {round_id}")
-        return r
-
-    def model_for(self, device_id: str, round_id: int) -> bytes:
-        return self._round(device_id, round_id).model
-
-    def accept(self, device_id: str, update: dict[str, Any]) -> bytes:
-        """Store a valid upload and answer UPDATE_ACK; refuse (ProtocolError) a late, repeated, misshapen or
-        over-long one. Reaching the quorum closes the round and calls `on_complete`."""
-        r = self._round(device_id, update["round_id"])
-        delta = update["delta"]
-        if set(delta) != set(r.upload_shapes):
-            missing, extra = sorted(set(r.upload_shapes) - set(delta)), sorted(set(delta) - set(r.upload_shapes))
-            raise ProtocolError(ErrorCode.BAD_TENSOR, f"update names differ from the model's: missing "
-                                                      f"{brief(missing[:3])}, unexpected {brief(extra[:3])}")
-        for name, value in delta.items():
-            if tuple(value.shape) != r.upload_shapes[name]:
-                raise ProtocolError(ErrorCode.BAD_TENSOR, f"update {brief(name)}: shape {list(value.shape)}, the "
-                                                          f"model's is {list(r.upload_shapes[name])}")
-        norm = update_norm(delta)
-        if r.clip_norm is not None and norm > r.clip_norm:
-            raise ProtocolError(ErrorCode.BAD_TENSOR, f"update norm {norm:.6g} exceeds the round's clip norm "
-                                                      f"{r.clip_norm:.6g}")
-        if norm > update["norm"] * (1 + 1e-6):
-            raise ProtocolError(ErrorCode.BAD_TENSOR, f"update norm {norm:.6g} exceeds the norm it claims "
-                                                      f"({update['norm']:.6g})")
-        r.uploads[device_id] = update
-        if len(r.uploads) >= r.quorum:
-            r.closed = True
-            if self.on_complete is not None:
-                self.on_complete(r.round_id)
-        return m.encode({"type": m.UPDATE_ACK, "round_id": r.round_id})
-
-
-def update_norm(delta: dict[str, np.ndarray]) -> float:
-    """L2 norm of all of an update's tensors together, in float64."""
-    return math.sqrt(sum(float(np.dot(v.reshape(-1).astype(np.float64), v.reshape(-1).astype(np.float64)))
-                         for v in delta.values()))
 
 
 GRADIENT_ROUNDING = ("nearest", "stochastic")
@@ -539,154 +398,3 @@ class ServerSession:
         """Connection gone: outstanding embeddings are forgotten (the device re-sends the forward)."""
         self.closed = True
         self._pending = None
-
-
-@dataclass
-class ClientSession:
-    """The device's side: builds messages and checks replies."""
-    device_id: str
-    token: str
-    model: dict[str, Any]
-    split: str
-    head: str
-    batch_size: int
-    num_classes: int | None = None
-    encodings: dict[str, str] = field(default_factory=lambda: {"activations": "f32", "gradients": "f32"})
-    welcome: dict[str, Any] | None = None
-    # a patch-masked release (FaceMAE's `mask`): FORWARDs carry only its non-zero patches of this side, and where
-    # they go (SPEC.md section 5.12); None: the dense tensor
-    pack_patch: int | None = None
-
-    def hello(self) -> bytes:
-        message: dict[str, Any] = {
-            "type": m.HELLO, "protocol_version": m.PROTOCOL_VERSION, "device_id": self.device_id,
-            "token": self.token, "model": self.model, "split": self.split, "head": self.head,
-            "encodings": dict(self.encodings), "batch_size": self.batch_size,
-        }
-        if self.num_classes is not None:
-            message["num_classes"] = self.num_classes
-        return m.encode(message)
-
-    def accept_welcome(self, data: bytes) -> dict[str, Any]:
-        """The WELCOME, whose limits the device must then obey: refused (bad_message) if it has none usable."""
-        welcome = self.receive(data, {m.WELCOME})
-        limits = welcome["limits"]
-        if not all(m.is_int(limits.get(k)) and limits[k] > 0 for k in ("max_message_bytes", "max_batch")):
-            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"welcome: limits need int max_message_bytes and max_batch > 0, "
-                                                       f"got {brief(limits)}")
-        self.welcome = welcome
-        return welcome
-
-    @property
-    def max_message_bytes(self) -> int:
-        return self.welcome["limits"]["max_message_bytes"] if self.welcome else m.DEFAULT_MAX_MESSAGE_BYTES
-
-    def forward(self, batch_id: int, activations: np.ndarray, labels: np.ndarray | None = None, eval: bool = False,
-                spent_epsilon: float | None = None, integer_step: float | None = None) -> bytes:
-        """FORWARD; `spent_epsilon`: the device's spent epsilon with this release counted (None: no formal
-        mechanism, the field is omitted). `integer_step`: the release is integers in this public step (the
-        discrete Gaussian's): they go as i8 at that scale, exactly, whatever the activation encoding."""
-        return b"".join(self.forward_parts(batch_id, activations, labels, eval, spent_epsilon, integer_step))
-
-    def forward_parts(self, batch_id: int, activations: np.ndarray, labels: np.ndarray | None = None,
-                      eval: bool = False, spent_epsilon: float | None = None,
-                      integer_step: float | None = None) -> list[m.Part]:
-        """`forward`'s bytes as parts (messages.encode_parts): f32 activations are not copied but sent from
-        their own buffer, so they must not change until the message is sent (and re-sent on a retry)."""
-        wire = (encode_tensor(activations, "i8", scale=integer_step) if integer_step is not None
-                else encode_tensor(activations, self.encodings.get("activations", "f32")))
-        message: dict[str, Any] = {"type": m.FORWARD, "batch_id": batch_id, "activations": wire}
-        if self.pack_patch is not None:
-            message["activations"], message["visible"] = pack(wire, self.pack_patch)
-        if labels is not None:
-            if self.head == "device":
-                raise ValueError("device head: labels stay on the device")
-            message["labels"] = [int(y) for y in labels]
-        if eval:
-            message["eval"] = True
-        if spent_epsilon is not None:
-            if not (math.isfinite(spent_epsilon) and spent_epsilon >= 0):
-                raise ValueError(f"spent_epsilon must be finite and >= 0 (None: no formal mechanism), got {spent_epsilon}")
-            message["spent_epsilon"] = float(spent_epsilon)
-        return self._checked(m.encode_parts(message))
-
-    def embedding_grad(self, batch_id: int, grad: np.ndarray) -> bytes:
-        return self._checked(m.encode({"type": m.EMBEDDING_GRAD, "batch_id": batch_id,
-                                       "grad": encode_tensor(grad, self.encodings.get("gradients", "f32"))}))
-
-    def clusters(self, clusters: np.ndarray) -> bytes:
-        """CLUSTERS (device head, SPEC.md section 8.1): this device's latest DPLC release, [P, embedding_dim],
-        in f32 (a few rows: exactness costs nothing)."""
-        if self.head != "device":
-            raise ValueError("clusters are relayed between device heads only")
-        return self._checked(m.encode({"type": m.CLUSTERS, "clusters": encode_tensor(np.asarray(clusters, np.float32),
-                                                                                       "f32")}))
-
-    def class_embeddings(self, head: np.ndarray) -> bytes:
-        """CLASS_EMBEDDINGS (device head, opt-in FedGC, SPEC.md section 8.2): this device's head, [C, embedding_dim]."""
-        if self.head != "device":
-            raise ValueError("class embeddings are corrected for device heads only")
-        return self._checked(m.encode({"type": m.CLASS_EMBEDDINGS,
-                                       "class_embeddings": encode_tensor(np.asarray(head, np.float32), "f32")}))
-
-    def _checked(self, data: Any) -> Any:
-        """`data` (bytes, or a message's parts) if the server accepts a message of its size."""
-        size = message_size(data)
-        if size > self.max_message_bytes:
-            raise ProtocolError(ErrorCode.TOO_LARGE,
-                                f"message of {size} bytes exceeds the server's limit of {self.max_message_bytes}")
-        return data
-
-    def receive(self, data: bytes, expect: set[str], batch_id: int | None = None) -> dict[str, Any]:
-        """A validated reply of one of the expected types; ERROR becomes RemoteError."""
-        message = m.decode(data, max_size=max(self.max_message_bytes, m.DEFAULT_MAX_MESSAGE_BYTES))
-        if message["type"] == m.ERROR:
-            raise RemoteError(message["code"], message["message"], message.get("batch_id"))
-        if message["type"] not in expect:
-            raise ProtocolError(ErrorCode.BAD_STATE, f"expected {sorted(expect)}, got {message['type']}")
-        if batch_id is not None and message.get("batch_id") != batch_id:
-            raise ProtocolError(ErrorCode.OUT_OF_ORDER, f"reply for batch {message.get('batch_id')}, expected {batch_id}")
-        return message
-
-
-@dataclass
-class FederatedClientSession:
-    """A federated device's side: builds its messages and checks the server's replies."""
-    device_id: str
-    token: str
-    model: dict[str, Any]
-    max_message_bytes: int = m.DEFAULT_MAX_MESSAGE_BYTES  # the server's, from its latest ROUND_START
-
-    def hello(self) -> bytes:
-        return m.encode({"type": m.HELLO, "protocol_version": m.PROTOCOL_VERSION, "device_id": self.device_id,
-                         "token": self.token, "model": self.model, "mode": "federated"})
-
-    def round_request(self) -> bytes:
-        return m.encode({"type": m.ROUND_REQUEST})
-
-    def model_request(self, round_id: int) -> bytes:
-        return m.encode({"type": m.MODEL_REQUEST, "round_id": round_id})
-
-    def update(self, round_id: int, delta: dict[str, np.ndarray], norm: float, examples: int, loss: float,
-               encoding: str = "f32") -> bytes:
-        """UPDATE with the tensors in name order; raises too_large beyond the server's limit."""
-        data = m.encode({"type": m.UPDATE, "round_id": round_id,
-                         "delta": {k: encode_tensor(delta[k], encoding) for k in sorted(delta)},
-                         "norm": float(norm), "examples": int(examples), "loss": float(loss)})
-        if len(data) > self.max_message_bytes:
-            raise ProtocolError(ErrorCode.TOO_LARGE,
-                                f"update of {len(data)} bytes exceeds the server's limit of {self.max_message_bytes}")
-        return data
-
-    def receive(self, data: bytes, expect: set[str], round_id: int | None = None) -> dict[str, Any]:
-        """A validated reply of one of the expected types; ERROR becomes RemoteError."""
-        message = m.decode(data, max_size=max(self.max_message_bytes, m.DEFAULT_MAX_MESSAGE_BYTES))
-        if message["type"] == m.ERROR:
-            raise RemoteError(message["code"], message["message"], message.get("batch_id"))
-        if message["type"] not in expect:
-            raise ProtocolError(ErrorCode.BAD_STATE, f"expected {sorted(expect)}, got {message['type']}")
-        if round_id is not None and message.get("round_id") != round_id:
-            raise ProtocolError(ErrorCode.BAD_STATE, f"reply for round {message.get('round_id')}, expected {round_id}")
-        if message["type"] == m.ROUND_START:
-            self.max_message_bytes = message["max_message_bytes"]
-        return message
