@@ -29,7 +29,8 @@ from splitface.server.app import EdgeServer, ServerConfig, ServerThread, server_
 from splitface.server.auth import TokenAuthenticator, hash_token
 from splitface.server.checkpoint import load_checkpoint
 from research.federated import FederatedConfig, FederatedRun, load_population, virtual_clients
-from research.federated.rounds import CRASH_EXIT_CODE, run_task
+from research.federated.rounds import CRASH_EXIT_CODE
+from research.federated.tasks import run_task
 from research.federated.websocket import WebsocketBackend, client_device_id, federated_server
 from splitface.server.trainer import ServerTrainer
 from splitface.protocol import messages as m
@@ -378,7 +379,7 @@ def device_logs(folder: Path) -> str:
 def test_device_trains_from_the_round_messages_as_in_process(population, init_state):
     """The device's path (ROUND_START + MODEL bytes -> train_client -> UPDATE bytes) gives the in-process client's
     update bit for bit, here with the global head in MODEL (FedAvg; FedEmb's local head: the socket tests)."""
-    from research.federated.rounds import ClientTask
+    from research.federated.tasks import ClientTask
     images, labels = population.of_users(np.array([0, 1, 2]))
     torch.manual_seed(1)
     head = {"weight": torch.randn(6, 16) * 0.01, "bias": torch.zeros(6)}

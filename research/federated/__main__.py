@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from research.federated.rounds import CRASH_EXIT_CODE, FederatedConfig, SimulatedCrash, in_process
+from research.federated.rounds import CRASH_EXIT_CODE, FederatedConfig, SimulatedCrash
+from research.federated.tasks import in_process
 from research.federated.experiment import Shared, run_centralized, run_federated
 from research.federated.options import add_run_args, check_users, config_from, shared_from, spec_from
 from research.federated.population import virtual_clients

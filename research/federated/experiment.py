@@ -20,7 +20,9 @@ from splitface.device.privacy.mechanisms import NoNoise
 
 from research.distill import distilled_start
 from research.pretrain import pretrain
-from research.federated.rounds import Backend, FederatedConfig, FederatedRun, in_process
+from research.federated.tasks import Backend
+from research.federated.rounds import FederatedConfig, FederatedRun
+from research.federated.tasks import in_process
 from research.federated.evaluate import View1Evaluator
 from research.federated.population import Population, load_population, public_split
 

@@ -32,7 +32,7 @@ from splitface.common.models import ModelSpec, build_backbone
 from splitface.server.checkpoint import load_checkpoint, save_checkpoint
 from research.federated.population import Population, check_partition, virtual_clients
 from research.federated.strategies import strategy_for
-from research.federated.tasks import Backend, ClientTask, derived_seed, in_process, run_task  # noqa: F401
+from research.federated.tasks import Backend, in_process
 
 METHODS = ("fedavg", "fedemb", "dp-fedavg", "dp-fedemb")
 CRASH_EXIT_CODE = 75

@@ -29,7 +29,7 @@ from splitface.protocol.messages import Message, message_size
 from splitface.common.faults import Fault, crash
 from splitface.device.trainer import DeviceTrainer
 from splitface.net.reconnect import connect_with_backoff
-from splitface.net.tls import UntrustedServer, tls_context
+from splitface.net.tls import tls_context
 from splitface.net.fastws import FastClientConnection
 from splitface.device.meter import BatchCost, EnergyCounter, Stopwatch, peak_rss_bytes
 from splitface.device.privacy.state import check_server_figure, spent_epsilon

@@ -19,7 +19,6 @@ from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 from dp_accounting.privacy_accountant import NeighboringRelation
 
 from splitface.common.accountants.base import Accountant, is_non_private, rdp_epsilon
-from splitface.common.accountants.base import to_add_or_remove  # noqa: F401 (the planner's import)
 
 DpEvent = dp_event.DpEvent
 LEVELS = ("image", "identity")

@@ -12,7 +12,8 @@ from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
 
-from splitface.common.accountants.ledger import epsilon_of, to_add_or_remove
+from splitface.common.accountants.ledger import epsilon_of
+from splitface.common.accountants.base import to_add_or_remove
 from splitface.device.privacy.mechanisms import PAPER_LRN_SENSITIVITY, PerActivationGaussian
 
 
