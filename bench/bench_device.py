@@ -115,7 +115,7 @@ def measure(model: str, backend: str, threads: int, data: str, runs: int, warmup
     from splitface.device.runtimes import load_runtime
     from splitface.export.exporter import EXPORTER
     from splitface.common.transforms import release_mask
-    from splitface.export.verify import reference
+    from splitface.device.runtimes.parity import reference
 
     import_rss = peak_rss_bytes()  # Python, torch and the SDK, before any model, data or runtime library
     torch.set_num_threads(threads)

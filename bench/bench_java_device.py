@@ -24,7 +24,8 @@ import torch
 
 from bench.bench_native import device_layer, export_for_batch, inputs
 from splitface.device.runtimes.native import jni_library
-from splitface.export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE, write_strip_ptes
+from splitface.device.runtimes.manifest import RELEASE_GEMM_PTE, VJP_GEMM_PTE
+from splitface.export.artifacts import write_strip_ptes
 from splitface.export.java_layer import java_layer_job
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -38,8 +38,9 @@ from bench.bench_device import minimal_rss  # the Python binding's process, same
 from splitface.common.models import build_device_part, resolve_spec
 from splitface.common.models.lrn import PaperLRN
 from splitface.device.runtimes.native import build, etdump_ops, reference_normals, run_native, write_inputs
-from splitface.export.artifacts import (RELEASE_GEMM_PTE, RELEASE_STRIP_PTE, VJP_GEMM_PTE, VJP_STRIP_PTE, export_gemm_ptes, write_strip_ptes)
-from splitface.export.verify import GRAD_RTOL, RELEASE_ATOL, reference
+from splitface.device.runtimes.manifest import RELEASE_GEMM_PTE, RELEASE_STRIP_PTE, VJP_GEMM_PTE, VJP_STRIP_PTE
+from splitface.export.artifacts import export_gemm_ptes, write_strip_ptes
+from splitface.device.runtimes.parity import GRAD_RTOL, RELEASE_ATOL, reference
 from research.results import write_record
 
 ROOT = Path(__file__).resolve().parents[1]

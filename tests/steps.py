@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitface.common.models.lrn import PaperLRN
-from splitface.export.verify import GRAD_RTOL
+from splitface.device.runtimes.parity import GRAD_RTOL
 
 U = 2.0 ** -24   # float32's unit roundoff
 

@@ -93,7 +93,8 @@ def programs(layer: torch.nn.Module, kind: str, batch: int, size: int, out: Path
     its strip programs ("strips", 4 rows, as the native backend runs them), and the JNI library through which the
     Java device runs them on ExecuTorch's C++ runtime."""
     from splitface.device.runtimes.native import jni_library
-    from splitface.export.artifacts import (RELEASE_GEMM_PTE, VJP_GEMM_PTE, example_inputs, export_gemm_ptes, write_strip_ptes)
+    from splitface.device.runtimes.manifest import RELEASE_GEMM_PTE, VJP_GEMM_PTE
+    from splitface.export.artifacts import example_inputs, export_gemm_ptes, write_strip_ptes
 
     if kind == "strips":
         release, vjp = write_strip_ptes(layer, 4, size, out)
@@ -416,7 +417,8 @@ def test_app_folder_is_checked_against_its_manifest(java, faces, app_folder, tmp
     import shutil
 
     from splitface.export.app_bundle import MANIFEST
-    from splitface.export.artifacts import RELEASE_STRIP_PTE, write_strip_ptes
+    from splitface.device.runtimes.manifest import RELEASE_STRIP_PTE
+    from splitface.export.artifacts import write_strip_ptes
 
     def broken(name: str, change) -> Path:
         folder = tmp_path / name

@@ -12,9 +12,10 @@ from splitface.common.models import build_backbone, resolve_spec, split_backbone
 from splitface.common.models.lrn import PaperLRN
 from splitface.device.privacy.mechanisms import PerImageGaussian
 from splitface.device.runtimes import load_runtime
-from splitface.export.artifacts import Manifest
+from splitface.device.runtimes.manifest import Manifest
 from splitface.export.programs import LayerVJP
-from splitface.export.verify import ExportMismatch, export_verified, verify
+from splitface.device.runtimes.parity import ExportMismatch, verify
+from splitface.export.verify import export_verified
 
 
 def device_layer(model: str, clamp: float | None) -> torch.nn.Module:

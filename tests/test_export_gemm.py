@@ -12,7 +12,7 @@ from torch import nn
 from splitface.common.models import build_device_part, resolve_spec
 from splitface.common.models.lrn import PaperLRN
 from splitface.export.gemm_programs import GemmReleaseProgram, GemmWeightGrad, gemm_refusal, strip_example
-from splitface.export.verify import reference
+from splitface.device.runtimes.parity import reference
 
 
 def conv1(model: str, clamp: float | None) -> nn.Module:
@@ -86,8 +86,9 @@ def test_im2col_refuses_what_it_cannot_express():
 @pytest.mark.slow  # lowering the two programs: several seconds
 def test_exported_im2col_programs_run_in_xnnpack_and_match_eager(tmp_path):
     from splitface.device.runtimes.executorch_gemm import ExecuTorchGemmRuntime
-    from splitface.export.artifacts import RELEASE_GEMM_PTE, VJP_GEMM_PTE, Manifest, example_inputs, export_gemm_ptes
-    from splitface.export.verify import check
+    from splitface.device.runtimes.manifest import RELEASE_GEMM_PTE, VJP_GEMM_PTE, Manifest
+    from splitface.export.artifacts import example_inputs, export_gemm_ptes
+    from splitface.device.runtimes.parity import check
 
     layer = conv1("iresnet_small", 1.0).eval()
     images, noise = example_inputs(layer, 2, 32)

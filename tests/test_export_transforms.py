@@ -14,7 +14,8 @@ from splitface.common.models import PRESETS, build_device_part
 from splitface.device.runtimes import NotTrainable, load_runtime
 from splitface.device.runtimes.base import mask_args, training_args
 from splitface.common.transforms import release_mask
-from splitface.export.artifacts import Manifest, transform_mask
+from splitface.device.runtimes.manifest import Manifest
+from splitface.export.artifacts import transform_mask
 from splitface.export.verify import export_verified
 from splitface.export.exporter import EXPORTER
 

@@ -31,8 +31,9 @@ from splitface.device.privacy.discrete import (DiscreteGaussian, DiscreteGaussia
 from splitface.device.privacy.fastnoise import NoiseStream
 from splitface.device.runtimes.native import (StripServer, build, draw_integers, reference_normals, run_native, write_inputs)
 from splitface.device.runtimes.native_runtime import NativeRuntime
-from splitface.export.artifacts import (RELEASE_GEMM_PTE, VJP_GEMM_PTE, Manifest, example_inputs, export_gemm_ptes, export_strip_ptes, manifest_of)
-from splitface.export.verify import GRAD_RTOL, RELEASE_ATOL, reference
+from splitface.device.runtimes.manifest import RELEASE_GEMM_PTE, VJP_GEMM_PTE, Manifest
+from splitface.export.artifacts import example_inputs, export_gemm_ptes, export_strip_ptes, manifest_of
+from splitface.device.runtimes.parity import GRAD_RTOL, RELEASE_ATOL, reference
 from splitface.export.exporter import EXPORTER
 
 SAMPLES, SIZE, ROWS = 4, 24, 8

@@ -12,7 +12,7 @@ from splitface.device.trainer import DeviceTrainer
 from splitface.common.models import resolve_spec
 from splitface.device.privacy.engine import PrivacyEngine
 from splitface.common.optim import TrainConfig
-from splitface.export.verify import GRAD_RTOL
+from splitface.device.runtimes.parity import GRAD_RTOL
 from splitface.export.exporter import EXPORTER
 
 SPEC = resolve_spec("iresnet_small")

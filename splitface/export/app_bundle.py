@@ -25,7 +25,8 @@ from torch import nn
 from splitface.common.models import ModelSpec
 from splitface.common.models.lrn import PaperLRN
 
-from splitface.export.artifacts import RELEASE_STRIP_PTE, VJP_STRIP_PTE, write_strip_ptes
+from splitface.device.runtimes.manifest import RELEASE_STRIP_PTE, VJP_STRIP_PTE
+from splitface.export.artifacts import write_strip_ptes
 from splitface.export.java_layer import java_layer_job
 
 FORMAT, VERSION = "splitface-app", 1

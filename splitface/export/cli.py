@@ -29,7 +29,8 @@ from splitface.common.models.weights import load_into
 
 from splitface.export.app_bundle import ENCODINGS, job_settings, write_app_bundle
 from splitface.export.artifacts import transform_mask
-from splitface.export.verify import ExportMismatch, export_verified
+from splitface.device.runtimes.parity import ExportMismatch
+from splitface.export.verify import export_verified
 from splitface.common.options import add_data_root_arg, add_seed_arg
 
 

@@ -8,10 +8,8 @@ import numpy as np
 from torch import nn
 
 from splitface.device.runtimes.manifest import Manifest
-from splitface.device.runtimes.parity import GRAD_RTOL, RELEASE_ATOL, ExportMismatch, check, reference, verify, weight_variants
+from splitface.device.runtimes.parity import verify
 from splitface.export.artifacts import export_all
-
-__all__ = ["export_verified", "verify", "check", "reference", "weight_variants", "ExportMismatch", "RELEASE_ATOL", "GRAD_RTOL"]
 
 
 def export_verified(layer: nn.Module, input_size: int, batch_size: int, out: Path, real_images: np.ndarray | None = None,
