@@ -289,7 +289,7 @@ def test_device_processes_across_a_server_kill_equal_the_in_process_run(lfw, tmp
     """Three device processes train a 3-round DP-FedEmb run over websockets. The run starts under
     `python -m research.federated --backend websocket`, whose process dies in round 2 (update applied in memory,
     not checkpointed); the hosting server (`python -m research.federated.served`) resumes it with the same options (as --federated-*) while serving a
-    split session at once (a `splitface-sim` device process trains an epoch); the federated devices reconnect. The
+    split session at once (a `splitface-device sim` process trains an epoch); the federated devices reconnect. The
     final global model and accountant equal the uninterrupted in-process run's bit for bit (all on one thread)."""
     population = load_population(lfw, TINY.input_size, max_users=12, seed=0)
     config = dataclasses.replace(CONFIG_WS, rounds=3, users_per_client=4, clients_per_round=2.0)

@@ -32,7 +32,7 @@ BACKENDS = ("in-process", "websocket", "ray")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m research.federated", description=__doc__,
+    p = argparse.ArgumentParser(prog="splitface-research federated", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(p)
     add_threads_arg(p)
@@ -108,7 +108,7 @@ def run(argv: list[str] | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The console script `splitface-federated` (returns nothing: a returned value would be the exit status)."""
+    """`splitface-research federated` (returns nothing: a returned value would be the exit status)."""
     run(argv)
 
 

@@ -79,7 +79,7 @@ class HostedRun:
 
 def main(argv: list[str] | None = None) -> None:
     """An edge server (every option of `splitface-server serve`) hosting one federated run (--federated-*)."""
-    parser = argparse.ArgumentParser(prog="python -m research.federated.served", description=__doc__,
+    parser = argparse.ArgumentParser(prog="splitface-research federated-serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_args(parser)
     add_run_args(parser, SERVE_PREFIX)
