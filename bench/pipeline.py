@@ -65,7 +65,7 @@ def load_text(load: dict | None) -> str:
 
 
 def table(rows: list[dict], args: argparse.Namespace) -> str:
-    lines = [f"Lock-step against pipelined devices: the main job (`splitface-demo`), IResNet-small at 64 px, "
+    lines = [f"Lock-step against pipelined devices: the main job (`splitface-research demo`), IResNet-small at 64 px, "
              f"{args.epochs} epochs, per-device batch {args.batch_size}, reduced LFW "
              f"(people with >= {args.min_images} images); each pair with the same data, seed and release, one "
              f"after the other. Load: the machine's 1-minute load average before and after each run (runs "

@@ -5,7 +5,7 @@ Run from the repository root:
 
     .venv/bin/python bench/transport.py                 # results/transport/{summary.json,table.md}
     .venv/bin/python bench/transport.py --rounds 2 --trips 1 --shape 8 16 64 64 --out /tmp/t   # a quick look
-    .venv/bin/python bench/transport.py --compare-fastws 3eb6d0c:splitface/net/fastws.py --variants \
+    .venv/bin/python bench/transport.py --compare-fastws 3eb6d0c:device_sdk/fastws.py --variants \
         "protocol, + fast connections on both ends (now)" "raw blocking sockets, recv_into" --out /tmp/t
         # the fast connections side by side with another revision's module (git REV:PATH), in the same run
 
@@ -145,7 +145,7 @@ def codec_setting(zero_copy: bool) -> None:
     check), or the one before it (msgpack.packb, msgpack.unpackb, np.isfinite(...).all()) for the variants that
     show it. The bytes on the wire are the same."""
     from splitface.protocol import messages as m
-    from protocol import tensor
+    from splitface.protocol import tensor
     global _all_finite_now
     _all_finite_now = _all_finite_now or tensor.all_finite
     m.ZERO_COPY = zero_copy

@@ -154,7 +154,7 @@ def table(summary: list[dict[str, Any]], rows: list[dict[str, Any]], config: dic
              f"`{config['split']}`, {config['num_classes']} identities (View 1 DevTrain people with >= 10 images; "
              f"{config['train_images']} train / {config['test_images']} test images), {config['num_devices']} devices, "
              f"{config['epochs']} epochs, batch {config['batch_size']}. Activations and gradients in the encoding "
-             f"named (up/down where they differ). Every run's splitface-demo arguments also held `{demo_args}`. View 1: {rows[0]['view1_pairs']:,} DevTest pairs of unseen people. Bytes: whole protocol "
+             f"named (up/down where they differ). Every run's splitface-research demo arguments also held `{demo_args}`. View 1: {rows[0]['view1_pairs']:,} DevTest pairs of unseen people. Bytes: whole protocol "
              "messages per training image, measured by the device. Deltas are paired with f32 of the same seed.", "",
              "| point | encoding | seeds | test acc | delta vs f32 | mean delta ± s.e. | View 1 acc | delta vs f32 | "
              "mean delta ± s.e. | bytes up/image | bytes down/image | up vs f32 | both ways vs f32 | over 1/4 by | "

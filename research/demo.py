@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     add_training_args(p, epochs=3, batch_size=64, lr=0.05, lr_help="the server's learning rate")
     p.add_argument("--device-lr", type=float, default=0.005,
                    help="the devices' learning rate for their own layer; kept small so that the devices' layers "
-                        "stay close to their shared start (see README: batch norm in the server tail)")
+                        "stay close to their shared start (docs/overview.md: several devices and batch norm)")
     p.add_argument("--head-lr-scale", type=float, default=1.0,
                    help="the classifier's lr over the rest's, on the server (server head) or the devices (device "
                         "head): a fresh head on a distilled start learns at the usual fine-tuning ratio (e.g. 10)")

@@ -44,7 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from splitface.common.models import resolve_spec  # noqa: E402
 from splitface.common.options import add_data_root_arg, add_threads_arg, apply_threads  # noqa: E402
-from research.federated import FederatedConfig, extrapolate  # noqa: E402
+from research.federated import FederatedConfig
+from splitface.common.accountants.user_level import extrapolate  # noqa: E402
 from research.federated.experiment import (Shared, add_start_args, describe_start, load_shared, run_centralized, run_federated, run_public_only)
 from research.federated.population import load_population  # noqa: E402
 from research.results import write_summary  # noqa: E402

@@ -441,7 +441,7 @@ def table(report: dict[str, Any]) -> str:
              f"Wire: {' '.join(report['wire'])}. Code {report['code']['commit']}"
              f"{' (dirty)' if report['code']['dirty'] else ''}.",
              "",
-             "## 1. The split loop (splitface-demo: a server process, one process per device, loopback websockets)",
+             "## 1. The split loop (splitface-research demo: a server process, one process per device, loopback websockets)",
              "",
              "Server samples/s: samples applied from the first to the last applied batch, over that time; compute: "
              "the server's own compute-only figure (metrics.json). CPU --tiny: the same script's figure at --tiny "

@@ -13,7 +13,8 @@ import torch
 from splitface.device.federated import LocalConfig, clip_delta, delta_norm, train_client
 from splitface.device.federated.local_round import HEAD_PREFIX
 from splitface.common.models import ModelSpec, build_backbone
-from research.federated import (FederatedConfig, FederatedRun, UserLevelAccountant, check_partition, extrapolate, load_population, virtual_clients)
+from research.federated import FederatedConfig, FederatedRun, check_partition, load_population, virtual_clients
+from splitface.common.accountants.user_level import UserLevelAccountant, extrapolate
 from splitface.common.accountants.user_level import combined_noise, update_noise
 from research.federated.aggregation import aggregate, check_update, poisson_sample
 from research.federated.rounds import SimulatedCrash

@@ -1,4 +1,4 @@
-"""protocol/transport.receive: messages assembled as their fragments arrive are the bytes that were sent, placed
+"""splitface.net.transport.receive: messages assembled as their fragments arrive are the bytes that were sent, placed
 so that decode views their tensor, under the same limits as websockets' recv() (the whole message's max_size,
 its bound on fragments); and the server's replies as parts are the bytes of its replies as one buffer."""
 from __future__ import annotations

@@ -25,7 +25,7 @@ SINGLE_PHOTO_METHODS = ("fedemb", "dp-fedemb")  # local heads only: no global cl
 
 
 def public_split(lfw_root: str | Path | None) -> DataSplit:
-    """The public people (the same selection as `splitface-pretrain classify --people devtrain --min-images 10`)."""
+    """The public people (the same selection as `splitface-research pretrain classify --people devtrain --min-images 10`)."""
     return load_lfw(lfw_root, min_images=PUBLIC_MIN_IMAGES, people="devtrain")
 
 

@@ -15,7 +15,7 @@ and integer noise, under the same per-release key.
 
 Covered: what the im2col programs cover (`Manifest.gemm_refusal`, the same refusal as `executorch-xnnpack`),
 unmasked, with the image height a multiple of the strip's rows. Checked against eager PyTorch
-(`splitface.export.verify.check`, the layer's and perturbed weights) every time a runtime starts.
+(`splitface.device.runtimes.parity.check`, the layer's and perturbed weights) every time a runtime starts.
 """
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ class NativeRuntime:
 
 def self_check(layer: nn.Module, runtime: NativeRuntime) -> dict:
     """The runner against eager PyTorch on two random images with the layer's and perturbed weights, at
-    splitface/export/verify.py's tolerances; raises `ExportMismatch` naming the error otherwise."""
+    splitface/device/runtimes/parity.py's tolerances; raises `ExportMismatch` naming the error otherwise."""
     from splitface.device.runtimes.parity import check, weight_variants
 
     shape = runtime.manifest.input_shape[1:]
