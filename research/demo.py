@@ -51,6 +51,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--head-lr-scale", type=float, default=1.0,
                    help="the classifier's lr over the rest's, on the server (server head) or the devices (device "
                         "head): a fresh head on a distilled start learns at the usual fine-tuning ratio (e.g. 10)")
+    p.add_argument("--imprint-epochs", type=float, default=0.0,
+                   help="server head: for this many epochs its rows are its classes' mean embeddings (weight "
+                        "imprinting), then trained from there: a pre-trained start keeps what it knows while a fresh "
+                        "head would still be random (splitface/server/imprint.py)")
     p.add_argument("--device-processes", type=int, default=1,
                    help="run the devices in this many simulator processes (devices dealt in contiguous ranges, "
                         "each process with the CPU cores / this many torch threads unless --threads is given); "
@@ -58,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--run-dir", type=Path, default=None, help="default: runs/demo-<time>")
     p.add_argument("--port", type=int, default=0)
     args, extra = p.parse_known_args(argv)
+    if args.imprint_epochs and args.head != "server":
+        p.error("--imprint-epochs imprints the server's head: it needs --head server")
     if not 1 <= args.device_processes <= args.devices:
         p.error(f"--device-processes must be between 1 and --devices ({args.devices})")
     run_dir = args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
@@ -78,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     token_file.chmod(0o600)
     per_device = math.ceil(len(data.train) / args.devices / args.batch_size) + 1
     decay_steps = per_device * args.devices * args.epochs
+    imprint_steps = round(math.ceil(len(data.train) / args.devices / args.batch_size) * args.devices * args.imprint_epochs)
 
     common = model_argv(args)  # the same model and release options to the server and the devices
     data_args = data_argv(args)
@@ -86,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
                   "--run-dir", str(run_dir / "server"), "--lr", str(args.lr), "--decay-steps", str(decay_steps),
                   "--max-batch", str(args.batch_size), "--seed", str(args.seed), "--train-only", args.train_only,
                   "--record-max", str(args.record_max), "--gradient-rounding", args.gradient_rounding,
-                  "--head-lr-scale", str(args.head_lr_scale),
+                  "--head-lr-scale", str(args.head_lr_scale), "--imprint-steps", str(imprint_steps),
                   "--release-noise-std", repr(devices_noise_std(args, extra))]
     if args.server_init:
         server_cmd += ["--init", str(args.server_init)]

@@ -157,7 +157,8 @@ def test_a_noise_aware_start_builds_on_the_plain_student_and_the_cache_serves_it
 @pytest.mark.slow
 def test_a_split_run_starts_from_a_distilled_file_and_is_audited(tmp_path, lfw, cache):
     """splitface-research demo --init FILE: the server's tail and the device's layer start from the file (with both
-    learning rates 0 their weights stay the file's), and the audit attacks the run end to end."""
+    learning rates 0 their weights stay the file's), the server's head is imprinted over the epoch (one mean
+    embedding per image it trained on), and the audit attacks the run end to end."""
     start = tmp_path / "start.pt"
     distill(SPEC, "conv1", NoNoise(), lfw, start, Recipe(epochs=1, batch_size=16), cache, limit=LIMIT,
             progress=False, evaluate=False)
@@ -165,11 +166,16 @@ def test_a_split_run_starts_from_a_distilled_file_and_is_audited(tmp_path, lfw, 
     demo = subprocess.run(
         [sys.executable, "-m", "research.demo", "--data", str(lfw), "--init", str(start), "--run-dir", str(run),
          "--epochs", "1", "--max-identities", "3", "--devices", "1", "--batch-size", "8", "--lr", "0",
-         "--device-lr", "0", "--record-max", "8", "--threads", "1", "--no-progress"],
+         "--device-lr", "0", "--record-max", "8", "--threads", "1", "--no-progress", "--imprint-epochs", "1"],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert demo.returncode == 0, demo.stdout + demo.stderr
     file_state = torch.load(start, weights_only=True)["state"]
-    tail = load_checkpoint(run / "server" / "checkpoint.pt")["trainer"]["tail"]
+    trainer = load_checkpoint(run / "server" / "checkpoint.pt")["trainer"]
+    tail = trainer["tail"]
+    trained_on = json.loads((run / "results.json").read_text())["devices"][0]["train_samples"]
+    assert trainer["imprint"]["counts"].sum() == trained_on
+    rows = trainer["classifier"]["weight"].norm(dim=1)
+    torch.testing.assert_close(rows, rows[0].expand(3))   # 3 classes, each row SCALE / the mean embedding norm
     conv = "stages.layer1.0.conv1.weight"
     assert torch.equal(tail[conv], file_state[conv])
     layer = torch.load(run / "device_layers" / "device-0.pt", weights_only=True)

@@ -20,6 +20,7 @@ from splitface.common.models import ModelSpec, build_backbone, build_classifier,
 from splitface.common.models.weights import load_into
 from splitface.common.optim import TrainConfig, exponential_decay, sgd_with_head
 from splitface.protocol.errors import ErrorCode
+from splitface.server.imprint import Imprinter
 
 
 # Received activations may leave an honest release's range by this many standard deviations of the devices' noise:
@@ -91,9 +92,11 @@ def pick_device(name: str | None = None) -> torch.device:
 class ServerTrainer:
     def __init__(self, spec: ModelSpec, split: str, num_classes: int, config: TrainConfig | None = None,
                  device: str | None = None, init: Path | None = None, train_only: str = "all",
-                 guard: StepGuard | None = None):
+                 guard: StepGuard | None = None, imprint_steps: int = 0):
         """`init`: start the tail from a saved (e.g. public pre-trained) backbone; `train_only="classifier"`
-        freezes the tail and trains only the output layer (the source paper's fine-tuning setting)."""
+        freezes the tail and trains only the output layer (the source paper's fine-tuning setting);
+        `imprint_steps`: the server head's rows are its classes' mean embeddings for that many steps, then trained
+        from there (server/imprint.py: for a pre-trained start)."""
         if train_only not in ("all", "classifier"):
             raise ValueError(f"train_only must be 'all' or 'classifier', not {train_only!r}")
         self.spec, self.split, self.num_classes, self.train_only = spec, split, num_classes, train_only
@@ -116,6 +119,8 @@ class ServerTrainer:
         self.optimizer = sgd_with_head(trained, self.classifier.parameters(), self.config)
         self.scheduler = exponential_decay(self.optimizer, self.config.lr_decay, self.config.decay_steps)
         self.steps = 0
+        self.imprinter = Imprinter(self.classifier, imprint_steps)
+        self.imprinter.frozen_head(self.steps)
         self._trained = trained
         self._pending: tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]] | None = None
 
@@ -158,6 +163,7 @@ class ServerTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.steps += 1
+        self.imprinter.frozen_head(self.steps)
 
     def _buffers(self) -> dict[str, torch.Tensor]:
         """Batch-norm statistics change in a training forward: saved so that a refused step leaves no trace."""
@@ -252,9 +258,15 @@ class ServerTrainer:
         x = self._input(activations)
         y = torch.as_tensor(labels, device=self.device)
         saved = self._buffers()
+        imprinting = self.imprinter.active(self.steps)
+        if imprinting:
+            saved_head = self.imprinter.state_dict(), {k: v.clone() for k, v in self.classifier.state_dict().items()}
         try:
             with self._autocast():
-                logits = self.classifier(self.tail(x))
+                embeddings = self.tail(x)
+                if imprinting:
+                    self.imprinter.add(embeddings, y)
+                logits = self.classifier(embeddings)
             loss = F.cross_entropy(logits.float(), y)
             if not torch.isfinite(loss):
                 raise StepRefused(f"the batch gives a non-finite loss ({loss.item()}); not applied")
@@ -262,6 +274,9 @@ class ServerTrainer:
             self._check_gradients(x)
         except StepRefused:
             self._restore(saved)
+            if imprinting:
+                self.imprinter.load_state_dict(saved_head[0])
+                self.classifier.load_state_dict(saved_head[1])
             raise
         self._clip_statistics(saved)
         self._step()
@@ -328,7 +343,7 @@ class ServerTrainer:
     def state_dict(self) -> dict[str, Any]:
         return {"tail": self.tail.state_dict(), "classifier": self.classifier.state_dict(),
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "steps": self.steps,
-                "rng": torch.get_rng_state()}
+                "rng": torch.get_rng_state(), "imprint": self.imprinter.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.tail.load_state_dict(state["tail"])
@@ -337,6 +352,9 @@ class ServerTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = state["steps"]
         torch.set_rng_state(state["rng"])
+        if "imprint" in state:   # checkpoints from before imprinting have none (and imprinted nothing)
+            self.imprinter.load_state_dict(state["imprint"])
+        self.imprinter.frozen_head(self.steps)
 
 
 def _finite_embeddings(embeddings: torch.Tensor) -> np.ndarray:

@@ -1,0 +1,62 @@
+"""Weight imprinting for the server-head classifier on a pre-trained tail.
+
+A fresh linear head on a strong start (the distilled public backbone) learns slowly: its random rows know no
+class, so for the first epoch the tail is fine-tuned against noise and drifts from what it knew. Imprinting
+(Qi et al., "Low-Shot Learning with Imprinted Weights", CVPR 2018) sets each class's row to the mean direction of
+that class's embeddings instead: a nearest-class-mean classifier from the first step. For the first N steps the
+rows are the running means of every embedding seen so far; after that they are trained like any other weight,
+from where the means left them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# The cosine logit scale of an imprinted row: logits are about SCALE x cos(embedding, class mean). The scale does
+# not change which class wins, only how sure the head is. At 16 the full-means head on the distilled student's LFW-158
+# training embeddings is sure but not saturated: its cross-entropy is within 0.2 nats of the lowest over scales 4 to
+# 64 (lowest near 24-32, where the tail's first gradients would be smaller still). Not tuned on test accuracy.
+SCALE = 16.0
+
+
+class Imprinter:
+    """Running class means of the L2-normalised embeddings, written into `head`'s rows while `active(steps)`."""
+
+    def __init__(self, head: nn.Linear, steps: int):
+        if steps < 0:
+            raise ValueError(f"imprint steps must be >= 0, got {steps}")
+        self.head, self.steps = head, steps
+        classes, dim = head.weight.shape
+        device = head.weight.device
+        self.sums = torch.zeros(classes, dim, device=device)
+        self.counts = torch.zeros(classes, device=device)
+        self.norm_sum = torch.zeros((), device=device)   # of the raw embeddings' norms: the rows' 1 / norm
+
+    def active(self, steps: int) -> bool:
+        return steps < self.steps
+
+    def frozen_head(self, steps: int) -> None:
+        """The head is set by the means while imprinting (no gradient, so no momentum carried out of it), and
+        trained afterwards."""
+        self.head.requires_grad_(not self.active(steps))
+
+    @torch.no_grad()
+    def add(self, embeddings: torch.Tensor, labels: torch.Tensor) -> None:
+        """Fold a batch into the means and rewrite the rows of every class seen so far."""
+        e = embeddings.detach().float()
+        self.sums.index_add_(0, labels, F.normalize(e, dim=1))
+        self.counts += torch.bincount(labels, minlength=len(self.counts)).to(self.counts)
+        self.norm_sum += e.norm(dim=1).sum()
+        seen = self.counts > 0
+        mean_norm = self.norm_sum / self.counts.sum()
+        self.head.weight[seen] = (SCALE / mean_norm) * F.normalize(self.sums[seen], dim=1).to(self.head.weight)
+        self.head.bias[seen] = 0
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"sums": self.sums.clone(), "counts": self.counts.clone(), "norm_sum": self.norm_sum.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.sums.copy_(state["sums"])
+        self.counts.copy_(state["counts"])
+        self.norm_sum.copy_(state["norm_sum"])

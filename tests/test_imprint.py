@@ -1,0 +1,106 @@
+"""Weight imprinting of the server head (splitface/server/imprint.py): while it is on, each seen class's row is
+the scaled mean direction of that class's embeddings and the head takes no gradient; afterwards the head trains
+from there. A refused step leaves the means as they were, and a checkpoint carries them."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splitface.common.models import build_backbone, resolve_spec, split_backbone
+from splitface.common.optim import TrainConfig
+from splitface.server.imprint import SCALE, Imprinter
+from splitface.server.trainer import ServerTrainer, StepGuard, StepRefused
+from research import demo
+
+SPEC = resolve_spec("iresnet_small")
+NUM_CLASSES = 5
+torch.manual_seed(0)
+DEVICE_LAYER, _ = split_backbone(build_backbone(SPEC), "conv1")
+
+
+def _batch(seed: int, labels: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        x = DEVICE_LAYER(torch.rand(len(labels), 3, SPEC.input_size, SPEC.input_size, generator=g))
+    return x.numpy(), np.array(labels)
+
+
+def _trainer(imprint_steps: int, guard: StepGuard | None = None) -> ServerTrainer:
+    return ServerTrainer(SPEC, "conv1", NUM_CLASSES, TrainConfig(lr=0.05), device="cpu", guard=guard,
+                         imprint_steps=imprint_steps)
+
+
+def _embeddings(trainer: ServerTrainer, activations: np.ndarray) -> torch.Tensor:
+    """What the trainer's next training step computes: the same tail in training mode on the same batch (a
+    copy, so its batch norms' running statistics stay the trainer's)."""
+    tail = copy.deepcopy(trainer.tail).train()
+    with torch.no_grad():
+        return tail(torch.as_tensor(activations))
+
+
+def test_the_rows_of_seen_classes_are_their_scaled_mean_directions_and_the_rest_keep_their_start():
+    trainer = _trainer(imprint_steps=2)
+    start = trainer.classifier.weight.detach().clone()
+    batches = [_batch(1, [0, 1, 0, 2]), _batch(2, [1, 2, 2, 0])]
+    seen = []
+    for x, y in batches:
+        seen.append((_embeddings(trainer, x), torch.as_tensor(y)))
+        trainer.train_server_head(x, y)
+        assert trainer.classifier.weight.grad is None   # set by the means, not trained
+    e = torch.cat([s[0] for s in seen])
+    y = torch.cat([s[1] for s in seen])
+    w = trainer.classifier.weight.detach()
+    for c in range(3):
+        direction = F.normalize(F.normalize(e[y == c], dim=1).sum(0), dim=0)
+        # float32 sums and normalisations of 8 vectors of 128 values: relative errors of a few 1e-7
+        torch.testing.assert_close(w[c], SCALE / e.norm(dim=1).mean() * direction, rtol=1e-5, atol=1e-6)
+    assert torch.equal(w[3:], start[3:])
+    assert torch.equal(trainer.classifier.bias.detach()[:3], torch.zeros(3))
+
+
+def test_after_the_imprinting_steps_the_head_trains_from_the_means():
+    trainer = _trainer(imprint_steps=1)
+    trainer.train_server_head(*_batch(1, [0, 1, 2, 3]))
+    imprinted = trainer.classifier.weight.detach().clone()
+    counts = trainer.imprinter.counts.clone()
+    assert trainer.classifier.weight.requires_grad
+    trainer.train_server_head(*_batch(2, [0, 1, 2, 4]))
+    assert trainer.classifier.weight.grad is not None
+    assert not torch.equal(trainer.classifier.weight.detach(), imprinted)   # an SGD step moved it
+    assert torch.equal(trainer.imprinter.counts, counts)   # and the means took nothing more
+
+
+def test_a_refused_step_leaves_the_means_and_the_head_as_they_were():
+    trainer = _trainer(imprint_steps=4, guard=StepGuard(max_grad_norm=1e-12))
+    head = {k: v.clone() for k, v in trainer.classifier.state_dict().items()}
+    with pytest.raises(StepRefused):
+        trainer.train_server_head(*_batch(1, [0, 1, 2, 3]))
+    assert trainer.imprinter.counts.sum() == 0 and trainer.imprinter.norm_sum == 0
+    assert all(torch.equal(v, head[k]) for k, v in trainer.classifier.state_dict().items())
+
+
+def test_a_checkpoint_carries_the_means_and_the_resumed_trainer_goes_on_as_the_first_would():
+    first = _trainer(imprint_steps=2)
+    first.train_server_head(*_batch(1, [0, 1, 0, 2]))
+    resumed = _trainer(imprint_steps=2)
+    resumed.load_state_dict(copy.deepcopy(first.state_dict()))
+    assert torch.equal(resumed.imprinter.sums, first.imprinter.sums)
+    for trainer in (first, resumed):
+        trainer.train_server_head(*_batch(2, [3, 1, 4, 2]))
+    assert torch.equal(resumed.classifier.weight, first.classifier.weight)
+    assert resumed.classifier.weight.requires_grad and first.classifier.weight.requires_grad
+
+
+def test_negative_imprint_steps_are_refused():
+    with pytest.raises(ValueError, match="imprint steps"):
+        Imprinter(torch.nn.Linear(4, 3), -1)
+
+
+def test_the_demo_imprints_only_a_server_head():
+    with pytest.raises(SystemExit) as stopped:
+        demo.main(["--head", "device", "--imprint-epochs", "1"])
+    assert stopped.value.code == 2
