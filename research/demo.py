@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--imprint-epochs", type=float, default=0.0,
                    help="server head: for this many epochs its rows are its classes' mean embeddings (weight "
                         "imprinting), then trained from there: a pre-trained start keeps what it knows while a fresh "
-                        "head would still be random (splitface/server/imprint.py)")
+                        "head would still be random (splitface/server/imprint.py). A device head is not imprinted: "
+                        "with --head device it starts fresh, and the run says so")
     p.add_argument("--device-processes", type=int, default=1,
                    help="run the devices in this many simulator processes (devices dealt in contiguous ranges, "
                         "each process with the CPU cores / this many torch threads unless --threads is given); "
@@ -62,8 +63,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--run-dir", type=Path, default=None, help="default: runs/demo-<time>")
     p.add_argument("--port", type=int, default=0)
     args, extra = p.parse_known_args(argv)
-    if args.imprint_epochs and args.head != "server":
-        p.error("--imprint-epochs imprints the server's head: it needs --head server")
     if not 1 <= args.device_processes <= args.devices:
         p.error(f"--device-processes must be between 1 and --devices ({args.devices})")
     run_dir = args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
@@ -84,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     token_file.chmod(0o600)
     per_device = math.ceil(len(data.train) / args.devices / args.batch_size) + 1
     decay_steps = per_device * args.devices * args.epochs
-    imprint_steps = round(math.ceil(len(data.train) / args.devices / args.batch_size) * args.devices * args.imprint_epochs)
+    imprint_steps = server_imprint_steps(args, len(data.train))
 
     common = model_argv(args)  # the same model and release options to the server and the devices
     data_args = data_argv(args)
@@ -229,6 +228,18 @@ def same_arguments(recorded: list[str], wanted: list[str]) -> bool:
     def normal(argv: list[str]) -> list[str]:
         return [str(Path(a).resolve()) if i and argv[i - 1] == "--data" else a for i, a in enumerate(argv)]
     return normal(recorded) == normal(wanted)
+
+
+def server_imprint_steps(args: argparse.Namespace, train_images: int) -> int:
+    """--imprint-epochs as the server's training steps: every device's batches of each epoch. 0 for a device head,
+    whose classifier lives on the devices (imprinting it is not built): said, not silently dropped."""
+    if not args.imprint_epochs:
+        return 0
+    if args.head != "server":
+        print(f"--imprint-epochs {args.imprint_epochs:g}: the head is on the devices, where it is not imprinted; "
+              "it starts fresh", file=sys.stderr, flush=True)
+        return 0
+    return round(math.ceil(train_images / args.devices / args.batch_size) * args.devices * args.imprint_epochs)
 
 
 def run_recorded(run_dir: Path, demo_args: list[str], force: bool = False,

@@ -7,8 +7,10 @@ Rows (results/pretrain/summary.json, table.md):
   View 1 as a device releases it (with the release's noise, for a noise-aware start);
 - split-finetune: `splitface-research demo` on LFW-158 (the main job's data: people with >= 10 images) from the
   distilled start, with the main job's release and wire (run.sh), server head and device head; the same from
-  scratch (the old start), and from the distilled start with the paper's plain conv1 release. LFW-158 test
-  accuracy, and View 1 of the fine-tuned model (`splitface-research evaluate`; LFW-158 holds 43 of the
+  scratch (the old start), and from the distilled start with the paper's plain conv1 release; then run.sh's
+  start (the server head imprinted with its classes' mean embeddings, the body at lr 0.01) with the main job's
+  release, conv1, and the distilled frontier's most private point (the bottleneck at z 0.02), beside the first
+  recipe's. LFW-158 test accuracy, and View 1 of the fine-tuned model (`splitface-research evaluate`; LFW-158 holds 43 of the
   DevTest pairs' people, so some pairs show people the run trained on: the row says how many).
 
 Reduced configuration (2 CPU cores): iresnet_small at 64 px, the main job's 3 epochs and 2 devices. Resumable:
@@ -24,12 +26,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
+import numpy as np
+
+from splitface.common.data import DataSplit, FaceSet, load_lfw
 from splitface.common.models import resolve_spec
+from splitface.common.models.weights import load_into
 from splitface.common.options import add_data_root_arg, add_model_arg, add_model_args, model_spec
 from splitface.device.privacy.options import add_privacy_args, release_mechanism
 from research.demo import run_recorded
-from research.distill import CROP, TeacherCache, default_cache, distilled_start
+from research.distill import CROP, EVALUATION_SEED, Student, TeacherCache, default_cache, distilled_start
 from research.evaluation.verification import verification_report, view1_pairs
 from research.results import write_summary
 
@@ -43,17 +50,54 @@ def run_sh_array(name: str) -> list[str]:
     return shlex.split(line.removeprefix(f"{name}=(").removesuffix(")"))
 
 
-def teacher_row(lfw: Path, size: int, cache: Path) -> dict:
+def frozen_probe(embed: Callable[[FaceSet], np.ndarray], data: DataSplit) -> dict:
+    """The embedding, frozen, on LFW-158's test images (the main job's split): by the nearest class mean of the
+    training images' embeddings (cosine, about their mean: dlib's share a large common part) and by a logistic
+    regression fitted on them. What a fine-tuning run starts from, before any step."""
+    from sklearn.linear_model import LogisticRegression
+
+    train, test = embed(data.train), embed(data.test)
+    centre = train.mean(0)
+    train, test = train - centre, test - centre
+    unit = lambda e: e / np.linalg.norm(e, axis=1, keepdims=True)  # noqa: E731
+    labels = data.train.labels
+    means = unit(np.stack([unit(train)[labels == c].mean(0) for c in range(len(data.class_names))]))
+    nearest = float(((unit(test) @ means.T).argmax(1) == data.test.labels).mean())
+    logistic = LogisticRegression(C=10, max_iter=3000).fit(train, labels).score(test, data.test.labels)
+    return {"lfw158_class_mean_accuracy": round(nearest, 4), "lfw158_logistic_accuracy": round(float(logistic), 4)}
+
+
+def student_embedder(path: Path, spec, split: str, mechanism) -> Callable[[FaceSet], np.ndarray]:
+    """A distilled start's embedding of each image as a device releases it (with the release's noise, drawn
+    under the evaluator's seed), as research/distill.py's View 1 score takes it."""
+    import torch
+
+    student = Student(spec, split, mechanism, 128).eval()
+    for part in (student.device_part, student.server_part):   # each with its release stages, as the run loads them
+        load_into(part, path, spec)
+    noise = torch.Generator().manual_seed(EVALUATION_SEED)
+
+    def embed(faces: FaceSet) -> np.ndarray:
+        x = torch.from_numpy(faces.load(spec.input_size, CROP).astype(np.float32) / 255)
+        with torch.no_grad():
+            return torch.cat([student(x[i:i + 256], noise) for i in range(0, len(x), 256)]).numpy()
+    return embed
+
+
+def teacher_row(lfw: Path, size: int, cache: Path, data: DataSplit | None = None) -> dict:
+    """dlib on View 1, and with `data` also frozen on LFW-158 (frozen_probe)."""
     pairs = view1_pairs(lfw, "test")
     started = time.time()
-    embeddings = TeacherCache(cache, size).embed(pairs.faces.paths)
+    teacher = TeacherCache(cache, size)
+    probe = frozen_probe(lambda faces: teacher.embed(faces.paths), data) if data is not None else {}
+    embeddings = teacher.embed(pairs.faces.paths)
     report = verification_report(embeddings[pairs.a], embeddings[pairs.b], pairs.same)
     return {"role": "teacher", "model": "dlib ResNet v1 (face-recognition-models)", "start": "dlib's own training",
-            "release": "-", "input": f"{size}x{size} from the {CROP} px centre crop", **report,
+            "release": "-", "input": f"{size}x{size} from the {CROP} px centre crop", **report, **probe,
             "seconds": round(time.time() - started, 1)}
 
 
-def student_row(path: Path) -> dict:
+def student_row(path: Path, probe: dict) -> dict:
     import torch
 
     meta = torch.load(path, map_location="cpu", weights_only=True)["meta"]
@@ -64,7 +108,7 @@ def student_row(path: Path) -> dict:
             "release": release_name(spec, student["split"], student["release_mechanism"]),
             "input": student["input"], **meta["view1"], "file": path.name, "epochs": meta["recipe"]["epochs"],
             "public_people": meta["public_faces"]["people"], "public_images": meta["public_faces"]["images"],
-            "seconds": meta["seconds"]}
+            "seconds": meta["seconds"], **probe}
 
 
 def release_name(spec: dict, split: str, mechanism: dict) -> str:
@@ -91,6 +135,8 @@ def finetune_row(name: str, demo_args: list[str], args: argparse.Namespace) -> d
     config, last = results["config"], results["epochs"][-1]
     device = results["devices"][0]
     start = demo_args[demo_args.index("--init") + 1] if "--init" in demo_args else "scratch"
+    if "--imprint-epochs" in demo_args:
+        start += f", head imprinted over {demo_args[demo_args.index('--imprint-epochs') + 1]} epoch"
     if "--lr" in demo_args:
         start += f", lr {demo_args[demo_args.index('--lr') + 1]}"
     if "--head-lr-scale" in demo_args:
@@ -107,14 +153,17 @@ def finetune_row(name: str, demo_args: list[str], args: argparse.Namespace) -> d
 
 def table(rows: list[dict]) -> str:
     lines = ["| role | model | start | release | head | input | epochs (distil or fine-tune) | View 1 acc (10-fold) | ROC AUC | "
-             "TAR @ FAR 1e-2 | LFW-158 test acc |", "|---|---|---|---|---|---|---:|---:|---:|---:|---:|"]
+             "TAR @ FAR 1e-2 | LFW-158 test acc | LFW-158 frozen: class mean / logistic |",
+             "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         seen = r.get("pairs_with_seen_people")
         mark = f" ({seen} pairs seen)" if seen else ""
         test = f"{r['lfw158_test_accuracy']:.3f}" if "lfw158_test_accuracy" in r else "-"
+        frozen = (f"{r['lfw158_class_mean_accuracy']:.3f} / {r['lfw158_logistic_accuracy']:.3f}"
+                  if "lfw158_class_mean_accuracy" in r else "-")
         lines.append(f"| {r['role']} | {r['model']} | {r['start']} | {r['release']} | {r.get('head', '-')} | "
                      f"{r['input']} | {r.get('epochs', '-')} | {r['view1_accuracy']:.3f} ± {r['view1_std']:.3f}{mark} | {r['roc_auc']:.3f} | "
-                     f"{r['tar_at_far_1e-2']:.3f} | {test} |")
+                     f"{r['tar_at_far_1e-2']:.3f} | {test} | {frozen} |")
     return "\n".join(lines) + "\n"
 
 
@@ -131,26 +180,41 @@ def main(argv: list[str] | None = None) -> None:
     start, release, wire = run_sh_array("DEFAULT_START"), run_sh_array("DEFAULT_RELEASE"), run_sh_array("DEFAULT_WIRE")
     extra = args.demo_args.split()
 
-    rows = [teacher_row(args.data, 64, args.cache), teacher_row(args.data, 150, args.cache)]
-    # the distilled starts the fine-tuning runs use: the plain student, and the main job's noise-aware start
+    data = load_lfw(args.data, min_images=10, seed=0)   # the main job's LFW-158 split (demo's defaults)
+    rows = [teacher_row(args.data, 64, args.cache, data), teacher_row(args.data, 150, args.cache)]
+    first = ["--init", "distilled", "--head-lr-scale", "10"]
+    bottleneck = ["--release", "bottleneck", "--bottleneck-channels", "4", "--bottleneck-stride", "2",
+                  "--mechanism", "per-image", "--clip-norm", "16", "--noise-multiplier", "0.02"]
+    # the distilled starts the fine-tuning runs use: the plain student, the main job's noise-aware start and the
+    # bottleneck's
     privacy = argparse.ArgumentParser(add_help=False)
     add_privacy_args(privacy)
     add_model_args(privacy, args.model)
-    for flags in ([], release):
+    for flags in ([], release, bottleneck):
         known, _ = privacy.parse_known_args(["--model", args.model, *flags])
-        path = distilled_start(model_spec(known), known.split, release_mechanism(known), args.data, args.cache)
-        rows.append(student_row(path))
-    # the main job (run.sh's start, release and wire), its device-head twin, the old start from seeded weights with
-    # the old recipe, and the distilled start with the paper's conv1 release
-    runs = [("distilled-main-release-server-head", [*start, *release, *wire]),
-            ("distilled-main-release-device-head", [*start, "--head", "device", *release, *wire]),
+        spec, mechanism = model_spec(known), release_mechanism(known)
+        path = distilled_start(spec, known.split, mechanism, args.data, args.cache)
+        probe = frozen_probe(student_embedder(path, spec, known.split, mechanism), data)
+        rows.append(student_row(path, probe))
+    # `first`: the main job's first recipe from the distilled start (a fresh head at 10x the lr), beside run.sh's
+    # the main job (run.sh's start, release and wire) with the first recipe, its device-head twin, the old start
+    # from seeded weights with the old recipe, and the distilled start with the paper's conv1 release
+    runs = [("distilled-main-release-server-head", [*first, *release, *wire]),
+            ("distilled-main-release-device-head", [*first, "--head", "device", *release, *wire]),
             ("scratch-main-release-server-head", [*release, *wire]),
-            ("distilled-conv1-server-head", [*start, *wire]),
+            ("distilled-conv1-server-head", [*first, *wire]),
             # a gentler fine-tune: the body at a fifth of the demo's server lr (0.05), the head still at 10x it
-            ("distilled-main-release-server-head-lr0.01", [*start, *release, *wire, "--lr", "0.01"]),
-            ("distilled-conv1-server-head-lr0.01", [*start, *wire, "--lr", "0.01"]),
+            ("distilled-main-release-server-head-lr0.01", [*first, *release, *wire, "--lr", "0.01"]),
+            ("distilled-conv1-server-head-lr0.01", [*first, *wire, "--lr", "0.01"]),
             # longer: at 3 epochs the main release's test accuracy still climbs (0.46, 0.65, 0.72)
-            ("distilled-main-release-server-head-8-epochs", [*start, *release, *wire, "--epochs", "8"])]
+            ("distilled-main-release-server-head-8-epochs", [*first, *release, *wire, "--epochs", "8"]),
+            # run.sh's start: the head imprinted with its classes' mean embeddings over the first epoch, then trained,
+            # the body at the gentler lr (server/imprint.py); the main job, the conv1 release, and the distilled
+            # frontier's most private point (the bottleneck at z 0.02) with the first recipe and with run.sh's
+            ("distilled-imprint-main-release-server-head", [*start, *release, *wire]),
+            ("distilled-imprint-conv1-server-head", [*start, *wire]),
+            ("distilled-bottleneck-z0.02-server-head", [*first, *bottleneck, *wire]),
+            ("distilled-imprint-bottleneck-z0.02-server-head", [*start, *bottleneck, *wire])]
     rows += [finetune_row(name, [*demo_args, *extra], args) for name, demo_args in runs]
     spec = resolve_spec(args.model)
     text = (f"Reduced configuration: {args.model} ({spec.family}, width {spec.width}) at {spec.input_size} px; LFW "

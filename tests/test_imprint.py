@@ -3,6 +3,7 @@ the scaled mean direction of that class's embeddings and the head takes no gradi
 from there. A refused step leaves the means as they were, and a checkpoint carries them."""
 from __future__ import annotations
 
+import argparse
 import copy
 
 import numpy as np
@@ -100,7 +101,11 @@ def test_negative_imprint_steps_are_refused():
         Imprinter(torch.nn.Linear(4, 3), -1)
 
 
-def test_the_demo_imprints_only_a_server_head():
-    with pytest.raises(SystemExit) as stopped:
-        demo.main(["--head", "device", "--imprint-epochs", "1"])
-    assert stopped.value.code == 2
+def test_the_demo_imprints_a_server_head_over_its_epochs_and_says_when_the_head_is_on_the_devices(capsys):
+    args = argparse.Namespace(imprint_epochs=1.0, head="server", devices=2, batch_size=64)
+    assert demo.server_imprint_steps(args, 3895) == 2 * 31   # each device: ceil(3895 / 2 / 64) batches an epoch
+    args.imprint_epochs = 0.5
+    assert demo.server_imprint_steps(args, 3895) == 31
+    args.head = "device"
+    assert demo.server_imprint_steps(args, 3895) == 0
+    assert "not imprinted" in capsys.readouterr().err
