@@ -36,7 +36,7 @@ class Imprinter:
     def active(self, steps: int) -> bool:
         return steps < self.steps
 
-    def frozen_head(self, steps: int) -> None:
+    def hold_head(self, steps: int) -> None:
         """The head is set by the means while imprinting (no gradient, so no momentum carried out of it), and
         trained afterwards."""
         self.head.requires_grad_(not self.active(steps))

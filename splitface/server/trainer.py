@@ -120,7 +120,7 @@ class ServerTrainer:
         self.scheduler = exponential_decay(self.optimizer, self.config.lr_decay, self.config.decay_steps)
         self.steps = 0
         self.imprinter = Imprinter(self.classifier, imprint_steps)
-        self.imprinter.frozen_head(self.steps)
+        self.imprinter.hold_head(self.steps)
         self._trained = trained
         self._pending: tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]] | None = None
 
@@ -163,7 +163,7 @@ class ServerTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.steps += 1
-        self.imprinter.frozen_head(self.steps)
+        self.imprinter.hold_head(self.steps)
 
     def _buffers(self) -> dict[str, torch.Tensor]:
         """Batch-norm statistics change in a training forward: saved so that a refused step leaves no trace."""
@@ -354,7 +354,7 @@ class ServerTrainer:
         torch.set_rng_state(state["rng"])
         if "imprint" in state:   # checkpoints from before imprinting have none (and imprinted nothing)
             self.imprinter.load_state_dict(state["imprint"])
-        self.imprinter.frozen_head(self.steps)
+        self.imprinter.hold_head(self.steps)
 
 
 def _finite_embeddings(embeddings: torch.Tensor) -> np.ndarray:
