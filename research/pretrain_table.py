@@ -4,7 +4,8 @@ Rows (results/pretrain/summary.json, table.md):
 - teacher: dlib's ResNet on View 1's DevTest pairs, at the students' input (64 px from the 160 px centre crop)
   and at the input it was distilled from (150 px);
 - student: each distilled backbone (`--init distilled` builds them: research/distill.py), its embedding on
-  View 1 as a device releases it (with the release's noise, for a noise-aware start);
+  View 1 as a device releases it (with the release's noise, for a noise-aware start), and frozen on LFW-158; and
+  the plain student at twice the width (how much of the gap to the teacher is the student's size);
 - split-finetune: `splitface-research demo` on LFW-158 (the main job's data: people with >= 10 images) from the
   distilled start, with the main job's release and wire (run.sh), server head and device head; the same from
   scratch (the old start), and from the distilled start with the paper's plain conv1 release; then run.sh's
@@ -25,18 +26,21 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from splitface.common.data import DataSplit, FaceSet, load_lfw
-from splitface.common.models import resolve_spec
+from splitface.common.models import DEFAULT_SPLIT, resolve_spec
 from splitface.common.models.weights import load_into
 from splitface.common.options import add_data_root_arg, add_model_arg, add_model_args, model_spec
+from splitface.device.privacy.mechanisms import NoNoise
 from splitface.device.privacy.options import add_privacy_args, release_mechanism
 from research.demo import run_recorded
-from research.distill import CROP, EVALUATION_SEED, Student, TeacherCache, default_cache, distilled_start
+from research.distill import (CROP, EVALUATION_SEED, NOISE_AWARE_RECIPE, PLAIN_RECIPE, Student, TeacherCache,
+                             default_cache, distilled_start)
 from research.evaluation.verification import verification_report, view1_pairs
 from research.results import write_summary
 
@@ -82,6 +86,12 @@ def student_embedder(path: Path, spec, split: str, mechanism) -> Callable[[FaceS
         with torch.no_grad():
             return torch.cat([student(x[i:i + 256], noise) for i in range(0, len(x), 256)]).numpy()
     return embed
+
+
+def init_from(start: list[str], path: Path) -> list[str]:
+    """run.sh's start with its --init naming a file: a start that `--init distilled` would not pick."""
+    i = start.index("--init")
+    return [*start[:i], "--init", str(path), *start[i + 2:]]
 
 
 def teacher_row(lfw: Path, size: int, cache: Path, data: DataSplit | None = None) -> dict:
@@ -135,6 +145,8 @@ def finetune_row(name: str, demo_args: list[str], args: argparse.Namespace) -> d
     config, last = results["config"], results["epochs"][-1]
     device = results["devices"][0]
     start = demo_args[demo_args.index("--init") + 1] if "--init" in demo_args else "scratch"
+    if start not in ("distilled", "scratch"):
+        start = f"distilled ({Path(start).name})"
     if "--imprint-epochs" in demo_args:
         start += f", head imprinted over {demo_args[demo_args.index('--imprint-epochs') + 1]} epoch"
     if "--lr" in demo_args:
@@ -196,6 +208,13 @@ def main(argv: list[str] | None = None) -> None:
         path = distilled_start(spec, known.split, mechanism, args.data, args.cache)
         probe = frozen_probe(student_embedder(path, spec, known.split, mechanism), data)
         rows.append(student_row(path, probe))
+    # capacity: the plain student's recipe at twice the width (about 3.4x the parameters and 4x the tail's
+    # multiply-adds), for 20 epochs: how much of the gap to the teacher is the student's size (built on first use:
+    # about an hour on 2 cores)
+    wide = replace(resolve_spec(args.model), width=2 * resolve_spec(args.model).width)
+    wide_path = distilled_start(wide, DEFAULT_SPLIT, NoNoise(), args.data, args.cache,
+                                recipes=(replace(PLAIN_RECIPE, epochs=20), NOISE_AWARE_RECIPE))
+    rows.append(student_row(wide_path, frozen_probe(student_embedder(wide_path, wide, DEFAULT_SPLIT, NoNoise()), data)))
     # `first`: the main job's first recipe from the distilled start (a fresh head at 10x the lr), beside run.sh's
     # the main job (run.sh's start, release and wire) with the first recipe, its device-head twin, the old start
     # from seeded weights with the old recipe, and the distilled start with the paper's conv1 release
@@ -214,7 +233,10 @@ def main(argv: list[str] | None = None) -> None:
             ("distilled-imprint-main-release-server-head", [*start, *release, *wire]),
             ("distilled-imprint-conv1-server-head", [*start, *wire]),
             ("distilled-bottleneck-z0.02-server-head", [*first, *bottleneck, *wire]),
-            ("distilled-imprint-bottleneck-z0.02-server-head", [*start, *bottleneck, *wire])]
+            ("distilled-imprint-bottleneck-z0.02-server-head", [*start, *bottleneck, *wire]),
+            # the wider student, fine-tuned the same way with the paper's conv1 release
+            ("distilled-wide-imprint-conv1-server-head",
+             [*init_from(start, wide_path), *wire, "--model", json.dumps(wide.to_dict())])]
     rows += [finetune_row(name, [*demo_args, *extra], args) for name, demo_args in runs]
     spec = resolve_spec(args.model)
     text = (f"Reduced configuration: {args.model} ({spec.family}, width {spec.width}) at {spec.input_size} px; LFW "
