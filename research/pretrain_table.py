@@ -11,8 +11,8 @@ Rows (results/pretrain/summary.json, table.md):
   scratch (the old start), and from the distilled start with the paper's plain conv1 release; then run.sh's
   start (the server head imprinted with its classes' mean embeddings, the body at lr 0.01) with the main job's
   release, conv1, and the distilled frontier's most private point (the bottleneck at z 0.02), beside the first
-  recipe's. LFW-158 test accuracy, and View 1 of the fine-tuned model (`splitface-research evaluate`; LFW-158 holds 43 of the
-  DevTest pairs' people, so some pairs show people the run trained on: the row says how many).
+  recipe's. LFW-158 test accuracy, and View 1 of the fine-tuned model (`splitface-research evaluate`; LFW-158
+  holds 43 of the DevTest pairs' people, so some pairs show people the run trained on: the row says how many).
 
 Reduced configuration (2 CPU cores): iresnet_small at 64 px, the main job's 3 epochs and 2 devices. Resumable:
 runs and evaluations already made are read back (--force makes them again). The full-size configuration is
@@ -215,9 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     wide_path = distilled_start(wide, DEFAULT_SPLIT, NoNoise(), args.data, args.cache,
                                 recipes=(replace(PLAIN_RECIPE, epochs=20), NOISE_AWARE_RECIPE))
     rows.append(student_row(wide_path, frozen_probe(student_embedder(wide_path, wide, DEFAULT_SPLIT, NoNoise()), data)))
-    # `first`: the main job's first recipe from the distilled start (a fresh head at 10x the lr), beside run.sh's
-    # the main job (run.sh's start, release and wire) with the first recipe, its device-head twin, the old start
-    # from seeded weights with the old recipe, and the distilled start with the paper's conv1 release
+    # the main job's release and wire with `first`, the first recipe from the distilled start (a fresh head at 10x
+    # the lr), and its device-head twin; the old start from seeded weights with the old recipe; and the distilled
+    # start with the paper's conv1 release
     runs = [("distilled-main-release-server-head", [*first, *release, *wire]),
             ("distilled-main-release-device-head", [*first, "--head", "device", *release, *wire]),
             ("scratch-main-release-server-head", [*release, *wire]),

@@ -109,3 +109,11 @@ def test_the_demo_imprints_a_server_head_over_its_epochs_and_says_when_the_head_
     args.head = "device"
     assert demo.server_imprint_steps(args, 3895) == 0
     assert "not imprinted" in capsys.readouterr().err
+
+
+def test_the_server_refuses_negative_imprint_steps_as_a_usage_error(tmp_path, capsys):
+    from splitface.server import cli
+
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["serve", "--num-classes", "3", "--tokens", str(tmp_path / "tokens.json"), "--imprint-steps", "-1"])
+    assert stopped.value.code == 2 and "--imprint-steps must be >= 0" in capsys.readouterr().err

@@ -105,6 +105,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, hosted=None
                                  limits=from_args(Limits, args),
                                  metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                                  tls_cert=args.tls_cert, tls_key=args.tls_key, insecure=args.insecure)
+    if args.imprint_steps < 0:
+        parser.error(f"--imprint-steps must be >= 0, not {args.imprint_steps}")
     try:
         server_config.fault = Fault.parse(args.fault, SERVER_FAULTS) if args.fault else None
         server_config.tls()  # before building the model: plain ws:// off loopback, a missing or bad certificate
