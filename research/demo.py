@@ -31,7 +31,7 @@ from splitface.server.cli import add_tail_args
 from research.distill import distilled_start
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="splitface-research demo", description=__doc__)
     add_data_args(p)
     add_model_args(p, model="iresnet_small")
@@ -62,6 +62,11 @@ def main(argv: list[str] | None = None) -> None:
                         "their results are merged into one results.json")
     p.add_argument("--run-dir", type=Path, default=None, help="default: runs/demo-<time>")
     p.add_argument("--port", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser()
     args, extra = p.parse_known_args(argv)
     if not 1 <= args.device_processes <= args.devices:
         p.error(f"--device-processes must be between 1 and --devices ({args.devices})")
@@ -140,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         if copier is not None:
             copier.join(10)
         server_log.close()
-    _report(run_dir, data)
+    _report(run_dir, data, args)
 
 
 def part_results(run_dir: Path, k: int) -> Path:
@@ -286,7 +291,7 @@ def _copy(stream: TextIO, log: TextIO) -> None:
         log.flush()
 
 
-def _report(run_dir: Path, data) -> None:
+def _report(run_dir: Path, data, args: argparse.Namespace) -> None:
     results = json.loads((run_dir / "results.json").read_text())
     metrics = json.loads((run_dir / "server" / "metrics.json").read_text())
     labels = data.test.labels
@@ -303,7 +308,7 @@ def _report(run_dir: Path, data) -> None:
     print(f"server: {g['samples']} samples, {g['samples_per_s']:.1f} samples/s, "
           f"{g['bytes_in'] / 1e6:.1f} MB in, {g['bytes_out'] / 1e6:.1f} MB out")
     print(f"results: {run_dir / 'results.json'}  server metrics: {run_dir / 'server' / 'metrics.json'}")
-    print(audit_line(results))
+    print(audit_line(results, args))
 
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -334,12 +339,25 @@ def audited_point(results: dict, frontiers: tuple[Path, ...] = FRONTIERS) -> tup
     return None
 
 
-def audit_line(results: dict) -> str:
-    """What the audit measured for this release: the figures, not a promise."""
+# how the server trains: the audited run's may differ from this run's for the same release
+SERVER_RECIPE = ("lr", "head_lr_scale", "imprint_epochs")
+
+
+def audit_line(results: dict, args: argparse.Namespace | None = None) -> str:
+    """What the audit measured for this release: the figures, not a promise. With this run's `args`, it also says
+    where the audited run's server trained otherwise: what a server can recognise depends on how it trained."""
     found = audited_point(results)
     if found is None:
         return "privacy: this release setting has not been audited (research/frontier.py, docs/audit.md)"
     frontier, row = found
+    caveat = ""
+    recorded = frontier / "runs" / row["run"] / "demo_args.json"
+    if args is not None and recorded.exists():
+        audited, _ = parser().parse_known_args(json.loads(recorded.read_text()))
+        differ = [f"{k.replace('_', '-')} {getattr(audited, k):g} there, {getattr(args, k):g} here"
+                  for k in SERVER_RECIPE if getattr(audited, k) != getattr(args, k)]
+        if differ:
+            caveat = f" [the audited run's server trained otherwise ({'; '.join(differ)}): its figures are for that run]"
     split = ""
     if "reconstruction_identity_r1" in row:
         split = (f"; what it can see: dlib names {row['reconstruction_identity_r1']:.3f} from reconstructions (chance "
@@ -348,7 +366,8 @@ def audit_line(results: dict) -> str:
     return (f"privacy of this release, as audited ({frontier.name}/{row['run']}: a curious server with dlib's recognizer "
             f"and attackers trained on this release): identity R@1 {row['identity_r1']:.3f} against chance "
             f"{row['identity_r1_chance']:.3f} ({row['attack']}; dlib finds {row['recognizer_clean_r1']:.0%} on clean "
-            f"photos){split}, pixel linkage {row['pixel_linkage']:.3f} (chance {row['pixel_linkage_chance']:.3f})")
+            f"photos){split}, pixel linkage {row['pixel_linkage']:.3f} (chance {row['pixel_linkage_chance']:.3f})"
+            f"{caveat}")
 
 
 if __name__ == "__main__":

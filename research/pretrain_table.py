@@ -33,10 +33,10 @@ from typing import Callable
 import numpy as np
 
 from splitface.common.data import DataSplit, FaceSet, load_lfw
-from splitface.common.models import DEFAULT_SPLIT, resolve_spec
+from splitface.common.models import DEFAULT_SPLIT, ModelSpec, resolve_spec
 from splitface.common.models.weights import load_into
 from splitface.common.options import add_data_root_arg, add_model_arg, add_model_args, model_spec
-from splitface.device.privacy.mechanisms import NoNoise
+from splitface.device.privacy.mechanisms import Mechanism, NoNoise
 from splitface.device.privacy.options import add_privacy_args, release_mechanism
 from research.demo import run_recorded
 from research.distill import (CROP, EVALUATION_SEED, NOISE_AWARE_RECIPE, PLAIN_RECIPE, Student, TeacherCache,
@@ -71,7 +71,7 @@ def frozen_probe(embed: Callable[[FaceSet], np.ndarray], data: DataSplit) -> dic
     return {"lfw158_class_mean_accuracy": round(nearest, 4), "lfw158_logistic_accuracy": round(float(logistic), 4)}
 
 
-def student_embedder(path: Path, spec, split: str, mechanism) -> Callable[[FaceSet], np.ndarray]:
+def student_embedder(path: Path, spec: ModelSpec, split: str, mechanism: Mechanism) -> Callable[[FaceSet], np.ndarray]:
     """A distilled start's embedding of each image as a device releases it (with the release's noise, drawn
     under the evaluator's seed), as research/distill.py's View 1 score takes it."""
     import torch
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
 
     data = load_lfw(args.data, min_images=10, seed=0)   # the main job's LFW-158 split (demo's defaults)
     rows = [teacher_row(args.data, 64, args.cache, data), teacher_row(args.data, 150, args.cache)]
-    first = ["--init", "distilled", "--head-lr-scale", "10"]
+    fresh_head = ["--init", "distilled", "--head-lr-scale", "10"]
     bottleneck = ["--release", "bottleneck", "--bottleneck-channels", "4", "--bottleneck-stride", "2",
                   "--mechanism", "per-image", "--clip-norm", "16", "--noise-multiplier", "0.02"]
     # the distilled starts the fine-tuning runs use: the plain student, the main job's noise-aware start and the
@@ -215,24 +215,24 @@ def main(argv: list[str] | None = None) -> None:
     wide_path = distilled_start(wide, DEFAULT_SPLIT, NoNoise(), args.data, args.cache,
                                 recipes=(replace(PLAIN_RECIPE, epochs=20), NOISE_AWARE_RECIPE))
     rows.append(student_row(wide_path, frozen_probe(student_embedder(wide_path, wide, DEFAULT_SPLIT, NoNoise()), data)))
-    # the main job's release and wire with `first`, the first recipe from the distilled start (a fresh head at 10x
+    # the main job's release and wire with `fresh_head`, the first recipe from the distilled start (a fresh head at 10x
     # the lr), and its device-head twin; the old start from seeded weights with the old recipe; and the distilled
     # start with the paper's conv1 release
-    runs = [("distilled-main-release-server-head", [*first, *release, *wire]),
-            ("distilled-main-release-device-head", [*first, "--head", "device", *release, *wire]),
+    runs = [("distilled-main-release-server-head", [*fresh_head, *release, *wire]),
+            ("distilled-main-release-device-head", [*fresh_head, "--head", "device", *release, *wire]),
             ("scratch-main-release-server-head", [*release, *wire]),
-            ("distilled-conv1-server-head", [*first, *wire]),
+            ("distilled-conv1-server-head", [*fresh_head, *wire]),
             # a gentler fine-tune: the body at a fifth of the demo's server lr (0.05), the head still at 10x it
-            ("distilled-main-release-server-head-lr0.01", [*first, *release, *wire, "--lr", "0.01"]),
-            ("distilled-conv1-server-head-lr0.01", [*first, *wire, "--lr", "0.01"]),
+            ("distilled-main-release-server-head-lr0.01", [*fresh_head, *release, *wire, "--lr", "0.01"]),
+            ("distilled-conv1-server-head-lr0.01", [*fresh_head, *wire, "--lr", "0.01"]),
             # longer: at 3 epochs the main release's test accuracy still climbs (0.46, 0.65, 0.72)
-            ("distilled-main-release-server-head-8-epochs", [*first, *release, *wire, "--epochs", "8"]),
+            ("distilled-main-release-server-head-8-epochs", [*fresh_head, *release, *wire, "--epochs", "8"]),
             # run.sh's start: the head imprinted with its classes' mean embeddings over the first epoch, then trained,
             # the body at the gentler lr (server/imprint.py); the main job, the conv1 release, and the distilled
             # frontier's most private point (the bottleneck at z 0.02) with the first recipe and with run.sh's
             ("distilled-imprint-main-release-server-head", [*start, *release, *wire]),
             ("distilled-imprint-conv1-server-head", [*start, *wire]),
-            ("distilled-bottleneck-z0.02-server-head", [*first, *bottleneck, *wire]),
+            ("distilled-bottleneck-z0.02-server-head", [*fresh_head, *bottleneck, *wire]),
             ("distilled-imprint-bottleneck-z0.02-server-head", [*start, *bottleneck, *wire]),
             # the wider student, fine-tuned the same way with the paper's conv1 release
             ("distilled-wide-imprint-conv1-server-head",

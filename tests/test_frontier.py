@@ -123,3 +123,21 @@ def test_the_main_job_starts_as_a_measured_fine_tuning_row():
     rows = json.loads((ROOT / "results" / "pretrain" / "summary.json").read_text())
     measured = [r for r in rows if r["role"] == "split-finetune" and r["demo_args"] == main_job]
     assert len(measured) == 1 and 0 < measured[0]["lfw158_test_accuracy"] <= 1
+
+
+def test_the_main_job_says_where_its_audited_run_trained_the_server_otherwise():
+    """The main job prints the audit of its release; what a server can recognise depends on how it trained, so a
+    difference in the server's recipe is said beside the figures (results/main_job/distilled: run.sh's run)."""
+    from research.demo import audit_line, parser
+
+    results = json.loads((ROOT / "results" / "main_job" / "distilled" / "results.json").read_text())
+    same, _ = parser().parse_known_args(["--head-lr-scale", "10"])   # the distilled frontier's recipe
+    assert "identity R@1" in audit_line(results, same) and "trained otherwise" not in audit_line(results, same)
+    ours, _ = parser().parse_known_args(run_sh_start())
+    assert "trained otherwise (lr 0.05 there, 0.01 here; imprint-epochs 0 there, 1 here)" in audit_line(results, ours)
+
+
+def run_sh_start() -> list[str]:
+    from research.pretrain_table import run_sh_array
+
+    return run_sh_array("DEFAULT_START")

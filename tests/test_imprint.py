@@ -117,3 +117,20 @@ def test_the_server_refuses_negative_imprint_steps_as_a_usage_error(tmp_path, ca
     with pytest.raises(SystemExit) as stopped:
         cli.main(["serve", "--num-classes", "3", "--tokens", str(tmp_path / "tokens.json"), "--imprint-steps", "-1"])
     assert stopped.value.code == 2 and "--imprint-steps must be >= 0" in capsys.readouterr().err
+
+
+def test_a_resumed_run_keeps_its_schedule_and_an_old_checkpoint_is_never_imprinted_over():
+    first = _trainer(imprint_steps=3)
+    first.train_server_head(*_batch(1, [0, 1, 0, 2]))
+    restarted = _trainer(imprint_steps=0)   # restarted with another --imprint-steps: the run's own schedule holds
+    restarted.load_state_dict(copy.deepcopy(first.state_dict()))
+    assert restarted.imprinter.active(restarted.steps) and not restarted.classifier.weight.requires_grad
+    old = copy.deepcopy(first.state_dict())
+    del old["imprint"]   # a checkpoint written before imprinting existed
+    trained = old["classifier"]["weight"].clone()
+    resumed = _trainer(imprint_steps=10)
+    resumed.load_state_dict(old)
+    assert not resumed.imprinter.active(resumed.steps) and resumed.classifier.weight.requires_grad
+    resumed.train_server_head(*_batch(2, [3, 1, 4, 2]))
+    assert resumed.imprinter.counts.sum() == 0 and not torch.equal(resumed.classifier.weight.detach(), trained) \
+        and resumed.classifier.weight.grad is not None   # trained by SGD, not imprinted over

@@ -9,6 +9,8 @@ from where the means left them.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,10 +55,17 @@ class Imprinter:
         self.head.weight[seen] = (SCALE / mean_norm) * F.normalize(self.sums[seen], dim=1).to(self.head.weight)
         self.head.bias[seen] = 0
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"sums": self.sums.clone(), "counts": self.counts.clone(), "norm_sum": self.norm_sum.clone()}
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule and, while imprinting, the running sums (afterwards the head's rows hold what they did)."""
+        state: dict[str, Any] = {"steps": self.steps}
+        if self.steps:
+            state |= {"sums": self.sums.clone(), "counts": self.counts.clone(), "norm_sum": self.norm_sum.clone()}
+        return state
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.sums.copy_(state["sums"])
-        self.counts.copy_(state["counts"])
-        self.norm_sum.copy_(state["norm_sum"])
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A resumed run keeps the schedule it started with, whatever the restarted server was given."""
+        self.steps = state["steps"]
+        if self.steps:
+            self.sums.copy_(state["sums"])
+            self.counts.copy_(state["counts"])
+            self.norm_sum.copy_(state["norm_sum"])

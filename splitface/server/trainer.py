@@ -272,7 +272,7 @@ class ServerTrainer:
                 raise StepRefused(f"the batch gives a non-finite loss ({loss.item()}); not applied")
             loss.backward()   # before the clip: the backward needs the statistics' tensors as the forward left them
             self._check_gradients(x)
-        except StepRefused:
+        except Exception:   # refused, or failed (out of memory, say): either way the batch leaves no trace
             self._restore(saved)
             if imprinting:
                 self.imprinter.load_state_dict(saved_head[0])
@@ -352,8 +352,9 @@ class ServerTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = state["steps"]
         torch.set_rng_state(state["rng"])
-        if "imprint" in state:   # checkpoints from before imprinting have none (and imprinted nothing)
-            self.imprinter.load_state_dict(state["imprint"])
+        # the run's imprinting schedule is the checkpoint's: a checkpoint from before imprinting imprinted nothing, and
+        # its trained rows must not be overwritten now
+        self.imprinter.load_state_dict(state.get("imprint", {"steps": 0}))
         self.imprinter.hold_head(self.steps)
 
 
