@@ -56,7 +56,7 @@ class Imprinter:
         self.head.bias[seen] = 0
 
     def state_dict(self) -> dict[str, Any]:
-        """The schedule and, while imprinting, the running sums (afterwards the head's rows hold what they did)."""
+        """The schedule and, for a run that imprints, the running sums (a failed step is undone from them)."""
         state: dict[str, Any] = {"steps": self.steps}
         if self.steps:
             state |= {"sums": self.sums.clone(), "counts": self.counts.clone(), "norm_sum": self.norm_sum.clone()}
