@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, TextIO
 
@@ -28,7 +29,7 @@ from splitface.sim.simulator import device_ranges, merge_results
 
 from splitface.server.auth import issue_tokens
 from splitface.server.cli import add_tail_args
-from research.distill import distilled_start
+from research.distill import NOISE_AWARE_RECIPE, PLAIN_RECIPE, distilled_start
 
 
 def parser() -> argparse.ArgumentParser:
@@ -40,6 +41,10 @@ def parser() -> argparse.ArgumentParser:
                         "dlib's recognizer for this model, cut and release: built on first use, then cached; "
                         "splitface-research pretrain distill), or a backbone file; the server's tail and the devices' layer "
                         "start from it")
+    p.add_argument("--noise-aware-epochs", type=int, default=NOISE_AWARE_RECIPE.epochs,
+                   help="with --init distilled and a release with noise or a transform: the epochs of its noise-aware "
+                        "start's distillation from the plain student (part of that start's identity: another number, "
+                        "another file; docs/pretrain.md)")
     p.add_argument("--server-init", type=Path, default=None,
                    help="start only the server's tail from this saved backbone (the devices' weights are set apart)")
     add_tail_args(p)
@@ -70,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     args, extra = p.parse_known_args(argv)
     if not 1 <= args.device_processes <= args.devices:
         p.error(f"--device-processes must be between 1 and --devices ({args.devices})")
+    if args.noise_aware_epochs < 1:
+        p.error(f"--noise-aware-epochs must be 1 or more, not {args.noise_aware_epochs}")
     run_dir = args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -176,8 +183,9 @@ def initial_weights(args: argparse.Namespace, extra: list[str]) -> Path | None:
         if not path.is_file():
             raise SystemExit(f"--init: {path} is not a file (give scratch, distilled or a backbone file)")
         return path
+    recipes = (PLAIN_RECIPE, replace(NOISE_AWARE_RECIPE, epochs=args.noise_aware_epochs))
     return distilled_start(model_spec(args), args.split, release_mechanism(_privacy_options(extra)), args.data,
-                           progress="--no-progress" not in extra)
+                           progress="--no-progress" not in extra, recipes=recipes)
 
 
 def _privacy_options(extra: list[str]) -> argparse.Namespace:
@@ -312,8 +320,9 @@ def _report(run_dir: Path, data, args: argparse.Namespace) -> None:
 
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-# the privacy frontiers, from scratch and from the distilled start (research/frontier.py --start distilled)
-FRONTIERS = (RESULTS / "frontier", RESULTS / "frontier-distilled")
+# the privacy frontiers: from scratch, from the distilled start with the first recipe, and as the main job trains
+# (research/frontier.py --start distilled)
+FRONTIERS = (RESULTS / "frontier", RESULTS / "frontier-distilled", RESULTS / "frontier-distilled-imprinted")
 
 
 def audited_point(results: dict, frontiers: tuple[Path, ...] = FRONTIERS) -> tuple[Path, dict] | None:

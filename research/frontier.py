@@ -32,7 +32,13 @@ From the distilled public start (docs/pretrain.md; every point from the start ma
 the undefended point from the plain student), beside the rows from scratch:
 
     python research/frontier.py --data LFW --start distilled --out results/frontier-distilled \
-        --demo-args "--threads 1 --head-lr-scale 10"
+        --demo-args "--threads 1 --head-lr-scale 10 --noise-aware-epochs 10"
+
+and as the main job fine-tunes (run.sh's start: the noise-aware start distilled for 60 epochs, the server's head
+imprinted, the body at lr 0.01):
+
+    python research/frontier.py --data LFW --start distilled --out results/frontier-distilled-imprinted \
+        --demo-args "--threads 1 --noise-aware-epochs 60 --head-lr-scale 10 --imprint-epochs 1 --lr 0.01"
 """
 from __future__ import annotations
 

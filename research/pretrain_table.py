@@ -4,14 +4,16 @@ Rows (results/pretrain/summary.json, table.md):
 - teacher: dlib's ResNet on View 1's DevTest pairs, at the students' input (64 px from the 160 px centre crop)
   and at the input it was distilled from (150 px);
 - student: each distilled backbone (`--init distilled` builds them: research/distill.py), its embedding on
-  View 1 as a device releases it (with the release's noise, for a noise-aware start), and frozen on LFW-158; and
-  the plain student at twice the width (how much of the gap to the teacher is the student's size);
+  View 1 as a device releases it (with the release's noise, for a noise-aware start), and frozen on LFW-158 (the
+  main job's noise-aware start distilled for 10, 30 and 60 epochs, run.sh's); and the plain student at twice the
+  width (how much of the gap to the teacher is the student's size);
 - split-finetune: `splitface-research demo` on LFW-158 (the main job's data: people with >= 10 images) from the
   distilled start, with the main job's release and wire (run.sh), server head and device head; the same from
   scratch (the old start), and from the distilled start with the paper's plain conv1 release; then run.sh's
   start (the server head imprinted with its classes' mean embeddings, the body at lr 0.01) with the main job's
   release, conv1, and the distilled frontier's most private point (the bottleneck at z 0.02), beside the first
-  recipe's. LFW-158 test accuracy, and View 1 of the fine-tuned model (`splitface-research evaluate`; LFW-158
+  recipe's; all of these from noise-aware starts distilled for 10 epochs. Last, run.sh itself: the main job's
+  release from its noise-aware start distilled for 60 epochs (and for 30). LFW-158 test accuracy, and View 1 of the fine-tuned model (`splitface-research evaluate`; LFW-158
   holds 43 of the DevTest pairs' people, so some pairs show people the run trained on: the row says how many).
 
 Reduced configuration (2 CPU cores): iresnet_small at 64 px, the main job's 3 epochs and 2 devices. Resumable:
@@ -88,6 +90,14 @@ def student_embedder(path: Path, spec: ModelSpec, split: str, mechanism: Mechani
     return embed
 
 
+def with_noise_aware_epochs(demo_args: list[str], epochs: int | None) -> list[str]:
+    """`demo_args` with its --noise-aware-epochs (the noise-aware start's recipe) set to `epochs` at the end, or
+    dropped (None: a run from the plain student, which no noise-aware start feeds)."""
+    kept = [a for i, a in enumerate(demo_args)
+            if a != "--noise-aware-epochs" and (i == 0 or demo_args[i - 1] != "--noise-aware-epochs")]
+    return kept if epochs is None else [*kept, "--noise-aware-epochs", str(epochs)]
+
+
 def init_from(start: list[str], path: Path) -> list[str]:
     """run.sh's start with its --init naming a file: a start that `--init distilled` would not pick."""
     i = start.index("--init")
@@ -147,6 +157,8 @@ def finetune_row(name: str, demo_args: list[str], args: argparse.Namespace) -> d
     start = demo_args[demo_args.index("--init") + 1] if "--init" in demo_args else "scratch"
     if start not in ("distilled", "scratch"):
         start = f"distilled ({Path(start).name})"
+    if "--noise-aware-epochs" in demo_args:
+        start += f" (noise-aware start: {demo_args[demo_args.index('--noise-aware-epochs') + 1]} epochs)"
     if "--imprint-epochs" in demo_args:
         start += f", head imprinted over {demo_args[demo_args.index('--imprint-epochs') + 1]} epoch"
     if "--lr" in demo_args:
@@ -191,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     start, release, wire = run_sh_array("DEFAULT_START"), run_sh_array("DEFAULT_RELEASE"), run_sh_array("DEFAULT_WIRE")
     extra = args.demo_args.split()
+    long = int(start[start.index("--noise-aware-epochs") + 1])   # run.sh's noise-aware start
 
     data = load_lfw(args.data, min_images=10, seed=0)   # the main job's LFW-158 split (demo's defaults)
     rows = [teacher_row(args.data, 64, args.cache, data), teacher_row(args.data, 150, args.cache)]
@@ -202,10 +215,13 @@ def main(argv: list[str] | None = None) -> None:
     privacy = argparse.ArgumentParser(add_help=False)
     add_privacy_args(privacy)
     add_model_args(privacy, args.model)
-    for flags in ([], release, bottleneck):
+    # (the noise-aware ones distilled for 10 epochs, the first recipe; the main job's also for 30 and for run.sh's
+    # --noise-aware-epochs)
+    for flags, epochs in (([], None), (release, 10), (bottleneck, 10), (release, 30), (release, long)):
         known, _ = privacy.parse_known_args(["--model", args.model, *flags])
         spec, mechanism = model_spec(known), release_mechanism(known)
-        path = distilled_start(spec, known.split, mechanism, args.data, args.cache)
+        recipes = (PLAIN_RECIPE, replace(NOISE_AWARE_RECIPE, epochs=epochs or NOISE_AWARE_RECIPE.epochs))
+        path = distilled_start(spec, known.split, mechanism, args.data, args.cache, recipes=recipes)
         probe = frozen_probe(student_embedder(path, spec, known.split, mechanism), data)
         rows.append(student_row(path, probe))
     # capacity: the plain student's recipe at twice the width (about 3.4x the parameters and 4x the tail's
@@ -218,25 +234,33 @@ def main(argv: list[str] | None = None) -> None:
     # the main job's release and wire with `fresh_head`, the first recipe from the distilled start (a fresh head at 10x
     # the lr), and its device-head twin; the old start from seeded weights with the old recipe; and the distilled
     # start with the paper's conv1 release
-    runs = [("distilled-main-release-server-head", [*fresh_head, *release, *wire]),
-            ("distilled-main-release-device-head", [*fresh_head, "--head", "device", *release, *wire]),
+    # the runs from a noise-aware start made in 10 epochs (the first recipe) say so; runs from the plain student
+    # carry no --noise-aware-epochs (none feeds them)
+    first, plain = (lambda a: with_noise_aware_epochs(a, 10)), (lambda a: with_noise_aware_epochs(a, None))
+    runs = [("distilled-main-release-server-head", first([*fresh_head, *release, *wire])),
+            ("distilled-main-release-device-head", first([*fresh_head, "--head", "device", *release, *wire])),
             ("scratch-main-release-server-head", [*release, *wire]),
             ("distilled-conv1-server-head", [*fresh_head, *wire]),
             # a gentler fine-tune: the body at a fifth of the demo's server lr (0.05), the head still at 10x it
-            ("distilled-main-release-server-head-lr0.01", [*fresh_head, *release, *wire, "--lr", "0.01"]),
+            ("distilled-main-release-server-head-lr0.01", first([*fresh_head, *release, *wire, "--lr", "0.01"])),
             ("distilled-conv1-server-head-lr0.01", [*fresh_head, *wire, "--lr", "0.01"]),
             # longer: at 3 epochs the main release's test accuracy still climbs (0.46, 0.65, 0.72)
-            ("distilled-main-release-server-head-8-epochs", [*fresh_head, *release, *wire, "--epochs", "8"]),
-            # run.sh's start: the head imprinted with its classes' mean embeddings over the first epoch, then trained,
-            # the body at the gentler lr (server/imprint.py); the main job, the conv1 release, and the distilled
-            # frontier's most private point (the bottleneck at z 0.02) with the first recipe and with run.sh's
-            ("distilled-imprint-main-release-server-head", [*start, *release, *wire]),
-            ("distilled-imprint-conv1-server-head", [*start, *wire]),
-            ("distilled-bottleneck-z0.02-server-head", [*fresh_head, *bottleneck, *wire]),
-            ("distilled-imprint-bottleneck-z0.02-server-head", [*start, *bottleneck, *wire]),
+            ("distilled-main-release-server-head-8-epochs", first([*fresh_head, *release, *wire, "--epochs", "8"])),
+            # the head imprinted with its classes' mean embeddings over the first epoch, then trained, the body at
+            # the gentler lr (server/imprint.py); the main job's release, conv1, and the distilled frontier's most
+            # private point (the bottleneck at z 0.02) with the first recipe and imprinted
+            ("distilled-imprint-main-release-server-head", first([*start, *release, *wire])),
+            ("distilled-imprint-conv1-server-head", plain([*start, *wire])),
+            ("distilled-bottleneck-z0.02-server-head", first([*fresh_head, *bottleneck, *wire])),
+            ("distilled-imprint-bottleneck-z0.02-server-head", first([*start, *bottleneck, *wire])),
             # the wider student, fine-tuned the same way with the paper's conv1 release
             ("distilled-wide-imprint-conv1-server-head",
-             [*init_from(start, wide_path), *wire, "--model", json.dumps(wide.to_dict())])]
+             plain([*init_from(start, wide_path), *wire, "--model", json.dumps(wide.to_dict())])),
+            # run.sh: the main job's release from its noise-aware start distilled for longer (run.sh's
+            # --noise-aware-epochs), imprinted
+            ("distilled-long-imprint-main-release-server-head", [*start, *release, *wire]),
+            ("distilled-imprint-main-release-server-head-start30",
+             with_noise_aware_epochs([*start, *release, *wire], 30))]
     rows += [finetune_row(name, [*demo_args, *extra], args) for name, demo_args in runs]
     spec = resolve_spec(args.model)
     text = (f"Reduced configuration: {args.model} ({spec.family}, width {spec.width}) at {spec.input_size} px; LFW "

@@ -127,11 +127,13 @@ def test_the_main_job_starts_as_a_measured_fine_tuning_row():
 
 def test_the_main_job_says_where_its_audited_run_trained_the_server_otherwise():
     """The main job prints the audit of its release; what a server can recognise depends on how it trained, so a
-    difference in the server's recipe is said beside the figures (results/main_job/distilled: run.sh's run)."""
+    difference in the server's recipe is said beside the figures (here: the main job's release from the first
+    distilled frontier's start, audited there with the first recipe, and run.sh's imprinted one)."""
     from research.demo import audit_line, parser
 
-    results = json.loads((ROOT / "results" / "main_job" / "distilled" / "results.json").read_text())
-    same, _ = parser().parse_known_args(["--head-lr-scale", "10"])   # the distilled frontier's recipe
+    audited = ROOT / "results" / "frontier-distilled" / "runs" / "dct-drop4-clip_norm12-noise_multiplier0.005-frequency_gamma2"
+    results = json.loads((audited / "results.json").read_text())   # trained with the first recipe
+    same, _ = parser().parse_known_args(["--head-lr-scale", "10"])
     assert "identity R@1" in audit_line(results, same) and "trained otherwise" not in audit_line(results, same)
     ours, _ = parser().parse_known_args(run_sh_start())
     assert "trained otherwise (lr 0.05 there, 0.01 here; imprint-epochs 0 there, 1 here)" in audit_line(results, ours)
@@ -141,3 +143,27 @@ def run_sh_start() -> list[str]:
     from research.pretrain_table import run_sh_array
 
     return run_sh_array("DEFAULT_START")
+
+
+def test_the_noise_aware_start_is_named_in_every_run_that_used_one():
+    """--noise-aware-epochs is part of a run's arguments (a recorded run is read back only for the same
+    arguments): set at the end for a noise-aware start, dropped for a run from the plain student."""
+    from research.pretrain_table import with_noise_aware_epochs
+
+    start = ["--init", "distilled", "--noise-aware-epochs", "30", "--lr", "0.01"]
+    assert with_noise_aware_epochs(start, 10) == ["--init", "distilled", "--lr", "0.01", "--noise-aware-epochs", "10"]
+    assert with_noise_aware_epochs(start, None) == ["--init", "distilled", "--lr", "0.01"]
+    assert with_noise_aware_epochs(["--lr", "0.01"], 10) == ["--lr", "0.01", "--noise-aware-epochs", "10"]
+    rows = json.loads((ROOT / "results" / "pretrain" / "summary.json").read_text())
+    for r in rows:
+        if r["role"] == "split-finetune" and "distilled" in r["demo_args"] and "--release" in r["demo_args"]:
+            assert "--noise-aware-epochs" in r["demo_args"], r["run"]
+
+
+@pytest.mark.parametrize("epochs", ["0", "-3"])
+def test_a_noise_aware_start_of_no_epochs_is_a_usage_error(epochs, capsys):
+    from research.demo import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--data", str(ROOT / "no-such-lfw"), "--noise-aware-epochs", epochs])
+    assert exit_.value.code == 2 and "--noise-aware-epochs must be 1 or more" in capsys.readouterr().err
