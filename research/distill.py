@@ -459,12 +459,19 @@ def recipe_of(args: argparse.Namespace) -> Recipe:
     return Recipe(**{k: getattr(args, k) for k in asdict(Recipe())})
 
 
+# iresnet_small's training images a second at 64 px on this project's 2-core machines, the fastest of the
+# distillations in results/pretrain/summary.json (images x epochs / the students' seconds; others ran beside
+# other work): the plain student (the device's conv, ReLU and LRN at full resolution: 112), a release that
+# replaces the device part (the DCT, no weights on the device: 441), and the bottleneck (convs at full resolution
+# on both sides of a noised 4-channel map: 18); other releases as the plain student
+STUDENT_RATE = {"none": 112, "dct": 441, "bottleneck": 18}
+
+
 def estimate_minutes(images: int, missing: int, recipe: Recipe, spec: ModelSpec) -> float:
     """A stated, rough time on this project's machines (2 cores), from rates measured there: dlib 0.08 s an image
-    on each of two cores, and iresnet_small at 64 px about 130 training images a second (other models: unknown,
-    scaled by input area only)."""
+    on each of two cores, and STUDENT_RATE (other models: unknown, scaled by input area only)."""
     teacher = missing * 0.08 / 2
-    student = recipe.epochs * images / 130 * (spec.input_size / 64) ** 2
+    student = recipe.epochs * images / STUDENT_RATE.get(spec.release, 130) * (spec.input_size / 64) ** 2
     return (teacher + student) / 60
 
 

@@ -139,6 +139,19 @@ def test_the_main_job_says_where_its_audited_run_trained_the_server_otherwise():
     assert "trained otherwise (lr 0.05 there, 0.01 here; imprint-epochs 0 there, 1 here)" in audit_line(results, ours)
 
 
+def test_the_main_job_prints_the_audit_of_its_own_release_and_start():
+    """run.sh's run (results/main_job/distilled, from a clean clone) finds its release from its own start in the
+    frontier trained as the main job trains, with no caveat: the audited figures are for this recipe."""
+    from research.demo import audit_line, parser
+
+    results = json.loads((ROOT / "results" / "main_job" / "distilled" / "results.json").read_text())
+    frontier, row = audited_point(results)
+    assert frontier.name == "frontier-distilled-imprinted" and row["transform"] == "dct"
+    ours, _ = parser().parse_known_args(run_sh_start())
+    line = audit_line(results, ours)
+    assert f"{row['model_identity_r1']:.3f} from its models of releases" in line and "trained otherwise" not in line
+
+
 def run_sh_start() -> list[str]:
     from research.pretrain_table import run_sh_array
 
