@@ -13,7 +13,7 @@ DEFAULT_RELEASE=(--release dct --split layer2 --dct-drop 4 --mechanism per-image
 DEFAULT_WIRE=(--activation-encoding i8c --gradient-encoding i8c)
 # The start: splitface's backbone distilled from dlib's public recognizer on public LFW faces (none of LFW-158's
 # people, none of View 1's test pairs), then for 60 more epochs with the release above and its noise in the device
-# part (noise-aware); built on first use (about 50 minutes on 2 cores, with progress bars), then reused from
+# part (noise-aware); built on first use (about an hour on 2 cores, with progress bars), then reused from
 # ~/.cache/splitface (docs/pretrain.md). The server's classifier
 # starts as its classes' mean embeddings over the first epoch (weight imprinting), then learns at 10x the rest's
 # gentle rate, so that fine-tuning keeps what the start knows (results/pretrain/). `--init scratch

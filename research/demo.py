@@ -322,7 +322,8 @@ def _report(run_dir: Path, data, args: argparse.Namespace) -> None:
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 # the privacy frontiers: from scratch, from the distilled start with the first recipe, and as the main job trains
 # (research/frontier.py --start distilled)
-FRONTIERS = (RESULTS / "frontier", RESULTS / "frontier-distilled", RESULTS / "frontier-distilled-imprinted")
+# (the imprinted one before the first distilled one: a plain-student run matches both, and the main job trains so)
+FRONTIERS = (RESULTS / "frontier", RESULTS / "frontier-distilled-imprinted", RESULTS / "frontier-distilled")
 
 
 def audited_point(results: dict, frontiers: tuple[Path, ...] = FRONTIERS) -> tuple[Path, dict] | None:

@@ -387,7 +387,7 @@ def evaluate_student(student: Student, lfw_root: str | Path | None, limit: int |
 # A noise-aware start's epochs are `splitface-research demo --noise-aware-epochs` (this recipe's by default). The
 # main job's release still climbed at 10 (View 1 0.790; 0.853 at 30, 0.864 at 60): run.sh asks for 60, which its
 # release affords, having no weights on the device (about 15 s an epoch on 2 cores); a release whose device part
-# trains at full resolution, the bottleneck's, takes about 300 s an epoch (results/pretrain/).
+# trains at full resolution, the bottleneck's, takes 300-400 s an epoch (results/pretrain/).
 PLAIN_RECIPE = Recipe(epochs=30)
 NOISE_AWARE_RECIPE = Recipe(epochs=10, lr=0.05)
 
@@ -471,7 +471,7 @@ def estimate_minutes(images: int, missing: int, recipe: Recipe, spec: ModelSpec)
     """A stated, rough time on this project's machines (2 cores), from rates measured there: dlib 0.08 s an image
     on each of two cores, and STUDENT_RATE (other models: unknown, scaled by input area only)."""
     teacher = missing * 0.08 / 2
-    student = recipe.epochs * images / STUDENT_RATE.get(spec.release, 130) * (spec.input_size / 64) ** 2
+    student = recipe.epochs * images / STUDENT_RATE.get(spec.release, STUDENT_RATE["none"]) * (spec.input_size / 64) ** 2
     return (teacher + student) / 60
 
 

@@ -32,13 +32,19 @@ From the distilled public start (docs/pretrain.md; every point from the start ma
 the undefended point from the plain student), beside the rows from scratch:
 
     python research/frontier.py --data LFW --start distilled --out results/frontier-distilled \
-        --demo-args "--threads 1 --head-lr-scale 10 --noise-aware-epochs 10"
+        --demo-args "--threads 1 --head-lr-scale 10 --noise-aware-epochs 10" \
+        --only bottleneck-channels4-stride2-clip_norm16-noise_multiplier0.02 \
+               dct-drop4-clip_norm12-noise_multiplier0.005-frequency_gamma2
 
 and as the main job fine-tunes (run.sh's start: the noise-aware start distilled for 60 epochs, the server's head
 imprinted, the body at lr 0.01):
 
     python research/frontier.py --data LFW --start distilled --out results/frontier-distilled-imprinted \
-        --demo-args "--threads 1 --noise-aware-epochs 60 --head-lr-scale 10 --imprint-epochs 1 --lr 0.01"
+        --demo-args "--threads 1 --noise-aware-epochs 60 --head-lr-scale 10 --imprint-epochs 1 --lr 0.01" \
+        --only dct-drop4-clip_norm12-noise_multiplier0.005-frequency_gamma2
+
+(the undefended point, the reference, always runs; --demo-args reach it too, where --noise-aware-epochs changes
+nothing: it starts from the plain student)
 """
 from __future__ import annotations
 

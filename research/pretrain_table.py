@@ -5,16 +5,17 @@ Rows (results/pretrain/summary.json, table.md):
   and at the input it was distilled from (150 px);
 - student: each distilled backbone (`--init distilled` builds them: research/distill.py), its embedding on
   View 1 as a device releases it (with the release's noise, for a noise-aware start), and frozen on LFW-158 (the
-  main job's noise-aware start distilled for 10, 30 and 60 epochs, run.sh's); and the plain student at twice the
-  width (how much of the gap to the teacher is the student's size);
+  main job's noise-aware start distilled for 10, 30 and run.sh's --noise-aware-epochs); and the plain student at
+  twice the width (how much of the gap to the teacher is the student's size);
 - split-finetune: `splitface-research demo` on LFW-158 (the main job's data: people with >= 10 images) from the
   distilled start, with the main job's release and wire (run.sh), server head and device head; the same from
   scratch (the old start), and from the distilled start with the paper's plain conv1 release; then run.sh's
   start (the server head imprinted with its classes' mean embeddings, the body at lr 0.01) with the main job's
   release, conv1, and the distilled frontier's most private point (the bottleneck at z 0.02), beside the first
   recipe's; all of these from noise-aware starts distilled for 10 epochs. Last, run.sh itself: the main job's
-  release from its noise-aware start distilled for 60 epochs (and for 30). LFW-158 test accuracy, and View 1 of the fine-tuned model (`splitface-research evaluate`; LFW-158
-  holds 43 of the DevTest pairs' people, so some pairs show people the run trained on: the row says how many).
+  release from its noise-aware start distilled for run.sh's --noise-aware-epochs (and for 30). LFW-158 test
+  accuracy, and View 1 of the fine-tuned model (`splitface-research evaluate`; LFW-158 holds 43 of the DevTest
+  pairs' people, so some pairs show people the run trained on: the row says how many).
 
 Reduced configuration (2 CPU cores): iresnet_small at 64 px, the main job's 3 epochs and 2 devices. Resumable:
 runs and evaluations already made are read back (--force makes them again). The full-size configuration is
@@ -203,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     start, release, wire = run_sh_array("DEFAULT_START"), run_sh_array("DEFAULT_RELEASE"), run_sh_array("DEFAULT_WIRE")
     extra = args.demo_args.split()
+    if "--noise-aware-epochs" not in start:
+        raise SystemExit("run.sh's DEFAULT_START must name the main job's noise-aware start: --noise-aware-epochs N")
     long = int(start[start.index("--noise-aware-epochs") + 1])   # run.sh's noise-aware start
 
     data = load_lfw(args.data, min_images=10, seed=0)   # the main job's LFW-158 split (demo's defaults)
@@ -217,7 +220,9 @@ def main(argv: list[str] | None = None) -> None:
     add_model_args(privacy, args.model)
     # (the noise-aware ones distilled for 10 epochs, the first recipe; the main job's also for 30 and for run.sh's
     # --noise-aware-epochs)
-    for flags, epochs in (([], None), (release, 10), (bottleneck, 10), (release, 30), (release, long)):
+    starts = dict.fromkeys([((), None), (tuple(release), 10), (tuple(bottleneck), 10), (tuple(release), 30),
+                            (tuple(release), long)])   # (each once, whatever run.sh's number)
+    for flags, epochs in starts:
         known, _ = privacy.parse_known_args(["--model", args.model, *flags])
         spec, mechanism = model_spec(known), release_mechanism(known)
         recipes = (PLAIN_RECIPE, replace(NOISE_AWARE_RECIPE, epochs=epochs or NOISE_AWARE_RECIPE.epochs))

@@ -152,6 +152,14 @@ def test_the_main_job_prints_the_audit_of_its_own_release_and_start():
     assert f"{row['model_identity_r1']:.3f} from its models of releases" in line and "trained otherwise" not in line
 
 
+def test_a_plain_student_run_finds_the_frontier_trained_as_the_main_job_trains():
+    """The undefended point from the plain student is in both distilled frontiers (the same start file): the
+    one trained as run.sh trains speaks for it, so that run.sh with the conv1 release prints that audit."""
+    run = ROOT / "results" / "frontier-distilled-imprinted" / "runs" / "none" / "results.json"
+    frontier, row = audited_point(json.loads(run.read_text()))
+    assert (frontier.name, row["run"]) == ("frontier-distilled-imprinted", "none")
+
+
 def run_sh_start() -> list[str]:
     from research.pretrain_table import run_sh_array
 
