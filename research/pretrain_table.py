@@ -41,7 +41,7 @@ from splitface.common.models.weights import load_into
 from splitface.common.options import add_data_root_arg, add_model_arg, add_model_args, model_spec
 from splitface.device.privacy.mechanisms import Mechanism, NoNoise
 from splitface.device.privacy.options import add_privacy_args, release_mechanism
-from research.demo import run_recorded
+from research.demo import parser as demo_parser, run_recorded
 from research.distill import (CROP, EVALUATION_SEED, NOISE_AWARE_RECIPE, PLAIN_RECIPE, Student, TeacherCache,
                              default_cache, distilled_start)
 from research.evaluation.verification import verification_report, view1_pairs
@@ -204,9 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     start, release, wire = run_sh_array("DEFAULT_START"), run_sh_array("DEFAULT_RELEASE"), run_sh_array("DEFAULT_WIRE")
     extra = args.demo_args.split()
-    if "--noise-aware-epochs" not in start:
-        raise SystemExit("run.sh's DEFAULT_START must name the main job's noise-aware start: --noise-aware-epochs N")
-    long = int(start[start.index("--noise-aware-epochs") + 1])   # run.sh's noise-aware start
+    long = demo_parser().parse_known_args(start)[0].noise_aware_epochs   # run.sh's noise-aware start, as read
 
     data = load_lfw(args.data, min_images=10, seed=0)   # the main job's LFW-158 split (demo's defaults)
     rows = [teacher_row(args.data, 64, args.cache, data), teacher_row(args.data, 150, args.cache)]
