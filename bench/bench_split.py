@@ -545,7 +545,7 @@ def bench_transport(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for r in mine:
                 r["vs_asyncio_tcp"] = r["payload_mb_s"] / tcp["payload_mb_s"]
                 r["vs_blocking_sockets"] = r["payload_mb_s"] / sock["payload_mb_s"]
-            del activations
+            activations = None   # free this case's array before the next one is drawn
         return rows
     finally:
         parent.send("stop")

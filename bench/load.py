@@ -25,7 +25,6 @@ import multiprocessing.forkserver
 import os
 import platform
 import signal
-import subprocess
 import sys
 import tempfile
 import threading

@@ -18,7 +18,6 @@ import argparse
 import json
 from pathlib import Path
 
-import numpy as np
 
 from splitface.common.options import load_selection
 from splitface.common.data import partition

@@ -31,7 +31,6 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from research.results import write_summary
 

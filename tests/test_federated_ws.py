@@ -34,7 +34,6 @@ from research.federated.tasks import run_task
 from research.federated.websocket import WebsocketBackend, client_device_id, federated_server
 from splitface.server.trainer import ServerTrainer
 from splitface.protocol import messages as m
-from splitface.protocol.errors import ErrorCode
 from splitface.protocol.client_session import ClientSession, FederatedClientSession
 from splitface.protocol.round_board import RoundBoard
 from splitface.protocol.server_session import Admit, Reply, ServerInfo, ServerSession

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from splitface.device.trainer import DeviceTrainer, PrivacyEngine, privatize
+from splitface.device.trainer import DeviceTrainer, privatize
 from splitface.common.models import PRESETS
 from splitface.device.privacy.options import add_privacy_args, privacy_engines
 from splitface.device.privacy.described import from_description
