@@ -8,6 +8,10 @@ bash scripts/setup.sh
 # The default release is the privacy frontier's best measured point (results/frontier/best.json; a test keeps
 # the two equal). The audit measured what it leaks: the main job prints those figures.
 DEFAULT_RELEASE=(--release dct --split layer2 --dct-drop 4 --mechanism per-image --clip-norm 12 --noise-multiplier 0.005 --frequency-gamma 2)
+# How the server reads that release: the DCT replaces every device stage up to the cut, and the server's stage that
+# stands in for them is a conv plus two residual blocks instead of the conv alone (server side only: the device and
+# what it releases are the same). Another --release drops it (results/pretrain/, docs/pretrain.md).
+DEFAULT_SERVER_STAGE=(--dct-stem-blocks 2)
 # The wire: int8 with a scale per image and channel both ways, a quarter of float32's bytes at no measured accuracy
 # cost (docs/wire.md); a function of the audited release, so the audit's figures bound what it leaks.
 DEFAULT_WIRE=(--activation-encoding i8c --gradient-encoding i8c)
@@ -19,4 +23,5 @@ DEFAULT_WIRE=(--activation-encoding i8c --gradient-encoding i8c)
 # gentle rate, so that fine-tuning keeps what the start knows (results/pretrain/). `--init scratch
 # --head-lr-scale 1 --imprint-epochs 0 --lr 0.05` is the old start from seeded weights.
 DEFAULT_START=(--init distilled --noise-aware-epochs 60 --head-lr-scale 10 --imprint-epochs 1 --lr 0.01)
-exec .venv/bin/python -m research demo "${DEFAULT_START[@]}" "${DEFAULT_RELEASE[@]}" "${DEFAULT_WIRE[@]}" "$@"
+exec .venv/bin/python -m research demo "${DEFAULT_START[@]}" "${DEFAULT_RELEASE[@]}" "${DEFAULT_SERVER_STAGE[@]}" \
+    "${DEFAULT_WIRE[@]}" "$@"

@@ -29,7 +29,7 @@ from splitface.sim.simulator import device_ranges, merge_results
 
 from splitface.server.auth import issue_tokens
 from splitface.server.cli import add_tail_args
-from research.distill import NOISE_AWARE_RECIPE, PLAIN_RECIPE, distilled_start
+from research.distill import NOISE_AWARE_RECIPE, PLAIN_RECIPE, Recipe, distilled_start
 
 
 def parser() -> argparse.ArgumentParser:
@@ -41,6 +41,10 @@ def parser() -> argparse.ArgumentParser:
                         "dlib's recognizer for this model, cut and release: built on first use, then cached; "
                         "splitface-research pretrain distill), or a backbone file; the server's tail and the devices' layer "
                         "start from it")
+    p.add_argument("--student-epochs", type=int, default=PLAIN_RECIPE.epochs,
+                   help="with --init distilled: the epochs of the plain student's distillation from dlib's recognizer, "
+                        "which every distilled start begins from (part of its identity, and of every noise-aware "
+                        "start made from it: another number, other files; docs/pretrain.md)")
     p.add_argument("--noise-aware-epochs", type=int, default=NOISE_AWARE_RECIPE.epochs,
                    help="with --init distilled and a release with noise or a transform: the epochs of its noise-aware "
                         "start's distillation from the plain student (part of that start's identity: another number, "
@@ -75,8 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     args, extra = p.parse_known_args(argv)
     if not 1 <= args.device_processes <= args.devices:
         p.error(f"--device-processes must be between 1 and --devices ({args.devices})")
-    if args.noise_aware_epochs < 1:
-        p.error(f"--noise-aware-epochs must be 1 or more, not {args.noise_aware_epochs}")
+    for flag in ("student_epochs", "noise_aware_epochs"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be 1 or more, not {getattr(args, flag)}")
     run_dir = args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -183,9 +188,15 @@ def initial_weights(args: argparse.Namespace, extra: list[str]) -> Path | None:
         if not path.is_file():
             raise SystemExit(f"--init: {path} is not a file (give scratch, distilled or a backbone file)")
         return path
-    recipes = (PLAIN_RECIPE, replace(NOISE_AWARE_RECIPE, epochs=args.noise_aware_epochs))
     return distilled_start(model_spec(args), args.split, release_mechanism(_privacy_options(extra)), args.data,
-                           progress="--no-progress" not in extra, recipes=recipes)
+                           progress="--no-progress" not in extra, recipes=start_recipes(args))
+
+
+def start_recipes(args: argparse.Namespace) -> tuple[Recipe, Recipe]:
+    """The recipes of the distilled start that --init distilled names: (the plain student's, the noise-aware
+    start's), their epochs from --student-epochs and --noise-aware-epochs."""
+    return (replace(PLAIN_RECIPE, epochs=args.student_epochs),
+            replace(NOISE_AWARE_RECIPE, epochs=args.noise_aware_epochs))
 
 
 def _privacy_options(extra: list[str]) -> argparse.Namespace:

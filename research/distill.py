@@ -254,10 +254,21 @@ def augment(x: torch.Tensor, recipe: Recipe, rng: torch.Generator) -> torch.Tens
     return x
 
 
+# ModelSpec keys added after the first starts were built: hashed only when set, so that a start built before
+# keeps its name (the recorded runs name their starts' files)
+LATER_SPEC_KEYS = ("dct_stem_blocks",)
+
+
+def spec_identity(spec: ModelSpec) -> dict[str, Any]:
+    """The spec as a start's identity: its dict less the later keys at their defaults."""
+    defaults = {f.name: f.default for f in fields(ModelSpec)}
+    return {k: v for k, v in spec.to_dict().items() if k not in LATER_SPEC_KEYS or v != defaults[k]}
+
+
 def checkpoint_key(spec: ModelSpec, split: str, mechanism: Mechanism, recipe: Recipe, manifest: dict,
                    init: Path | None) -> str:
     """What makes two distillations the same: model, cut, release noise, recipe, public set and starting point."""
-    desc = {"spec": spec.to_dict(), "split": split, "mechanism": mechanism.describe(), "recipe": asdict(recipe),
+    desc = {"spec": spec_identity(spec), "split": split, "mechanism": mechanism.describe(), "recipe": asdict(recipe),
             "faces": manifest["content_sha256"], "init": file_hash(init) if init is not None else None}
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
 

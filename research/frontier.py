@@ -41,7 +41,8 @@ imprinted, the body at lr 0.01):
 
     python research/frontier.py --data LFW --start distilled --out results/frontier-distilled-imprinted \
         --demo-args "--threads 1 --noise-aware-epochs 60 --head-lr-scale 10 --imprint-epochs 1 --lr 0.01" \
-        --only dct-drop4-clip_norm12-noise_multiplier0.005-frequency_gamma2
+        --only dct-drop4-clip_norm12-noise_multiplier0.005-frequency_gamma2 \
+               dct-drop4-clip_norm12-noise_multiplier0.005-frequency_gamma2-stem_blocks2
 
 (the undefended point, the reference, always runs; --demo-args reach it too, where --noise-aware-epochs changes
 nothing: it starts from the plain student)
@@ -100,6 +101,12 @@ POINTS: list[tuple[str, dict, list[str]]] = [
        ["--release", "dct", "--split", "layer2", "--dct-drop", "4", "--mechanism", "per-image",
         "--clip-norm", f"{c:g}", "--noise-multiplier", f"{z:g}", "--frequency-gamma", f"{g:g}"])
       for g, c, z in ((2, 12, 0.005), (3, 20, 0.005), (2, 12, 0.01), (2, 12, 0.02))),
+    # the main job's release as it is, read by a deeper server stage: two residual blocks after the stage's conv
+    # (--dct-stem-blocks; the device and what it releases are unchanged). The stage stands in for every device
+    # stage up to the cut, which one conv did poorly
+    ("dct", {"drop": 4, "clip_norm": 12, "noise_multiplier": 0.005, "frequency_gamma": 2, "stem_blocks": 2},
+     ["--release", "dct", "--split", "layer2", "--dct-drop", "4", "--mechanism", "per-image", "--clip-norm", "12",
+      "--noise-multiplier", "0.005", "--frequency-gamma", "2", "--dct-stem-blocks", "2"]),
     # NoPeek: the devices train the bottleneck with a distance-correlation penalty between their images and their
     # releases (splitface/device/privacy/nopeek.py); weight 5 puts the penalty's gradient at about the size of the
     # server's cross-entropy gradient on the device layer at the start (weight 1 at a fifth of it). Alone, and with the

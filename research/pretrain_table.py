@@ -5,7 +5,8 @@ Rows (results/pretrain/summary.json, table.md):
   and at the input it was distilled from (150 px);
 - student: each distilled backbone (`--init distilled` builds them: research/distill.py), its embedding on
   View 1 as a device releases it (with the release's noise, for a noise-aware start), and frozen on LFW-158 (the
-  main job's noise-aware start distilled for 10, 30 and run.sh's --noise-aware-epochs); and the plain student at
+  main job's noise-aware start distilled for 10, 30 and run.sh's --noise-aware-epochs, the last also with run.sh's
+  server stage for the release, DEFAULT_SERVER_STAGE); and the plain student at
   twice the width (how much of the gap to the teacher is the student's size);
 - split-finetune: `splitface-research demo` on LFW-158 (the main job's data: people with >= 10 images) from the
   distilled start, with the main job's release and wire (run.sh), server head and device head; the same from
@@ -13,7 +14,8 @@ Rows (results/pretrain/summary.json, table.md):
   start (the server head imprinted with its classes' mean embeddings, the body at lr 0.01) with the main job's
   release, conv1, and the distilled frontier's most private point (the bottleneck at z 0.02), beside the first
   recipe's; all of these from noise-aware starts distilled for 10 epochs. Last, run.sh itself: the main job's
-  release from its noise-aware start distilled for run.sh's --noise-aware-epochs (and for 30). LFW-158 test
+  release from its noise-aware start distilled for run.sh's --noise-aware-epochs (and for 30), with the DCT's
+  server stage as its conv alone and as run.sh has it (DEFAULT_SERVER_STAGE). LFW-158 test
   accuracy, and View 1 of the fine-tuned model (`splitface-research evaluate`; LFW-158 holds 43 of the DevTest
   pairs' people, so some pairs show people the run trained on: the row says how many).
 
@@ -41,9 +43,9 @@ from splitface.common.models.weights import load_into
 from splitface.common.options import add_data_root_arg, add_model_arg, add_model_args, model_spec
 from splitface.device.privacy.mechanisms import Mechanism, NoNoise
 from splitface.device.privacy.options import add_privacy_args, release_mechanism
-from research.demo import parser as demo_parser, run_recorded
+from research.demo import parser as demo_parser, run_recorded, start_recipes
 from research.distill import (CROP, EVALUATION_SEED, NOISE_AWARE_RECIPE, PLAIN_RECIPE, Student, TeacherCache,
-                             default_cache, distilled_start)
+                             default_cache, distilled_start, spec_identity)
 from research.evaluation.verification import verification_report, view1_pairs
 from research.results import write_summary
 
@@ -124,8 +126,12 @@ def student_row(path: Path, probe: dict) -> dict:
     meta = torch.load(path, map_location="cpu", weights_only=True)["meta"]
     student = meta["student"]
     spec = student["spec"]
-    return {"role": "student", "model": f"{spec['family']}-{spec['depth']} width {spec['width']}",
-            "start": "distilled" if student["init"] == "seeded" else "distilled, noise-aware (from the plain student)",
+    start = "distilled"
+    if student["init"] != "seeded":   # a noise-aware start: from which plain student (beside it in the cache)
+        init = path.parent / Path(student["init"]).name
+        plain = torch.load(init, map_location="cpu", weights_only=True)["meta"]["recipe"]["epochs"]
+        start = f"distilled, noise-aware (from the plain student of {plain} epochs)"
+    return {"role": "student", "model": f"{spec['family']}-{spec['depth']} width {spec['width']}", "start": start,
             "release": release_name(spec, student["split"], student["release_mechanism"]),
             "input": student["input"], **meta["view1"], "file": path.name, "epochs": meta["recipe"]["epochs"],
             "public_people": meta["public_faces"]["people"], "public_images": meta["public_faces"]["images"],
@@ -137,6 +143,8 @@ def release_name(spec: dict, split: str, mechanism: dict) -> str:
         name = f"none ({split})"
     elif spec["release"] == "dct":
         name = f"dct drop {spec['dct_drop']} ({split})"
+        if spec.get("dct_stem_blocks"):   # (runs recorded before the option have none)
+            name += f", server stage conv + {spec['dct_stem_blocks']} blocks"
     else:
         name = f"{spec['release']} ({split})"
     if mechanism["name"] != "none":
@@ -158,6 +166,8 @@ def finetune_row(name: str, demo_args: list[str], args: argparse.Namespace) -> d
     start = demo_args[demo_args.index("--init") + 1] if "--init" in demo_args else "scratch"
     if start not in ("distilled", "scratch"):
         start = f"distilled ({Path(start).name})"
+    if "--student-epochs" in demo_args:
+        start += f" (student: {demo_args[demo_args.index('--student-epochs') + 1]} epochs)"
     if "--noise-aware-epochs" in demo_args:
         start += f" (noise-aware start: {demo_args[demo_args.index('--noise-aware-epochs') + 1]} epochs)"
     if "--imprint-epochs" in demo_args:
@@ -166,6 +176,8 @@ def finetune_row(name: str, demo_args: list[str], args: argparse.Namespace) -> d
         start += f", lr {demo_args[demo_args.index('--lr') + 1]}"
     if "--head-lr-scale" in demo_args:
         start += f", head lr x{demo_args[demo_args.index('--head-lr-scale') + 1]}"
+    if "--seed" in demo_args:
+        start += f", seed {demo_args[demo_args.index('--seed') + 1]}"
     return {"role": "split-finetune", "run": name, "model": f"{config['model']['family']}-{config['model']['depth']} "
             f"width {config['model']['width']}", "start": start,
             "release": release_name(config["model"], config["split"], device["privacy"]["mechanism"]),
@@ -174,6 +186,23 @@ def finetune_row(name: str, demo_args: list[str], args: argparse.Namespace) -> d
             "view1_accuracy": report["view1_accuracy"], "view1_std": report["view1_std"],
             "roc_auc": report["roc_auc"], "tar_at_far_1e-2": report["tar_at_far_1e-2"], "pairs": report["pairs"],
             "pairs_with_seen_people": report["pairs_with_seen_people"], "demo_args": demo_args}
+
+
+SEEDS = (0, 1, 2)
+
+
+def seed_means(rows: list[dict], compared: dict[str, str]) -> str:
+    """A line per compared run: its LFW-158 test accuracy at each seed (rows `name`, `name-seed1`, ...) and their
+    mean, with View 1's."""
+    by_run = {r["run"]: r for r in rows if r["role"] == "split-finetune"}
+    lines = []
+    for name, what in compared.items():
+        seeded = [by_run[name if s == 0 else f"{name}-seed{s}"] for s in SEEDS]
+        tests, view1 = [r["lfw158_test_accuracy"] for r in seeded], [r["view1_accuracy"] for r in seeded]
+        lines.append(f"- run.sh's recipe, {what} (`{name}`), seeds {', '.join(map(str, SEEDS))}: LFW-158 test "
+                     f"accuracy {', '.join(f'{t:.3f}' for t in tests)} (mean {np.mean(tests):.3f}); View 1 "
+                     f"{', '.join(f'{v:.3f}' for v in view1)} (mean {np.mean(view1):.3f})")
+    return "\n".join(lines) + "\n"
 
 
 def table(rows: list[dict]) -> str:
@@ -203,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     start, release, wire = run_sh_array("DEFAULT_START"), run_sh_array("DEFAULT_RELEASE"), run_sh_array("DEFAULT_WIRE")
+    stage = run_sh_array("DEFAULT_SERVER_STAGE")
     extra = args.demo_args.split()
     long = demo_parser().parse_known_args(start)[0].noise_aware_epochs   # run.sh's noise-aware start, as read
 
@@ -217,13 +247,14 @@ def main(argv: list[str] | None = None) -> None:
     add_privacy_args(privacy)
     add_model_args(privacy, args.model)
     # (the noise-aware ones distilled for 10 epochs, the first recipe; the main job's also for 30 and for run.sh's
-    # --noise-aware-epochs)
+    # --noise-aware-epochs, with the DCT's server stage at its default, the conv alone, and as run.sh has it)
     starts = dict.fromkeys([((), None), (tuple(release), 10), (tuple(bottleneck), 10), (tuple(release), 30),
-                            (tuple(release), long)])   # (each once, whatever run.sh's number)
+                            (tuple(release), long), ((*release, *stage), long)])   # (each once, whatever run.sh's numbers)
     for flags, epochs in starts:
         known, _ = privacy.parse_known_args(["--model", args.model, *flags])
         spec, mechanism = model_spec(known), release_mechanism(known)
-        recipes = (PLAIN_RECIPE, replace(NOISE_AWARE_RECIPE, epochs=epochs or NOISE_AWARE_RECIPE.epochs))
+        named = ["--noise-aware-epochs", str(epochs or NOISE_AWARE_RECIPE.epochs)]   # the student's, the recipe's
+        recipes = start_recipes(demo_parser().parse_known_args(named)[0])
         path = distilled_start(spec, known.split, mechanism, args.data, args.cache, recipes=recipes)
         probe = frozen_probe(student_embedder(path, spec, known.split, mechanism), data)
         rows.append(student_row(path, probe))
@@ -258,18 +289,27 @@ def main(argv: list[str] | None = None) -> None:
             ("distilled-imprint-bottleneck-z0.02-server-head", first([*start, *bottleneck, *wire])),
             # the wider student, fine-tuned the same way with the paper's conv1 release
             ("distilled-wide-imprint-conv1-server-head",
-             plain([*init_from(start, wide_path), *wire, "--model", json.dumps(wide.to_dict())])),
+             plain([*init_from(start, wide_path), *wire, "--model", json.dumps(spec_identity(wide))])),
             # run.sh: the main job's release from its noise-aware start distilled for longer (run.sh's
             # --noise-aware-epochs), imprinted
             ("distilled-long-imprint-main-release-server-head", [*start, *release, *wire]),
             ("distilled-imprint-main-release-server-head-start30",
-             with_noise_aware_epochs([*start, *release, *wire], 30))]
+             with_noise_aware_epochs([*start, *release, *wire], 30)),
+            # run.sh's server stage for the release (DEFAULT_SERVER_STAGE): residual blocks after the DCT
+            # stage's conv; the rows above have the conv alone (no --dct-stem-blocks: its default)
+            ("distilled-long-imprint-main-release-stem2-server-head", [*start, *release, *stage, *wire])]
+    # the last comparison at two more seeds each (the data split, shuffles and head): one run of the main job
+    # moves by up to about 0.04
+    compared = {"distilled-long-imprint-main-release-server-head": "the DCT's server stage as its conv alone",
+                "distilled-long-imprint-main-release-stem2-server-head": "with run.sh's server stage"}
+    runs += [(f"{name}-seed{seed}", [*demo_args, "--seed", str(seed)])
+             for name, demo_args in runs if name in compared for seed in SEEDS[1:]]
     rows += [finetune_row(name, [*demo_args, *extra], args) for name, demo_args in runs]
     spec = resolve_spec(args.model)
     text = (f"Reduced configuration: {args.model} ({spec.family}, width {spec.width}) at {spec.input_size} px; LFW "
             f"View 1 DevTest pairs (1,000); fine-tuning on LFW-158 as the main job does (2 devices, 3 epochs unless "
             f"the epochs column says otherwise).\n\n"
-            + table(rows))
+            + table(rows) + "\n" + seed_means(rows, compared))
     write_summary(args.out, rows, text)
 
 

@@ -21,7 +21,8 @@ from splitface.common.models.weights import load_into
 from splitface.device.privacy.mechanisms import NoNoise, PerImageGaussian
 from research.audit.cli import headline
 from research.audit.recognizer import DlibResNet
-from research.distill import (CROP, LFW158_MIN_IMAGES, TEACHER_SIZE, Recipe, TeacherCache, checkpoint_key, distill, distilled_start, public_faces)
+from research.distill import (CROP, LFW158_MIN_IMAGES, TEACHER_SIZE, Recipe, TeacherCache, checkpoint_key, distill, distilled_start, public_faces,
+                             spec_identity)
 from splitface.server.checkpoint import load_checkpoint
 from research.evaluation.verification import view1_pairs
 from research.federated.population import PUBLIC_MIN_IMAGES, private_people
@@ -78,6 +79,17 @@ def test_the_federated_public_set_holds_no_federated_private_user_and_no_devtest
     assert len(keys) == 2
     with pytest.raises(ValueError, match="public_set"):
         public_faces(lfw, public_set="everyone")
+
+
+def test_a_start_keeps_its_key_when_a_later_spec_key_is_at_its_default():
+    """A start's cache key hashes its spec less the keys added after the first starts were built, while those are
+    at their defaults: the starts built before keep their names (which recorded runs name); set, they count."""
+    manifest = {"content_sha256": "0" * 64}
+    dct = replace(SPEC, release="dct", dct_drop=4)
+    assert "dct_stem_blocks" not in spec_identity(dct) and spec_identity(dct).items() <= dct.to_dict().items()
+    assert spec_identity(replace(dct, dct_stem_blocks=2))["dct_stem_blocks"] == 2
+    keys = {checkpoint_key(s, "layer2", NoNoise(), Recipe(), manifest, None) for s in (dct, replace(dct, dct_stem_blocks=2))}
+    assert len(keys) == 2
 
 
 def test_the_teacher_cache_is_keyed_by_each_images_bytes(tmp_path, lfw, cache):

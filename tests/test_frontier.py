@@ -119,7 +119,8 @@ def test_the_main_job_starts_as_a_measured_fine_tuning_row():
     recipe's accuracy on LFW-158 is measured, not assumed)."""
     from research.pretrain_table import run_sh_array
 
-    main_job = [*run_sh_array("DEFAULT_START"), *run_sh_array("DEFAULT_RELEASE"), *run_sh_array("DEFAULT_WIRE")]
+    main_job = [*run_sh_array("DEFAULT_START"), *run_sh_array("DEFAULT_RELEASE"), *run_sh_array("DEFAULT_SERVER_STAGE"),
+                *run_sh_array("DEFAULT_WIRE")]
     rows = json.loads((ROOT / "results" / "pretrain" / "summary.json").read_text())
     measured = [r for r in rows if r["role"] == "split-finetune" and r["demo_args"] == main_job]
     assert len(measured) == 1 and 0 < measured[0]["lfw158_test_accuracy"] <= 1
@@ -181,10 +182,40 @@ def test_the_noise_aware_start_is_named_in_every_run_that_used_one():
             assert "--noise-aware-epochs" in r["demo_args"], r["run"]
 
 
+def test_the_start_flags_name_the_recipes_and_their_defaults_the_recorded_starts():
+    """--student-epochs and --noise-aware-epochs set only the epochs of the two recipes; left out, they name the
+    recipes that the recorded runs' starts were built with (the same cache keys, the same files)."""
+    from dataclasses import replace
+
+    from research.demo import parser, start_recipes
+    from research.distill import NOISE_AWARE_RECIPE, PLAIN_RECIPE
+
+    assert start_recipes(parser().parse_known_args([])[0]) == (PLAIN_RECIPE, NOISE_AWARE_RECIPE)
+    args = parser().parse_known_args(["--student-epochs", "60", "--noise-aware-epochs", "30"])[0]
+    assert start_recipes(args) == (replace(PLAIN_RECIPE, epochs=60), replace(NOISE_AWARE_RECIPE, epochs=30))
+
+
+@pytest.mark.parametrize("flag", ["--student-epochs", "--noise-aware-epochs"])
 @pytest.mark.parametrize("epochs", ["0", "-3"])
-def test_a_noise_aware_start_of_no_epochs_is_a_usage_error(epochs, capsys):
+def test_a_distilled_start_of_no_epochs_is_a_usage_error(flag, epochs, capsys):
     from research.demo import main
 
     with pytest.raises(SystemExit) as exit_:
-        main(["--data", str(ROOT / "no-such-lfw"), "--noise-aware-epochs", epochs])
-    assert exit_.value.code == 2 and "--noise-aware-epochs must be 1 or more" in capsys.readouterr().err
+        main(["--data", str(ROOT / "no-such-lfw"), flag, epochs])
+    assert exit_.value.code == 2 and f"{flag} must be 1 or more" in capsys.readouterr().err
+
+
+def test_the_table_names_the_dct_server_stage_and_averages_the_compared_seeds():
+    """results/pretrain's rows say which server stage a DCT run had (none named: the conv alone, as recorded
+    before the option) and its seed; the compared runs' line gives each seed's accuracy and their mean."""
+    from research.pretrain_table import release_name, seed_means
+
+    none = {"name": "none"}
+    spec = {"release": "dct", "dct_drop": 4}
+    assert release_name(spec, "layer2", none) == "dct drop 4 (layer2)"
+    assert release_name({**spec, "dct_stem_blocks": 2}, "layer2", none) == "dct drop 4 (layer2), server stage conv + 2 blocks"
+    rows = [{"role": "split-finetune", "run": name, "lfw158_test_accuracy": test, "view1_accuracy": view1}
+            for name, test, view1 in (("a", 0.70, 0.80), ("a-seed1", 0.80, 0.90), ("a-seed2", 0.75, 0.85))]
+    line = seed_means(rows, {"a": "the first"})
+    assert "the first (`a`), seeds 0, 1, 2: LFW-158 test accuracy 0.700, 0.800, 0.750 (mean 0.750)" in line
+    assert "View 1 0.800, 0.900, 0.850 (mean 0.850)" in line

@@ -36,12 +36,13 @@ def test_spec_keeps_old_keys_and_round_trips_the_new_ones():
            "dropout": 0.0, "release_pool": 1}
     assert {k: SMALL.to_dict()[k] for k in old} == old and list(SMALL.to_dict())[:len(old)] == list(old)
     assert ModelSpec.from_dict(old) == SMALL  # a dict without the new keys means no transform
-    for spec in (BOTTLENECK, DCT, replace(DCT, dct_drop=0, dct_keep=100)):
+    for spec in (BOTTLENECK, DCT, replace(DCT, dct_drop=0, dct_keep=100), replace(DCT, dct_stem_blocks=2)):
         assert ModelSpec.from_dict(spec.to_dict()) == spec
     with pytest.raises(ValueError, match="unknown ModelSpec keys"):
         ModelSpec.from_dict({**DCT.to_dict(), "dct_upsample": 2})
     for bad in (dict(release="jpeg"), dict(dct_keep=5), dict(release="dct", dct_keep=190), dict(release="dct", dct_drop=64),
-                dict(release="bottleneck", release_pool=2), dict(release="bottleneck", bottleneck_channels=0)):
+                dict(release="bottleneck", release_pool=2), dict(release="bottleneck", bottleneck_channels=0),
+                dict(dct_stem_blocks=1), dict(release="dct", dct_stem_blocks=-1)):
         with pytest.raises(ValueError):
             replace(SMALL, **bad)
 
@@ -49,11 +50,14 @@ def test_spec_keeps_old_keys_and_round_trips_the_new_ones():
 def test_cli_builds_the_spec_and_hands_it_on_unchanged():
     p = argparse.ArgumentParser()
     add_model_args(p)
-    args = p.parse_args(["--model", "iresnet_small", "--split", "layer2", "--release", "dct", "--dct-keep", "60"])
-    assert model_spec(args) == replace(DCT, dct_keep=60)
+    args = p.parse_args(["--model", "iresnet_small", "--split", "layer2", "--release", "dct", "--dct-keep", "60",
+                         "--dct-stem-blocks", "2"])
+    assert model_spec(args) == replace(DCT, dct_keep=60, dct_stem_blocks=2)
     again = p.parse_args(model_argv(args))  # what the demo gives the server and the simulator
     assert model_spec(again) == model_spec(args) and again.split == "layer2"
     assert model_spec(p.parse_args(["--model", "iresnet_small"])) == SMALL
+    # run.sh names the DCT's server stage; --release none alone overrides the release and its stage with it
+    assert model_spec(p.parse_args(["--model", "iresnet_small", "--dct-stem-blocks", "2", "--release", "none"])) == SMALL
 
 
 def test_bottleneck_releases_few_bounded_values():
@@ -144,7 +148,7 @@ def _unsplit_steps(spec, split, batches):
     return device, server, classifier, losses
 
 
-@pytest.mark.parametrize("spec,split", [(BOTTLENECK, "conv1"), (DCT, "layer2")])
+@pytest.mark.parametrize("spec,split", [(BOTTLENECK, "conv1"), (DCT, "layer2"), (replace(DCT, dct_stem_blocks=1), "layer2")])
 def test_split_with_transform_equals_unsplit_model(tmp_path, spec, split):
     """Two SGD steps of engine + websocket + server trainer, each side building its part from the seed,
     equal two steps of the whole model in one process, bit for bit (the same kernels on the same values with the
@@ -195,6 +199,19 @@ def test_exported_dct_matches_eager_and_trains_through_the_engine(tmp_path):
     assert np.abs(released - eager).max() < 1e-4  # same keyed channel subset, same values
     engine.commit(1, np.ones_like(released))
     assert engine.committed == 1
+
+
+def test_the_dct_stage_gains_residual_blocks_and_keeps_its_names_without_them():
+    """dct_stem_blocks adds residual blocks at the split's shape after the server stage's conv; at 0 the stage is
+    the conv, BN and ReLU alone, under the names that files saved before the option hold."""
+    device, plain = split_backbone(build_backbone(DCT), "layer2")
+    _, deep = split_backbone(build_backbone(replace(DCT, dct_stem_blocks=2)), "layer2")
+    names = {k.split(".", 2)[2] for k in plain.state_dict() if ".dct_server." in k}
+    assert names == {"conv.weight", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
+    extra = {k for k in deep.state_dict() if ".dct_server." in k} - {k for k in plain.state_dict()}
+    assert extra and all(".dct_server.blocks." in k for k in extra)
+    release = device(torch.rand(4, 3, 64, 64))
+    assert deep.stages.dct_server(release).shape == plain.stages.dct_server(release).shape
 
 
 def test_a_backbone_file_can_carry_trained_release_stages(tmp_path):

@@ -87,6 +87,10 @@ def add_model_args(p: argparse.ArgumentParser, model: str = "vgg_face_small") ->
                    help="dct: lowest zig-zag frequencies of each colour not released (1: the DC only; 0: none)")
     g.add_argument("--dct-keep", type=int, default=0,
                    help="dct: release a random subset of this many channels per image, the others zeroed (0: all)")
+    g.add_argument("--dct-stem-blocks", type=int, default=0,
+                   help="dct: residual blocks in the server's stage after its first conv (server side only; the "
+                        "release is the same). Other releases ignore it, so that a default naming it can be "
+                        "overridden by --release alone")
     g.add_argument("--mask-ratio", type=float, default=0.75,
                    help="mask (FaceMAE): share of each image's patches zeroed before release")
     g.add_argument("--mask-patch", type=int, default=8, help="mask: side of the square patches, in pixels")
@@ -100,6 +104,8 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
     spec = resolve_spec(json.loads(args.model) if args.model.lstrip().startswith("{") else args.model)
     defaults = {f.name: f.default for f in fields(ModelSpec)}
     changes = {k: getattr(args, k) for k in MODEL_OPTIONS if getattr(args, k) != defaults[k]}
+    if changes.get("release", spec.release) != "dct":
+        changes.pop("dct_stem_blocks", None)   # the DCT's server stage: no other release has it
     return replace(spec, **changes) if changes else spec
 
 

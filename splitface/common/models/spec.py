@@ -13,9 +13,10 @@ from splitface.common.models.iresnet import LAYERS as IRESNET_LAYERS
 from splitface.common.transforms import RELEASES, TRANSFORMS
 
 FAMILIES = ("vgg_face", "iresnet")
-# Keys that change only what is released at the cut, not the backbone's own stages (saved weights ignore them).
+# Keys that change only the release at the cut and the transform's stages on either side of it, not the
+# backbone's own stages (saved weights ignore them).
 RELEASE_KEYS = ("release_pool", "release", "bottleneck_channels", "bottleneck_stride", "dct_drop", "dct_keep",
-                "mask_ratio", "mask_patch")
+                "dct_stem_blocks", "mask_ratio", "mask_patch")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class ModelSpec:
     bottleneck_stride: int = 1  # bottleneck: stride of that conv (the server upsamples back)
     dct_drop: int = 1  # dct: lowest zig-zag frequencies of each colour not released (1: the DC only)
     dct_keep: int = 0  # dct: > 0 releases a random subset of this many channels per image, the rest zeroed
+    dct_stem_blocks: int = 0  # dct: residual blocks in the server's stage after its first conv (0: that conv alone)
     mask_ratio: float = 0.75  # mask (FaceMAE): share of each image's patches zeroed before release
     mask_patch: int = 8  # mask: side of the square patches, a power of two dividing input_size
 

@@ -54,6 +54,9 @@ def check_dct(spec: "ModelSpec") -> None:
     if not 0 <= spec.dct_keep <= dct_channels(spec) or (spec.dct_keep and spec.release != "dct"):
         raise ValueError(f"dct_keep must be 0 or, with release 'dct', at most {dct_channels(spec)}; "
                          f"got {spec.dct_keep}")
+    if spec.dct_stem_blocks < 0 or (spec.dct_stem_blocks and spec.release != "dct"):
+        raise ValueError(f"dct_stem_blocks must be 0 or, with release 'dct', a positive number of blocks; "
+                         f"got {spec.dct_stem_blocks}")
 
 
 def check_mask(spec: "ModelSpec") -> None:
@@ -99,7 +102,7 @@ TRANSFORMS: dict[str, Transform] = {
         replaces_device=False, check=check_bottleneck),
     "dct": Transform(
         device=lambda spec, shape: BlockDCT(dct_upsample(spec, shape), spec.dct_drop),
-        server=lambda spec, shape: FrequencyStem(dct_channels(spec), shape[0]),
+        server=lambda spec, shape: FrequencyStem(dct_channels(spec), shape[0], spec.dct_stem_blocks),
         replaces_device=True, check=check_dct),
     "mask": Transform(
         device=lambda spec, shape: ImageRelease(),

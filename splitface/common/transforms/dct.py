@@ -97,17 +97,37 @@ def random_keep_mask(n: int, channels: int, keep: int, generator: torch.Generato
 
 
 class FrequencyStem(nn.Module):
-    """Server side: frequency channels -> the split's (C, H, W) (conv3x3 + BN + ReLU), then the tail.
+    """Server side: frequency channels -> the split's (C, H, W) (conv3x3 + BN + ReLU, then `blocks` residual
+    blocks at that shape), then the tail.
 
     BN is on the server, where mixing a batch is harmless; it also evens out the very different
-    scales of low and high frequencies.
+    scales of low and high frequencies. The stage stands in for every device stage up to the cut (the
+    device runs none), which one conv does poorly: the blocks give it depth, at the server's cost only.
     """
 
-    def __init__(self, in_channels: int, out_channels: int) -> None:
+    def __init__(self, in_channels: int, out_channels: int, blocks: int = 0) -> None:
         super().__init__()
         self.conv = nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1, bias=False)
         self.bn = nn.BatchNorm2d(out_channels, eps=1e-5)
         self.act = nn.ReLU()
+        if blocks:   # absent at 0, so that the stage's weights keep their names in files saved before blocks
+            self.blocks = nn.Sequential(*(StemBlock(out_channels) for _ in range(blocks)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.bn(self.conv(x)))
+        x = self.act(self.bn(self.conv(x)))
+        return self.blocks(x) if hasattr(self, "blocks") else x
+
+
+class StemBlock(nn.Module):
+    """A residual block at a fixed shape, as arcface's IResNet blocks are (BN, conv, BN, PReLU, conv, BN, plus
+    the input). Its own here: the transforms sit below the models, which import them."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.BatchNorm2d(channels, eps=1e-5), nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels, eps=1e-5), nn.PReLU(channels),
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels, eps=1e-5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.body(x)

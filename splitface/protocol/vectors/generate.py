@@ -36,7 +36,7 @@ RECONNECT_FILE = Path("reconnect") / "welcome_decisions.json"   # one JSON file 
 # pins both to splitface.common.models' ModelSpec; splitface/protocol/ itself does not import the device SDK).
 MODEL = {"family": "vgg_face", "input_size": 64, "width": 16, "fc_width": 256, "depth": 50, "embedding_size": 512,
          "dropout": 0.0, "release_pool": 1, "release": "none", "bottleneck_channels": 8, "bottleneck_stride": 1,
-         "dct_drop": 1, "dct_keep": 0, "mask_ratio": 0.75, "mask_patch": 8}
+         "dct_drop": 1, "dct_keep": 0, "dct_stem_blocks": 0, "mask_ratio": 0.75, "mask_patch": 8}
 SPLIT = "conv1"
 ACTIVATION_SHAPE = (2, 3)
 EMBEDDING_DIM = 4
