@@ -21,7 +21,7 @@ DEFAULT_WIRE=(--activation-encoding i8c --gradient-encoding i8c)
 # ~/.cache/splitface (docs/pretrain.md). The server's classifier
 # starts as its classes' mean embeddings over the first epoch (weight imprinting), then learns at 10x the rest's
 # gentle rate, so that fine-tuning keeps what the start knows (results/pretrain/). `--init scratch
-# --head-lr-scale 1 --imprint-epochs 0 --lr 0.05` is the old start from seeded weights.
+# --head-lr-scale 1 --imprint-epochs 0 --lr 0.05 --dct-stem-blocks 0` is the old start from seeded weights.
 DEFAULT_START=(--init distilled --noise-aware-epochs 60 --head-lr-scale 10 --imprint-epochs 1 --lr 0.01)
 exec .venv/bin/python -m research demo "${DEFAULT_START[@]}" "${DEFAULT_RELEASE[@]}" "${DEFAULT_SERVER_STAGE[@]}" \
     "${DEFAULT_WIRE[@]}" "$@"

@@ -254,21 +254,12 @@ def augment(x: torch.Tensor, recipe: Recipe, rng: torch.Generator) -> torch.Tens
     return x
 
 
-# ModelSpec keys added after the first starts were built: hashed only when set, so that a start built before
-# keeps its name (the recorded runs name their starts' files)
-LATER_SPEC_KEYS = ("dct_stem_blocks",)
-
-
-def spec_identity(spec: ModelSpec) -> dict[str, Any]:
-    """The spec as a start's identity: its dict less the later keys at their defaults."""
-    defaults = {f.name: f.default for f in fields(ModelSpec)}
-    return {k: v for k, v in spec.to_dict().items() if k not in LATER_SPEC_KEYS or v != defaults[k]}
-
-
 def checkpoint_key(spec: ModelSpec, split: str, mechanism: Mechanism, recipe: Recipe, manifest: dict,
                    init: Path | None) -> str:
     """What makes two distillations the same: model, cut, release noise, recipe, public set and starting point."""
-    desc = {"spec": spec_identity(spec), "split": split, "mechanism": mechanism.describe(), "recipe": asdict(recipe),
+    # (the spec less keys added later at their defaults: a start built before one keeps its name, which the
+    # recorded runs hold)
+    desc = {"spec": spec.compact_dict(), "split": split, "mechanism": mechanism.describe(), "recipe": asdict(recipe),
             "faces": manifest["content_sha256"], "init": file_hash(init) if init is not None else None}
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -395,7 +386,7 @@ def evaluate_student(student: Student, lfw_root: str | Path | None, limit: int |
 # The recipes of the distilled starts that `--init distilled` builds (and research/pretrain_table.py measures): the plain
 # student from seeded weights, and each noise-aware start from the plain student with its release and noise.
 # A noise-aware start's epochs are `splitface-research demo --noise-aware-epochs` (this recipe's by default). The
-# main job's release still climbed at 10 (View 1 0.790; 0.853 at 30, 0.864 at 60): run.sh asks for 60, which its
+# main job's release still climbed at 10 (View 1 0.790; 0.853 at 30, 0.864 at 60, its server stage a conv alone): run.sh asks for 60, which its
 # release affords, having no weights on the device (about 15 s an epoch on 2 cores); a release whose device part
 # trains at full resolution, the bottleneck's, takes 300-400 s an epoch (results/pretrain/).
 PLAIN_RECIPE = Recipe(epochs=30)

@@ -45,7 +45,7 @@ from splitface.device.privacy.mechanisms import Mechanism, NoNoise
 from splitface.device.privacy.options import add_privacy_args, release_mechanism
 from research.demo import parser as demo_parser, run_recorded, start_recipes
 from research.distill import (CROP, EVALUATION_SEED, NOISE_AWARE_RECIPE, PLAIN_RECIPE, Student, TeacherCache,
-                             default_cache, distilled_start, spec_identity)
+                             default_cache, distilled_start)
 from research.evaluation.verification import verification_report, view1_pairs
 from research.results import write_summary
 
@@ -134,6 +134,7 @@ def student_row(path: Path, probe: dict) -> dict:
     return {"role": "student", "model": f"{spec['family']}-{spec['depth']} width {spec['width']}", "start": start,
             "release": release_name(spec, student["split"], student["release_mechanism"]),
             "input": student["input"], **meta["view1"], "file": path.name, "epochs": meta["recipe"]["epochs"],
+            "train_cosine_loss": round(meta["history"][-1]["cosine"], 4),   # the last epoch's, on augmented images
             "public_people": meta["public_faces"]["people"], "public_images": meta["public_faces"]["images"],
             "seconds": meta["seconds"], **probe}
 
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
             ("distilled-imprint-bottleneck-z0.02-server-head", first([*start, *bottleneck, *wire])),
             # the wider student, fine-tuned the same way with the paper's conv1 release
             ("distilled-wide-imprint-conv1-server-head",
-             plain([*init_from(start, wide_path), *wire, "--model", json.dumps(spec_identity(wide))])),
+             plain([*init_from(start, wide_path), *wire, "--model", json.dumps(wide.compact_dict())])),
             # run.sh: the main job's release from its noise-aware start distilled for longer (run.sh's
             # --noise-aware-epochs), imprinted
             ("distilled-long-imprint-main-release-server-head", [*start, *release, *wire]),

@@ -21,8 +21,7 @@ from splitface.common.models.weights import load_into
 from splitface.device.privacy.mechanisms import NoNoise, PerImageGaussian
 from research.audit.cli import headline
 from research.audit.recognizer import DlibResNet
-from research.distill import (CROP, LFW158_MIN_IMAGES, TEACHER_SIZE, Recipe, TeacherCache, checkpoint_key, distill, distilled_start, public_faces,
-                             spec_identity)
+from research.distill import (CROP, LFW158_MIN_IMAGES, TEACHER_SIZE, Recipe, TeacherCache, checkpoint_key, distill, distilled_start, public_faces)
 from splitface.server.checkpoint import load_checkpoint
 from research.evaluation.verification import view1_pairs
 from research.federated.population import PUBLIC_MIN_IMAGES, private_people
@@ -86,8 +85,8 @@ def test_a_start_keeps_its_key_when_a_later_spec_key_is_at_its_default():
     at their defaults: the starts built before keep their names (which recorded runs name); set, they count."""
     manifest = {"content_sha256": "0" * 64}
     dct = replace(SPEC, release="dct", dct_drop=4)
-    assert "dct_stem_blocks" not in spec_identity(dct) and spec_identity(dct).items() <= dct.to_dict().items()
-    assert spec_identity(replace(dct, dct_stem_blocks=2))["dct_stem_blocks"] == 2
+    assert "dct_stem_blocks" not in dct.compact_dict() and dct.compact_dict().items() <= dct.to_dict().items()
+    assert replace(dct, dct_stem_blocks=2).compact_dict()["dct_stem_blocks"] == 2
     keys = {checkpoint_key(s, "layer2", NoNoise(), Recipe(), manifest, None) for s in (dct, replace(dct, dct_stem_blocks=2))}
     assert len(keys) == 2
 

@@ -146,3 +146,56 @@ def test_spec_lists_every_preset_map():
         assert list(model) == list(PRESETS[name].to_dict()) and ModelSpec.from_dict(model) == PRESETS[name], name
         types = dict(spec_model_table())
         assert all(type(v).__name__ == types[k] for k, v in model.items()), name   # dropout 0.0, not 0
+
+
+def test_the_later_keys_are_one_set_with_their_defaults_and_a_hello_may_omit_them():
+    """Keys added after the protocol was published (ModelSpec's LATER_KEYS, the wire's LATER_MODEL_KEYS with
+    their defaults, SPEC.md): a client written before one leaves it out and is admitted as the same model; the
+    same key at another value is another model."""
+    from splitface.common.models import LATER_KEYS
+    from splitface.protocol.server_session import Admit, ServerSession
+
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelSpec)}
+    assert m.LATER_MODEL_KEYS == {k: defaults[k] for k in LATER_KEYS}
+    assert all(f"`{k}`" in SPEC.read_text().split("may leave out")[1][:400] for k in LATER_KEYS)
+    older = {k: v for k, v in gen.MODEL.items() if k not in LATER_KEYS}
+
+    def hello(model: dict) -> bytes:
+        client = gen.ClientSession(gen.DEVICE_ID, gen.TOKEN, model, gen.SPLIT, "server", gen.MAX_BATCH, gen.NUM_CLASSES,
+                                   {"activations": "f32", "gradients": "f32"})
+        return client.hello()
+
+    def session() -> ServerSession:
+        return ServerSession(gen.INFO, lambda d, t: True, {}, lambda d: 0)
+
+    assert isinstance(session().receive(hello(older)), Admit)
+    refused = session().receive(hello({**gen.MODEL, "dct_stem_blocks": 2}))
+    assert not isinstance(refused, Admit) and m.decode(refused.data)["code"] == "model_mismatch"
+
+
+def test_a_checkpoint_from_before_a_later_key_resumes_and_another_model_is_refused(tmp_path):
+    """The server's checkpoint names the model it was written for: one written before a later key existed (the
+    key absent) is the same model and resumes; a checkpoint of another model is refused with what to do."""
+    import pytest
+
+    from splitface.server.app import EdgeServer, ServerConfig, server_info
+    from splitface.server.auth import TokenAuthenticator
+    from splitface.server.checkpoint import save_checkpoint
+    from tests.conftest import small_trainer
+
+    def server(run_dir):
+        trainer = small_trainer()
+        return EdgeServer(trainer, server_info(trainer, 8, 1 << 20), TokenAuthenticator({}),
+                          ServerConfig(port=0, run_dir=run_dir))
+
+    first = server(tmp_path / "old")
+    identity = first._identity()
+    assert "dct_stem_blocks" not in identity["model"]   # at its default: left out, as before the key existed
+    old = {**identity, "model": {k: v for k, v in first.info.model.items() if k not in m.LATER_MODEL_KEYS}}
+    save_checkpoint(first.config.checkpoint_path, {"identity": old, "trainer": first.trainer.state_dict(), "devices": {}})
+    server(tmp_path / "old")   # resumes
+    other = {**identity, "model": {**first.info.model, "width": 8}}
+    save_checkpoint(tmp_path / "other" / first.config.checkpoint_path.name,
+                    {"identity": other, "trainer": first.trainer.state_dict(), "devices": {}})
+    with pytest.raises(SystemExit, match="use another --run-dir"):
+        server(tmp_path / "other")

@@ -55,6 +55,10 @@ def test_cli_builds_the_spec_and_hands_it_on_unchanged():
     assert model_spec(args) == replace(DCT, dct_keep=60, dct_stem_blocks=2)
     again = p.parse_args(model_argv(args))  # what the demo gives the server and the simulator
     assert model_spec(again) == model_spec(args) and again.split == "layer2"
+    # a key added later is named only when set: commands recorded before it stay the same
+    assert "--dct-stem-blocks" not in model_argv(p.parse_args(["--model", "iresnet_small", "--release", "dct"]))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--release", "dct", "--dct-stem-blocks", "-1"])
     assert model_spec(p.parse_args(["--model", "iresnet_small"])) == SMALL
     # run.sh names the DCT's server stage; --release none alone overrides the release and its stage with it
     assert model_spec(p.parse_args(["--model", "iresnet_small", "--dct-stem-blocks", "2", "--release", "none"])) == SMALL
@@ -212,6 +216,20 @@ def test_the_dct_stage_gains_residual_blocks_and_keeps_its_names_without_them():
     assert extra and all(".dct_server.blocks." in k for k in extra)
     release = device(torch.rand(4, 3, 64, 64))
     assert deep.stages.dct_server(release).shape == plain.stages.dct_server(release).shape
+
+
+def test_a_start_with_one_dct_stage_refuses_a_model_with_another(tmp_path):
+    """A file holding the DCT's trained server stage (a noise-aware start) loads only into a model whose stage has
+    as many blocks: the conv alone does not silently leave the blocks at their seeded start."""
+    torch.manual_seed(0)
+    backbone = build_backbone(DCT)
+    _, server = split_backbone(backbone, "layer2")
+    stages = {k: v for k, v in server.state_dict().items() if k.split(".")[1] == "dct_server"}
+    save_backbone(tmp_path / "start.pt", DCT, backbone, {}, stages)
+    deeper = replace(DCT, dct_stem_blocks=2)
+    with pytest.raises(ValueError, match="holds"):
+        load_into(split_backbone(build_backbone(deeper), "layer2")[1], tmp_path / "start.pt", deeper)
+    load_into(split_backbone(build_backbone(DCT), "layer2")[1], tmp_path / "start.pt", DCT)
 
 
 def test_a_backbone_file_can_carry_trained_release_stages(tmp_path):

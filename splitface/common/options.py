@@ -14,7 +14,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from splitface.common.data import LFW_PEOPLE, DataSplit, find_lfw_root, load_image_folder, load_lfw
-from splitface.common.models import DEFAULT_SPLIT, PRESETS, RELEASE_KEYS, ModelSpec, resolve_spec
+from splitface.common.models import DEFAULT_SPLIT, LATER_KEYS, PRESETS, RELEASE_KEYS, ModelSpec, resolve_spec
 from splitface.common.optim import TrainConfig
 from splitface.common.transforms import RELEASES
 
@@ -71,6 +71,14 @@ def add_model_arg(p: argparse.ArgumentParser, default: str = "vgg_face_small") -
                                                     f"(default {default})")
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse type: a whole number >= 0, refused as a usage error otherwise."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
 def add_model_args(p: argparse.ArgumentParser, model: str = "vgg_face_small") -> None:
     """--model, the split and the release transform: what both sides must agree on."""
     add_model_arg(p, model)
@@ -87,7 +95,7 @@ def add_model_args(p: argparse.ArgumentParser, model: str = "vgg_face_small") ->
                    help="dct: lowest zig-zag frequencies of each colour not released (1: the DC only; 0: none)")
     g.add_argument("--dct-keep", type=int, default=0,
                    help="dct: release a random subset of this many channels per image, the others zeroed (0: all)")
-    g.add_argument("--dct-stem-blocks", type=int, default=0,
+    g.add_argument("--dct-stem-blocks", type=non_negative_int, default=0,
                    help="dct: residual blocks in the server's stage after its first conv (server side only; the "
                         "release is the same). Other releases ignore it, so that a default naming it can be "
                         "overridden by --release alone")
@@ -112,8 +120,10 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
 def model_argv(args: argparse.Namespace) -> list[str]:
     """The options of `add_model_args` as command-line arguments again (the demo hands them to both sides)."""
     argv = ["--model", args.model, "--split", args.split]
+    defaults = {f.name: f.default for f in fields(ModelSpec)}
     for k in MODEL_OPTIONS:
-        argv += ["--" + k.replace("_", "-"), str(getattr(args, k))]
+        if k not in LATER_KEYS or getattr(args, k) != defaults[k]:   # a command recorded before one stays the same
+            argv += ["--" + k.replace("_", "-"), str(getattr(args, k))]
     return argv
 
 

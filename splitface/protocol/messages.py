@@ -20,6 +20,14 @@ from splitface.protocol.tensor import decode_tensor, encode_tensor
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+# Model-map keys added after protocol 1 was first published, with their defaults (SPEC.md section 6): a client
+# written before one may leave it out, and the server compares maps without these keys at their defaults
+LATER_MODEL_KEYS: dict[str, Any] = {"dct_stem_blocks": 0}
+
+
+def model_identity(model: dict[str, Any]) -> dict[str, Any]:
+    """A model map as the handshake compares it: without the later keys that are at their defaults."""
+    return {k: v for k, v in model.items() if k not in LATER_MODEL_KEYS or v != LATER_MODEL_KEYS[k]}
 
 HELLO = "hello"
 WELCOME = "welcome"

@@ -167,7 +167,7 @@ class ServerSession:
             return self._federated_handshake(hello)
         if not info.heads:
             raise ProtocolError(ErrorCode.UNSUPPORTED, "this server hosts no split training")
-        if hello["model"] != info.model:
+        if m.model_identity(hello["model"]) != m.model_identity(info.model):
             raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"server trains model {info.model}, device asked for {brief(hello['model'], 400)}")
         if hello["split"] != info.split:
             raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"server splits at {info.split!r}, device at {brief(hello['split'])}")
@@ -192,7 +192,7 @@ class ServerSession:
     def _federated_handshake(self, hello: dict[str, Any]) -> Admit:
         if self.board is None:
             raise ProtocolError(ErrorCode.UNSUPPORTED, "this server hosts no federated run")
-        if hello["model"] != self.board.model:
+        if m.model_identity(hello["model"]) != m.model_identity(self.board.model):
             raise ProtocolError(ErrorCode.MODEL_MISMATCH, f"the federated run trains model {self.board.model}, device "
                                                           f"asked for {brief(hello['model'], 400)}")
         self.device_id = hello["device_id"]

@@ -223,7 +223,10 @@ class EdgeServer:
 
     # ---- checkpoints -------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:
-        return {"model": self.info.model, "split": self.info.split, "num_classes": self.info.num_classes}
+        """What a checkpoint must have been written for (the model map as the handshake compares it, so that a
+        checkpoint from before a later model key reads as the same model)."""
+        return {"model": m.model_identity(self.info.model), "split": self.info.split,
+                "num_classes": self.info.num_classes}
 
     def _restore(self) -> None:
         if self.trainer is None:  # federated only: the federated engine checkpoints its own rounds
@@ -233,7 +236,7 @@ class EdgeServer:
         self.replies.prune({r["reply"] for r in state["devices"].values() if r["reply"]} if state else set())
         if state is None:
             return
-        if state["identity"] != self._identity():
+        if {**state["identity"], "model": m.model_identity(state["identity"]["model"])} != self._identity():
             raise SystemExit(f"{self.config.checkpoint_path} was written for {state['identity']}, "
                              f"not {self._identity()}; use another --run-dir")
         self.trainer.load_state_dict(state["trainer"])

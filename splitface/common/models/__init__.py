@@ -20,7 +20,7 @@ from torch import nn
 from splitface.common.transforms import TRANSFORMS, transform_range
 from splitface.common.models.iresnet import iter_iresnet_stages
 from splitface.common.models.lrn import PaperLRN
-from splitface.common.models.spec import DEFAULT_SPLIT, PRESETS, RELEASE_KEYS, ModelSpec, resolve_spec
+from splitface.common.models.spec import DEFAULT_SPLIT, LATER_KEYS, PRESETS, RELEASE_KEYS, ModelSpec, resolve_spec
 from splitface.common.models.vgg_face import iter_vgg_face_stages
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "split_shape",
     "release_range",
     "RELEASE_KEYS",
+    "LATER_KEYS",
     "build_classifier",
     "to_input",
 ]

@@ -17,6 +17,9 @@ FAMILIES = ("vgg_face", "iresnet")
 # backbone's own stages (saved weights ignore them).
 RELEASE_KEYS = ("release_pool", "release", "bottleneck_channels", "bottleneck_stride", "dct_drop", "dct_keep",
                 "dct_stem_blocks", "mask_ratio", "mask_patch")
+# Keys added after the wire protocol was first published (its messages.LATER_MODEL_KEYS, with their defaults):
+# a map, a recorded command or a cache name from before one leaves it out, which reads as its default.
+LATER_KEYS = ("dct_stem_blocks",)
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,12 @@ class ModelSpec:
             kind = fields[k].type   # "str" | "int" | "float" (postponed annotations)
             kwargs[k] = str(v) if kind == "str" else float(v) if kind == "float" else int(v)
         return cls(**kwargs)
+
+    def compact_dict(self) -> dict[str, Any]:
+        """`to_dict` less the later keys at their defaults: what names this model where a name made before those
+        keys existed must stay the same (cache keys, recorded commands)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return {k: v for k, v in self.to_dict().items() if k not in LATER_KEYS or v != defaults[k]}
 
     @property
     def embedding_dim(self) -> int:
