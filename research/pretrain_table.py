@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     for flags, epochs in starts:
         known, _ = privacy.parse_known_args(["--model", args.model, *flags])
         spec, mechanism = model_spec(known), release_mechanism(known)
-        named = ["--noise-aware-epochs", str(epochs or NOISE_AWARE_RECIPE.epochs)]   # the student's, the recipe's
+        named = ["--noise-aware-epochs", str(epochs or NOISE_AWARE_RECIPE.epochs)]   # the plain student: the default
         recipes = start_recipes(demo_parser().parse_known_args(named)[0])
         path = distilled_start(spec, known.split, mechanism, args.data, args.cache, recipes=recipes)
         probe = frozen_probe(student_embedder(path, spec, known.split, mechanism), data)
