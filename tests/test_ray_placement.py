@@ -3,7 +3,8 @@ of a real local Ray instance, against a real edge server on loopback, give the p
 processes (`--only-devices`, as `splitface-research demo --device-processes` runs them) for the same seeds.
 
 Both runs are exact, not close: a device's batches are the same images (its share and order are seeded by its
-index), its layer starts from the same seeded weights and runs on one torch thread either way, and the server in
+index), its layer starts from the same seeded weights and runs on one torch thread either way (in every compute
+thread from its first op: splitface/common/compute.py), and the server in
 this process computes with the same thread count for both, so every float operation is the same one. With two
 devices the server interleaves their batches by timing, so both sides learn at rate 0 there: every batch's loss
 then depends only on its images and the initial weights (the server tail's batch norm normalises by the batch's own
@@ -123,7 +124,6 @@ def test_two_devices_on_ray_give_the_per_batch_losses_of_local_processes(local_r
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="seen to differ from the local process in about 1 run of 10 under load, cause not found yet (issue 30): the rate-0 comparison above holds exactly")
 def test_one_device_learning_on_ray_equals_a_local_process_bit_for_bit(local_ray, lfw, tmp_path):
     local = on_local_processes(lfw, tmp_path, devices=1, lr=0.05)
     placed = on_ray(lfw, tmp_path, devices=1, lr=0.05)

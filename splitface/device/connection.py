@@ -20,6 +20,7 @@ import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from splitface.common.compute import in_compute_thread
 from splitface.protocol import messages as m
 from splitface.protocol.errors import ErrorCode, RemoteError
 from splitface.protocol.client_session import CannotResume, ClientSession, Resume, Rollback as RollbackTo
@@ -278,7 +279,7 @@ class DeviceClient:
         energy0 = self.energy.read_joules()
         async with self._engine_lock:
             with watch("forward"):
-                activations = await asyncio.to_thread(engine.forward, images, ("train", batch_id), image_ids, labels)
+                activations = await in_compute_thread(engine.forward, images, ("train", batch_id), image_ids, labels)
             with watch("encode"):
                 forward = self.session.forward_parts(batch_id, activations,
                                                      labels if engine.head == "server" else None,
@@ -299,7 +300,7 @@ class DeviceClient:
                 self._fault("after-embeddings", batch_id)
                 prepared.server_s.append(reply.get("server_s", math.nan))
                 with watch("head"):
-                    grad, prepared.head["loss"], prepared.head["n_correct"] = await asyncio.to_thread(
+                    grad, prepared.head["loss"], prepared.head["n_correct"] = await in_compute_thread(
                         engine.head_step, reply["embeddings"], prepared.labels, batch_id)
                 with watch("encode"):
                     message = self.session.embedding_grad(batch_id, grad)
@@ -322,7 +323,7 @@ class DeviceClient:
         engine, watch, traffic0 = self.engine, prepared.watch, prepared.traffic0
         async with self._engine_lock:
             with watch("backward"):
-                await asyncio.to_thread(engine.commit, prepared.batch_id, backward["grad"], backward["durable_through"])
+                await in_compute_thread(engine.commit, prepared.batch_id, backward["grad"], backward["durable_through"])
         loss = backward.get("loss", prepared.head.get("loss"))
         n_correct = backward.get("n_correct", prepared.head.get("n_correct"))
         t = watch.seconds
@@ -345,7 +346,7 @@ class DeviceClient:
         """(summed loss, correct) on a batch; changes no model state, but is a counted release."""
         engine = self.engine
         async with self._engine_lock:
-            activations = await asyncio.to_thread(engine.evaluate_release, images, release, image_ids, labels)
+            activations = await in_compute_thread(engine.evaluate_release, images, release, image_ids, labels)
             self._eval_id += 1
             eval_id = self._eval_id
             message = self.session.forward_parts(eval_id, activations, labels if engine.head == "server" else None,
@@ -354,5 +355,5 @@ class DeviceClient:
         reply = await self._with_retries(lambda: self.request(message, {m.EVAL_RESULT, m.EMBEDDINGS}, eval_id))
         if reply["type"] == m.EVAL_RESULT:
             return reply["loss"] * reply["n"], reply["n_correct"]
-        loss, n_correct = await asyncio.to_thread(engine.classify, reply["embeddings"], labels)
+        loss, n_correct = await in_compute_thread(engine.classify, reply["embeddings"], labels)
         return loss * len(labels), n_correct

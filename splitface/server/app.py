@@ -16,17 +16,16 @@ import ssl
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import msgpack
-import torch
 from prometheus_client import CollectorRegistry, start_http_server
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
+from splitface.common.compute import compute_threads
 from splitface.common.faults import Fault, crash
 from splitface.net.tls import is_loopback
 from splitface.common.models import activation_shape
@@ -197,10 +196,8 @@ class EdgeServer:
         self.metrics = Metrics()
         self.recorder = Recorder(config.recordings_dir, config.record_max) if config.record_max > 0 else None
         self.model_lock = asyncio.Lock()
-        # OpenMP's thread count is a per-thread setting: a new thread starts at every core, and torch applies its
-        # own (torch.set_num_threads, e.g. a test worker's 1) there only at its first parallel op, after any oneDNN
-        # convolution that came first (a VGG tail's first op) ran on every core. Asking for it applies it at once.
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="compute", initializer=torch.get_num_threads)
+        # one compute thread, at torch's thread count from its start (splitface.common.compute says why)
+        self.executor = compute_threads(1, "compute")
         self.connections: dict[str, tuple[ServerConnection, asyncio.Event]] = {}
         self.away_since: dict[str, float] = {}   # device id -> monotonic time its last connection closed
         self.open_by_address: Counter[str] = Counter()

@@ -19,6 +19,7 @@ import torch
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from splitface.common.compute import in_compute_thread
 from splitface.protocol import messages as m
 from splitface.protocol.errors import ErrorCode, RemoteError
 from splitface.protocol.client_session import FederatedClientSession
@@ -106,7 +107,7 @@ class FederatedDevice:
                 self._given_up = round_id
                 await self.close()
                 raise ConnectionError("left mid-round (test)")
-            self._pending = (round_id, await asyncio.to_thread(self._train, reply, model))
+            self._pending = (round_id, await in_compute_thread(self._train, reply, model))
         try:
             await self._ask(self._pending[1], {m.UPDATE_ACK}, round_id)
             self.trained.append(round_id)
