@@ -16,12 +16,12 @@ DEFAULT_SERVER_STAGE=(--dct-stem-blocks 2)
 # cost (docs/wire.md); a function of the audited release, so the audit's figures bound what it leaks.
 DEFAULT_WIRE=(--activation-encoding i8c --gradient-encoding i8c)
 # The start: splitface's backbone distilled from dlib's public recognizer on public LFW faces (none of LFW-158's
-# people, none of View 1's test pairs), then for 60 more epochs with the release above and its noise in the device
-# part (noise-aware); built on first use (about an hour on 2 cores, with progress bars), then reused from
+# people, none of View 1's test pairs) for 60 epochs, then for 60 more with the release above and its noise in the
+# device part (noise-aware); built on first use (about 70 minutes on 2 cores, with progress bars), then reused from
 # ~/.cache/splitface (docs/pretrain.md). The server's classifier
 # starts as its classes' mean embeddings over the first epoch (weight imprinting), then learns at 10x the rest's
 # gentle rate, so that fine-tuning keeps what the start knows (results/pretrain/). `--init scratch
 # --head-lr-scale 1 --imprint-epochs 0 --lr 0.05 --dct-stem-blocks 0` is the old start from seeded weights.
-DEFAULT_START=(--init distilled --noise-aware-epochs 60 --head-lr-scale 10 --imprint-epochs 1 --lr 0.01)
+DEFAULT_START=(--init distilled --student-epochs 60 --noise-aware-epochs 60 --head-lr-scale 10 --imprint-epochs 1 --lr 0.01)
 exec .venv/bin/python -m research demo "${DEFAULT_START[@]}" "${DEFAULT_RELEASE[@]}" "${DEFAULT_SERVER_STAGE[@]}" \
     "${DEFAULT_WIRE[@]}" "$@"

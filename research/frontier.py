@@ -45,7 +45,12 @@ imprinted, the body at lr 0.01):
                dct-drop4-clip_norm12-noise_multiplier0.005-frequency_gamma2-stem_blocks2
 
 (the undefended point, the reference, always runs; --demo-args reach it too, where --noise-aware-epochs changes
-nothing: it starts from the plain student)
+nothing: it starts from the plain student), and from run.sh's plain student, distilled for 60 epochs:
+
+    python research/frontier.py --data LFW --start distilled --out results/frontier-distilled-imprinted-student60 \
+        --demo-args "--threads 1 --student-epochs 60 --noise-aware-epochs 60 --head-lr-scale 10 --imprint-epochs 1 \
+                     --lr 0.01" \
+        --only dct-drop4-clip_norm12-noise_multiplier0.005-frequency_gamma2-stem_blocks2
 """
 from __future__ import annotations
 

@@ -93,12 +93,12 @@ def student_embedder(path: Path, spec: ModelSpec, split: str, mechanism: Mechani
     return embed
 
 
-def with_noise_aware_epochs(demo_args: list[str], epochs: int | None) -> list[str]:
-    """`demo_args` with its --noise-aware-epochs (the noise-aware start's recipe) set to `epochs` at the end, or
-    dropped (None: a run from the plain student, which no noise-aware start feeds)."""
-    kept = [a for i, a in enumerate(demo_args)
-            if a != "--noise-aware-epochs" and (i == 0 or demo_args[i - 1] != "--noise-aware-epochs")]
-    return kept if epochs is None else [*kept, "--noise-aware-epochs", str(epochs)]
+def with_epochs(demo_args: list[str], flag: str, epochs: int | None) -> list[str]:
+    """`demo_args` with a start's epochs flag (--noise-aware-epochs, --student-epochs) set to `epochs` at the end,
+    or dropped (None: a run from the plain student, which no noise-aware start feeds; or from the recipe's
+    student)."""
+    kept = [a for i, a in enumerate(demo_args) if a != flag and (i == 0 or demo_args[i - 1] != flag)]
+    return kept if epochs is None else [*kept, flag, str(epochs)]
 
 
 def init_from(start: list[str], path: Path) -> list[str]:
@@ -237,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     stage = run_sh_array("DEFAULT_SERVER_STAGE")
     extra = args.demo_args.split()
     long = demo_parser().parse_known_args(start)[0].noise_aware_epochs   # run.sh's noise-aware start, as read
+    # the runs before run.sh's start came from the plain student of 60 epochs: from the recipe's (30)
+    start30 = with_epochs(start, "--student-epochs", None)
 
     data = load_lfw(args.data, min_images=10, seed=0)   # the main job's LFW-158 split (demo's defaults)
     rows = [teacher_row(args.data, 64, args.cache, data), teacher_row(args.data, 150, args.cache)]
@@ -281,7 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     # start with the paper's conv1 release
     # the runs from a noise-aware start made in 10 epochs (the first recipe) say so; runs from the plain student
     # carry no --noise-aware-epochs (none feeds them)
-    first, plain = (lambda a: with_noise_aware_epochs(a, 10)), (lambda a: with_noise_aware_epochs(a, None))
+    first = lambda a: with_epochs(a, "--noise-aware-epochs", 10)   # noqa: E731
+    plain = lambda a: with_epochs(a, "--noise-aware-epochs", None)   # noqa: E731
     runs = [("distilled-main-release-server-head", first([*fresh_head, *release, *wire])),
             ("distilled-main-release-device-head", first([*fresh_head, "--head", "device", *release, *wire])),
             ("scratch-main-release-server-head", [*release, *wire]),
@@ -294,30 +297,32 @@ def main(argv: list[str] | None = None) -> None:
             # the head imprinted with its classes' mean embeddings over the first epoch, then trained, the body at
             # the gentler lr (server/imprint.py); the main job's release, conv1, and the distilled frontier's most
             # private point (the bottleneck at z 0.02) with the first recipe and imprinted
-            ("distilled-imprint-main-release-server-head", first([*start, *release, *wire])),
-            ("distilled-imprint-conv1-server-head", plain([*start, *wire])),
+            ("distilled-imprint-main-release-server-head", first([*start30, *release, *wire])),
+            ("distilled-imprint-conv1-server-head", plain([*start30, *wire])),
             ("distilled-bottleneck-z0.02-server-head", first([*fresh_head, *bottleneck, *wire])),
-            ("distilled-imprint-bottleneck-z0.02-server-head", first([*start, *bottleneck, *wire])),
+            ("distilled-imprint-bottleneck-z0.02-server-head", first([*start30, *bottleneck, *wire])),
             # the wider student, fine-tuned the same way with the paper's conv1 release
             ("distilled-wide-imprint-conv1-server-head",
-             plain([*init_from(start, wide_path), *wire, "--model", json.dumps(wide.compact_dict())])),
-            # run.sh: the main job's release from its noise-aware start distilled for longer (run.sh's
-            # --noise-aware-epochs), imprinted
-            ("distilled-long-imprint-main-release-server-head", [*start, *release, *wire]),
+             plain([*init_from(start30, wide_path), *wire, "--model", json.dumps(wide.compact_dict())])),
+            # run.sh's recipe before its server stage and student: the main job's release from its noise-aware
+            # start distilled for longer (run.sh's --noise-aware-epochs), imprinted
+            ("distilled-long-imprint-main-release-server-head", [*start30, *release, *wire]),
             ("distilled-imprint-main-release-server-head-start30",
-             with_noise_aware_epochs([*start, *release, *wire], 30)),
+             with_epochs([*start30, *release, *wire], "--noise-aware-epochs", 30)),
             # run.sh's server stage for the release (DEFAULT_SERVER_STAGE): residual blocks after the DCT
             # stage's conv; the rows above have the conv alone (no --dct-stem-blocks: its default)
-            ("distilled-long-imprint-main-release-stem2-server-head", [*start, *release, *stage, *wire]),
-            # the same from the plain student distilled for 60 epochs instead of 30 (View 1 0.920 against 0.909)
-            ("distilled-long-imprint-main-release-stem2-student60-server-head",
-             [*start, *release, *stage, *wire, *STUDENT_60])]
+            ("distilled-long-imprint-main-release-stem2-server-head", [*start30, *release, *stage, *wire]),
+            # run.sh: the same from the plain student distilled for 60 epochs instead of 30 (View 1 0.920 against
+            # 0.909; run.sh's --student-epochs)
+            ("distilled-long-imprint-main-release-stem2-student60-server-head", [*start, *release, *stage, *wire])]
     # the last comparisons at two more seeds each (the data split, shuffles and head): one run of the main job
     # moves by up to about 0.04
-    compared = {"distilled-long-imprint-main-release-server-head": "the DCT's server stage as its conv alone",
-                "distilled-long-imprint-main-release-stem2-server-head": "with run.sh's server stage",
+    compared = {"distilled-long-imprint-main-release-server-head":
+                    "the DCT's server stage as its conv alone, from the 30-epoch student",
+                "distilled-long-imprint-main-release-stem2-server-head":
+                    "with run.sh's server stage, from the 30-epoch student",
                 "distilled-long-imprint-main-release-stem2-student60-server-head":
-                    "with run.sh's server stage, from the 60-epoch student"}
+                    "as run.sh has it: its server stage, from the 60-epoch student"}
     runs += [(f"{name}-seed{seed}", [*demo_args, "--seed", str(seed)])
              for name, demo_args in runs if name in compared for seed in SEEDS[1:]]
     rows += [finetune_row(name, [*demo_args, *extra], args) for name, demo_args in runs]

@@ -140,7 +140,11 @@ def test_the_main_job_says_where_its_audited_run_trained_the_server_otherwise():
     same, _ = parser().parse_known_args(["--head-lr-scale", "10"])
     assert "identity R@1" in audit_line(results, same) and "trained otherwise" not in audit_line(results, same)
     ours, _ = parser().parse_known_args(run_sh_start())
-    assert "trained otherwise (lr 0.05 there, 0.01 here; imprint-epochs 0 there, 1 here)" in audit_line(results, ours)
+    assert ("started or trained otherwise (student-epochs 30 there, 60 here; noise-aware-epochs 10 there, 60 here; "
+            "lr 0.05 there, 0.01 here; imprint-epochs 0 there, 1 here)") in audit_line(results, ours)
+    # seeded weights have no distilled start to differ in: only the server's recipe is compared
+    scratch, _ = parser().parse_known_args([*run_sh_start(), "--init", "scratch"])
+    assert "(lr 0.05 there, 0.01 here; imprint-epochs 0 there, 1 here)" in audit_line(results, scratch)
 
 
 def test_the_main_job_prints_the_audit_of_its_own_release_and_start():
@@ -174,12 +178,14 @@ def run_sh_start() -> list[str]:
 def test_the_noise_aware_start_is_named_in_every_run_that_used_one():
     """--noise-aware-epochs is part of a run's arguments (a recorded run is read back only for the same
     arguments): set at the end for a noise-aware start, dropped for a run from the plain student."""
-    from research.pretrain_table import with_noise_aware_epochs
+    from research.pretrain_table import with_epochs
 
+    flag = "--noise-aware-epochs"
     start = ["--init", "distilled", "--noise-aware-epochs", "30", "--lr", "0.01"]
-    assert with_noise_aware_epochs(start, 10) == ["--init", "distilled", "--lr", "0.01", "--noise-aware-epochs", "10"]
-    assert with_noise_aware_epochs(start, None) == ["--init", "distilled", "--lr", "0.01"]
-    assert with_noise_aware_epochs(["--lr", "0.01"], 10) == ["--lr", "0.01", "--noise-aware-epochs", "10"]
+    assert with_epochs(start, flag, 10) == ["--init", "distilled", "--lr", "0.01", "--noise-aware-epochs", "10"]
+    assert with_epochs(start, flag, None) == ["--init", "distilled", "--lr", "0.01"]
+    assert with_epochs(["--lr", "0.01"], flag, 10) == ["--lr", "0.01", "--noise-aware-epochs", "10"]
+    assert with_epochs(["--student-epochs", "60", *start], "--student-epochs", None) == start
     rows = json.loads((ROOT / "results" / "pretrain" / "summary.json").read_text())
     for r in rows:
         if r["role"] == "split-finetune" and "distilled" in r["demo_args"] and "--release" in r["demo_args"]:
