@@ -154,7 +154,7 @@ def test_the_main_job_prints_the_audit_of_its_own_release_and_start():
 
     results = json.loads((ROOT / "results" / "main_job" / "distilled" / "results.json").read_text())
     frontier, row = audited_point(results)
-    assert frontier.name == "frontier-distilled-imprinted" and row["transform"] == "dct"
+    assert frontier.name == "frontier-distilled-imprinted-student60" and row["transform"] == "dct"
     assert row["params"]["stem_blocks"] == 2   # run.sh's server stage (DEFAULT_SERVER_STAGE) was audited
     ours, _ = parser().parse_known_args(run_sh_start())
     line = audit_line(results, ours)
