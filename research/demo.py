@@ -332,9 +332,9 @@ def _report(run_dir: Path, data, args: argparse.Namespace) -> None:
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 # the privacy frontiers: from scratch, from the distilled start with the first recipe, and as the main job trains
-# (research/frontier.py --start distilled), from the recipe's plain student (30 epochs) and from run.sh's (60)
-# (run.sh's first, then the imprinted one before the first distilled one: a release from both students, or a
-# plain-student run in both of the latter, finds the one the main job trains as)
+# (research/frontier.py --start distilled), from run.sh's plain student (60 epochs) and the recipe's (30)
+# (a run matches a row by its start file too, so no run finds both students' frontiers; the imprinted one before
+# the first distilled one: a plain-student run matches both, and the main job trains so)
 FRONTIERS = (RESULTS / "frontier", RESULTS / "frontier-distilled-imprinted-student60",
              RESULTS / "frontier-distilled-imprinted", RESULTS / "frontier-distilled")
 
@@ -362,15 +362,13 @@ def audited_point(results: dict, frontiers: tuple[Path, ...] = FRONTIERS) -> tup
     return None
 
 
-# how the server trains, and how its distilled start was made: the audited run's may differ from this run's for the
-# same release (the start's recipe only where both started from a distilled start: seeded weights have none)
+# how the server trains: the audited run's may differ from this run's for the same release
 SERVER_RECIPE = ("lr", "head_lr_scale", "imprint_epochs")
-START_RECIPE = ("student_epochs", "noise_aware_epochs")
 
 
 def audit_line(results: dict, args: argparse.Namespace | None = None) -> str:
     """What the audit measured for this release: the figures, not a promise. With this run's `args`, it also says
-    where the audited run's server started or trained otherwise: what a server can recognise depends on both."""
+    where the audited run's server trained otherwise: what a server can recognise depends on how it trained."""
     found = audited_point(results)
     if found is None:
         return "privacy: this release setting has not been audited (research/frontier.py, docs/audit.md)"
@@ -379,13 +377,10 @@ def audit_line(results: dict, args: argparse.Namespace | None = None) -> str:
     recorded = frontier / "runs" / row["run"] / "demo_args.json"
     if args is not None and recorded.exists():
         audited, _ = parser().parse_known_args(json.loads(recorded.read_text()))
-        both_distilled = audited.init == args.init == "distilled"
         differ = [f"{k.replace('_', '-')} {getattr(audited, k):g} there, {getattr(args, k):g} here"
-                  for k in (*(START_RECIPE if both_distilled else ()), *SERVER_RECIPE)
-                  if getattr(audited, k) != getattr(args, k)]
+                  for k in SERVER_RECIPE if getattr(audited, k) != getattr(args, k)]
         if differ:
-            caveat = (f" [the audited run's server started or trained otherwise ({'; '.join(differ)}): its figures "
-                      f"are for that run]")
+            caveat = f" [the audited run's server trained otherwise ({'; '.join(differ)}): its figures are for that run]"
     split = ""
     if "reconstruction_identity_r1" in row:
         split = (f"; what it can see: dlib names {row['reconstruction_identity_r1']:.3f} from reconstructions (chance "

@@ -36,8 +36,8 @@ the undefended point from the plain student), beside the rows from scratch:
         --only bottleneck-channels4-stride2-clip_norm16-noise_multiplier0.02 \
                dct-drop4-clip_norm12-noise_multiplier0.005-frequency_gamma2
 
-and as the main job fine-tunes (run.sh's start: the noise-aware start distilled for 60 epochs, the server's head
-imprinted, the body at lr 0.01):
+and as the main job fine-tunes (the noise-aware start distilled for 60 epochs from the recipe's plain student of
+30, the server's head imprinted, the body at lr 0.01):
 
     python research/frontier.py --data LFW --start distilled --out results/frontier-distilled-imprinted \
         --demo-args "--threads 1 --noise-aware-epochs 60 --head-lr-scale 10 --imprint-epochs 1 --lr 0.01" \

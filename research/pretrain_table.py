@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     stage = run_sh_array("DEFAULT_SERVER_STAGE")
     extra = args.demo_args.split()
     long = demo_parser().parse_known_args(start)[0].noise_aware_epochs   # run.sh's noise-aware start, as read
-    # the runs before run.sh's start came from the plain student of 60 epochs: from the recipe's (30)
+    # run.sh's start comes from the plain student of 60 epochs; the rows recorded before it, from the recipe's 30
     start30 = with_epochs(start, "--student-epochs", None)
 
     data = load_lfw(args.data, min_images=10, seed=0)   # the main job's LFW-158 split (demo's defaults)
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
                                 recipes=(replace(PLAIN_RECIPE, epochs=20), NOISE_AWARE_RECIPE))
     rows.append(student_row(wide_path, frozen_probe(student_embedder(wide_path, wide, DEFAULT_SPLIT, NoNoise()), data)))
     # time: the plain student at twice the recipe's epochs (its View 1 still rose at 30: 0.889, 0.898, 0.909 at 20,
-    # 25 and 30), the demo's --student-epochs 60 (built on first use: about an hour on 2 cores)
+    # 25 and 30), run.sh's --student-epochs 60 (built on first use: 47 minutes on 2 cores)
     plain = resolve_spec(args.model)
     long_path = distilled_start(plain, DEFAULT_SPLIT, NoNoise(), args.data, args.cache,
                                 recipes=start_recipes(demo_parser().parse_known_args(STUDENT_60)[0]))

@@ -1,9 +1,12 @@
 """Shared fixtures: the real LFW copy, an in-process edge server on loopback, a trustme PKI; and no silent skips."""
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import threading
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -23,6 +26,39 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def openmp_runtime() -> ctypes.CDLL:
+    """The OpenMP runtime torch loaded: its own copy in torch/lib (other wheels may load theirs, whose counts torch
+    does not set)."""
+    import torch
+
+    found = sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
+    assert found, f"no libgomp in {Path(torch.__file__).parent / 'lib'}: OpenMP's setting is read there"
+    return ctypes.CDLL(str(found[0]))
+
+
+def openmp_default() -> int:
+    """OpenMP's count in a plain new thread (every core, or OMP_NUM_THREADS): what torch's count must differ from
+    for a check of it to mean something."""
+    out: list[int] = []
+    thread = threading.Thread(target=lambda: out.append(openmp_runtime().omp_get_max_threads()))
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+@contextlib.contextmanager
+def at_torch_count(threads: int) -> Iterator[None]:
+    """torch.set_num_threads(threads) for the block, then back (an xdist worker's 1 matters to other tests)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 LFW = ROOT.parent / "shared" / "data" / "lfw"
 TOKENS = {"device-0": "token-zero", "device-1": "token-one", "device-2": "token-two"}
 

@@ -1,59 +1,58 @@
-"""Torch work in the devices' and the server's compute threads runs at torch's thread count from the first op:
-OpenMP's count is per thread, and a new thread starts at every core (splitface.common.compute)."""
+"""Torch work in another thread runs at the thread count torch has where it was asked for, from that thread's first
+op: OpenMP's count is per thread, a new thread starts at its own default, and a thread keeps the count it was first
+given (splitface/common/compute.py). Each check asks for one more thread than a plain new thread's default, so it
+cannot pass by the two agreeing on some machine."""
 from __future__ import annotations
 
 import asyncio
-import ctypes
+import re
 import threading
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from splitface.common.compute import compute_threads, in_compute_thread
+from splitface.common.compute import at_torch_threads, in_compute_thread
+from tests.conftest import ROOT, at_torch_count, openmp_default, openmp_runtime
 
 
-def openmp() -> ctypes.CDLL:
-    """The OpenMP runtime torch loaded: its own libgomp in the CPU wheel (other wheels, scikit-learn's say, load
-    their own copies, whose counts torch does not set)."""
-    lib = Path(torch.__file__).parent / "lib"
-    loaded = sorted({p for p in open("/proc/self/maps").read().split()
-                     if p.startswith(str(lib)) and ("libgomp" in p or "libiomp" in p)})
-    assert loaded, f"torch loaded no OpenMP runtime from {lib}"
-    return ctypes.CDLL(loaded[0])
-
-
-def omp_threads_of_a_new_thread(start) -> int:
-    """OpenMP's thread count in a thread that `start` runs a conv in first (no parallel op of torch's before)."""
-    omp = openmp()
-
-    def first_op() -> int:
-        torch.nn.functional.conv2d(torch.rand(4, 3, 16, 16), torch.rand(4, 3, 3, 3))   # oneDNN's
-        return omp.omp_get_max_threads()
-    return start(first_op)
+def first_conv_then_count() -> int:
+    """A oneDNN convolution as a thread's first torch op, then OpenMP's count in that thread."""
+    torch.nn.functional.conv2d(torch.rand(4, 3, 16, 16), torch.rand(4, 3, 3, 3))
+    return openmp_runtime().omp_get_max_threads()
 
 
 def in_a_plain_thread(fn):
     out = []
-    t = threading.Thread(target=lambda: out.append(fn()))
-    t.start()
-    t.join()
+    thread = threading.Thread(target=lambda: out.append(fn()))
+    thread.start()
+    thread.join()
     return out[0]
 
 
-def test_compute_threads_run_at_torchs_count_from_their_first_op():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)   # a device's --threads 1 (and what tests/conftest.py gives each xdist worker)
-    try:
-        with compute_threads(1, "test-compute") as pool:
-            assert omp_threads_of_a_new_thread(lambda fn: pool.submit(fn).result()) == 1
-        # a plain thread: OpenMP's own default (every core, or OMP_NUM_THREADS), what the pool prevents
-        default = in_a_plain_thread(openmp().omp_get_max_threads)
-        assert default > 1, "a 1-core machine (or OMP_NUM_THREADS=1) cannot show the difference"
-        assert omp_threads_of_a_new_thread(in_a_plain_thread) == default
-    finally:
-        torch.set_num_threads(before)
+def test_a_plain_thread_convolves_at_openmps_default_not_torchs():
+    """What the module prevents: a plain thread's first convolution ignores torch.set_num_threads."""
+    default = openmp_default()
+    with at_torch_count(default + 1):
+        assert in_a_plain_thread(first_conv_then_count) == default
 
 
-def test_devices_compute_in_such_a_pool():
-    """Every device's torch work (connection.py, federated/device.py) goes through in_compute_thread."""
-    assert asyncio.run(in_compute_thread(lambda: threading.current_thread().name)).startswith("device-compute")
+def test_device_work_runs_at_torchs_count_from_its_first_op():
+    default = openmp_default()
+    with at_torch_count(default + 1):
+        assert asyncio.run(in_compute_thread(first_conv_then_count)) == default + 1
+
+
+def test_a_pool_thread_follows_torchs_count_when_it_changes():
+    default = openmp_default()
+    with ThreadPoolExecutor(1) as pool, at_torch_count(default + 1):
+        assert pool.submit(at_torch_threads, default + 1, first_conv_then_count).result() == default + 1
+        assert pool.submit(at_torch_threads, default + 2, first_conv_then_count).result() == default + 2
+
+
+def test_the_device_and_the_server_hand_torch_work_only_to_such_threads():
+    """Every hand-off to another thread in the device and server packages goes through splitface.common.compute."""
+    handoffs = re.compile(r"to_thread\(|run_in_executor\(")
+    for path in sorted(p for package in ("device", "server") for p in (ROOT / "splitface" / package).rglob("*.py")):
+        for line in path.read_text().splitlines():
+            if handoffs.search(line):
+                assert "at_torch_threads" in line, f"{path.relative_to(ROOT)}: {line.strip()}"

@@ -10,8 +10,6 @@ threads alike. A difference in the last bit is a difference in what was computed
 from __future__ import annotations
 
 import asyncio
-import ctypes
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +21,7 @@ from splitface.device.trainer import DeviceTrainer, to_input
 from splitface.common.models import build_backbone, build_classifier, resolve_spec, split_backbone
 from splitface.common.optim import TrainConfig, exponential_decay, make_sgd
 from splitface.server.trainer import ServerTrainer
-from tests.conftest import TOKENS, serve_in_thread, small_trainer
+from tests.conftest import TOKENS, at_torch_count, openmp_default, openmp_runtime, serve_in_thread, small_trainer
 
 NUM_CLASSES = 5
 LR, DECAY_STEPS = 0.05, 4
@@ -117,17 +115,8 @@ def test_a_head_lr_scale_trains_the_classifier_at_that_multiple_on_both_sides():
 
 
 def test_the_servers_compute_thread_takes_torchs_thread_count(tmp_path):
-    """OpenMP's thread count is a per-thread setting: a new thread starts at every core, and torch applies
-    torch.set_num_threads there only at its first parallel op, after any oneDNN convolution that came first ran
-    on every core (another summation order than the same convolution elsewhere in the process). The server's
-    compute thread has torch's count before its first op."""
-    found = sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
-    assert found, f"no libgomp in {Path(torch.__file__).parent / 'lib'}: this check reads OpenMP's setting there"
-    gomp = ctypes.CDLL(str(found[0]))   # the copy torch loaded
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # a new thread's default is every core
-    try:
-        with serve_in_thread(small_trainer(), tmp_path) as server:
-            assert server.server.executor.submit(gomp.omp_get_max_threads).result() == 1
-    finally:
-        torch.set_num_threads(threads)
+    """The server's compute thread runs at torch's count from its first op (splitface/common/compute.py says why;
+    one more thread than a plain thread's default, so the two cannot agree by chance)."""
+    gomp, default = openmp_runtime(), openmp_default()
+    with at_torch_count(default + 1), serve_in_thread(small_trainer(), tmp_path) as server:
+        assert server.call(server.server._compute(gomp.omp_get_max_threads)) == default + 1

@@ -1,15 +1,14 @@
-"""Threads that run torch at the thread count torch was given.
+"""Torch work in other threads, at the thread count torch was given.
 
-OpenMP's thread count is a per-thread setting: a new thread starts at every core, and torch applies its own
-(`torch.set_num_threads`, a device's `--threads 1`) there only at its first parallel op, after any oneDNN
-convolution that came first ran on every core. A convolution's weight gradient summed over two threads rounds
-differently from one summed over one, so which pool thread picked up a step changed a device's last bits. Asking
-torch for its count when the thread starts applies it at once."""
+OpenMP's thread count is a per-thread setting: a new thread starts at every core (or OMP_NUM_THREADS), and torch
+applies its own (`torch.set_num_threads`, a device's `--threads 1`) there only at its first parallel op, after any
+oneDNN convolution that came first ran on every core; a thread keeps the count it was first given when torch's
+changes later. A convolution's weight gradient summed over two threads rounds differently from one summed over
+one, so which pool thread picked up a step changed a device's last bits. So each call passes the caller's count
+along and the worker applies it where its own differs."""
 from __future__ import annotations
 
 import asyncio
-import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -17,15 +16,13 @@ import torch
 T = TypeVar("T")
 
 
-def compute_threads(workers: int, name: str) -> ThreadPoolExecutor:
-    """A pool whose threads compute at torch's thread count, as set before the pool's first task."""
-    return ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=torch.get_num_threads)
-
-
-# the devices' pool, shared by every device in a process (a simulator runs many): asyncio.to_thread's size
-_DEVICE_POOL = compute_threads(min(32, (os.cpu_count() or 1) + 4), "device-compute")
+def at_torch_threads(threads: int, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in this thread with OpenMP at `threads` (torch's count where the work was asked for)."""
+    if torch.get_num_threads() != threads:   # asking applies torch's count to a fresh thread; else set it here
+        torch.set_num_threads(threads)
+    return fn(*args)
 
 
 async def in_compute_thread(fn: Callable[..., T], *args: Any) -> T:
-    """`asyncio.to_thread` for torch work: `fn(*args)` in the devices' pool, the event loop free meanwhile."""
-    return await asyncio.get_running_loop().run_in_executor(_DEVICE_POOL, fn, *args)
+    """`asyncio.to_thread` for torch work: `fn(*args)` in the loop's default executor, at the caller's count."""
+    return await asyncio.to_thread(at_torch_threads, torch.get_num_threads(), fn, *args)

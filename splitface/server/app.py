@@ -16,16 +16,18 @@ import ssl
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import msgpack
+import torch
 from prometheus_client import CollectorRegistry, start_http_server
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from splitface.common.compute import compute_threads
+from splitface.common.compute import at_torch_threads
 from splitface.common.faults import Fault, crash
 from splitface.net.tls import is_loopback
 from splitface.common.models import activation_shape
@@ -196,8 +198,8 @@ class EdgeServer:
         self.metrics = Metrics()
         self.recorder = Recorder(config.recordings_dir, config.record_max) if config.record_max > 0 else None
         self.model_lock = asyncio.Lock()
-        # one compute thread, at torch's thread count from its start (splitface.common.compute says why)
-        self.executor = compute_threads(1, "compute")
+        # one compute thread, each call at torch's thread count (splitface.common.compute says why)
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="compute")
         self.connections: dict[str, tuple[ServerConnection, asyncio.Event]] = {}
         self.away_since: dict[str, float] = {}   # device id -> monotonic time its last connection closed
         self.open_by_address: Counter[str] = Counter()
@@ -324,7 +326,8 @@ class EdgeServer:
 
     # ---- serving -----------------------------------------------------------------------
     async def _compute(self, fn: Callable, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, at_torch_threads,
+                                                                torch.get_num_threads(), fn, *args)
 
     async def run(self, on_ready: Callable[[int], None] | None = None) -> None:
         loop = asyncio.get_running_loop()
