@@ -6,7 +6,7 @@ import ctypes
 import os
 import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 import numpy as np
 import pytest
@@ -26,6 +26,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
+
+LFW = ROOT.parent / "shared" / "data" / "lfw"
+TOKENS = {"device-0": "token-zero", "device-1": "token-one", "device-2": "token-two"}
 
 
 def openmp_runtime() -> ctypes.CDLL:
@@ -38,14 +42,19 @@ def openmp_runtime() -> ctypes.CDLL:
     return ctypes.CDLL(str(found[0]))
 
 
-def openmp_default() -> int:
-    """OpenMP's count in a plain new thread (every core, or OMP_NUM_THREADS): what torch's count must differ from
-    for a check of it to mean something."""
-    out: list[int] = []
-    thread = threading.Thread(target=lambda: out.append(openmp_runtime().omp_get_max_threads()))
+def in_a_plain_thread(fn: Callable[[], T]) -> T:
+    """fn() in a new thread that nothing has set up."""
+    out: list[T] = []
+    thread = threading.Thread(target=lambda: out.append(fn()))
     thread.start()
     thread.join()
     return out[0]
+
+
+def openmp_default() -> int:
+    """OpenMP's count in a plain new thread (every core, or OMP_NUM_THREADS): what torch's count must differ from
+    for a check of it to mean something."""
+    return in_a_plain_thread(lambda: openmp_runtime().omp_get_max_threads())
 
 
 @contextlib.contextmanager
@@ -59,8 +68,6 @@ def at_torch_count(threads: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-LFW = ROOT.parent / "shared" / "data" / "lfw"
-TOKENS = {"device-0": "token-zero", "device-1": "token-one", "device-2": "token-two"}
 
 
 @pytest.fixture(scope="session")

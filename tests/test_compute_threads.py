@@ -6,27 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import re
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from splitface.common.compute import at_torch_threads, in_compute_thread
-from tests.conftest import ROOT, at_torch_count, openmp_default, openmp_runtime
+from tests.conftest import ROOT, at_torch_count, in_a_plain_thread, openmp_default, openmp_runtime
 
 
 def first_conv_then_count() -> int:
     """A oneDNN convolution as a thread's first torch op, then OpenMP's count in that thread."""
     torch.nn.functional.conv2d(torch.rand(4, 3, 16, 16), torch.rand(4, 3, 3, 3))
     return openmp_runtime().omp_get_max_threads()
-
-
-def in_a_plain_thread(fn):
-    out = []
-    thread = threading.Thread(target=lambda: out.append(fn()))
-    thread.start()
-    thread.join()
-    return out[0]
 
 
 def test_a_plain_thread_convolves_at_openmps_default_not_torchs():
