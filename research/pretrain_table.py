@@ -259,8 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     for flags, epochs in starts:
         known, _ = privacy.parse_known_args(["--model", args.model, *flags])
         spec, mechanism = model_spec(known), release_mechanism(known)
-        named = ["--noise-aware-epochs", str(epochs or NOISE_AWARE_RECIPE.epochs),   # the plain student: the default
-                 *(STUDENT_60 if "--student-epochs" in flags else [])]
+        # the flags name the student's epochs where they differ from the recipe's; the plain student: no noise-aware
+        named = [*flags, "--noise-aware-epochs", str(epochs or NOISE_AWARE_RECIPE.epochs)]
         recipes = start_recipes(demo_parser().parse_known_args(named)[0])
         path = distilled_start(spec, known.split, mechanism, args.data, args.cache, recipes=recipes)
         probe = frozen_probe(student_embedder(path, spec, known.split, mechanism), data)
@@ -274,10 +274,10 @@ def main(argv: list[str] | None = None) -> None:
     rows.append(student_row(wide_path, frozen_probe(student_embedder(wide_path, wide, DEFAULT_SPLIT, NoNoise()), data)))
     # time: the plain student at twice the recipe's epochs (its View 1 still rose at 30: 0.889, 0.898, 0.909 at 20,
     # 25 and 30), run.sh's --student-epochs 60 (built on first use: 47 minutes on 2 cores)
-    plain = resolve_spec(args.model)
-    long_path = distilled_start(plain, DEFAULT_SPLIT, NoNoise(), args.data, args.cache,
+    narrow = resolve_spec(args.model)
+    long_path = distilled_start(narrow, DEFAULT_SPLIT, NoNoise(), args.data, args.cache,
                                 recipes=start_recipes(demo_parser().parse_known_args(STUDENT_60)[0]))
-    rows.append(student_row(long_path, frozen_probe(student_embedder(long_path, plain, DEFAULT_SPLIT, NoNoise()), data)))
+    rows.append(student_row(long_path, frozen_probe(student_embedder(long_path, narrow, DEFAULT_SPLIT, NoNoise()), data)))
     # the main job's release and wire with `fresh_head`, the first recipe from the distilled start (a fresh head at 10x
     # the lr), and its device-head twin; the old start from seeded weights with the old recipe; and the distilled
     # start with the paper's conv1 release
