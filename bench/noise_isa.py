@@ -27,6 +27,7 @@ import numpy as np
 
 from bench.machine import cpu, describe, record
 from research.results import write_record
+from splitface.device.runtimes.native import ARM64_CXX, launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 NATIVE = ROOT / "splitface" / "device" / "runtimes" / "native"
@@ -48,7 +49,6 @@ PATHS = [
 
 
 # arm64: Debian's cross compiler (g++-aarch64-linux-gnu), static, run under qemu-user (qemu-aarch64)
-ARM64_CXX, ARM64_RUN = "aarch64-linux-gnu-g++", ["qemu-aarch64"]
 KEYSTREAM_BYTES = 4 * 64 * 16  # what the harness dumps after the normals: 4 groups of 16 ChaCha20 blocks
 
 
@@ -62,8 +62,8 @@ def build(march: str | None, width: int | None, out: Path, cxx: str = CXX) -> Pa
     return out
 
 
-def run(binary: Path, values: int, repetitions: int, dump: Path | None = None, emulator: list[str] = ()) -> dict:
-    argv = [*emulator, str(binary), KEY.hex(), str(values), str(repetitions), *([str(dump)] if dump else [])]
+def run(binary: Path, values: int, repetitions: int, dump: Path | None = None) -> dict:
+    argv = [*launcher(binary), KEY.hex(), str(values), str(repetitions), *([str(dump)] if dump else [])]
     return json.loads(subprocess.run(argv, check=True, capture_output=True, text=True).stdout)
 
 

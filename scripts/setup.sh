@@ -2,7 +2,7 @@
 # Creates .venv with torch 2.13.0 (CPU wheel) first, then the project with its test, audit, export and ray extras; installs the
 # JDK-side test jars (JUnit 4, msgpack-java) from Debian for the Android demo's JVM core, CMake and a C++
 # compiler for the native device runner (splitface/device/runtimes/native), and the arm64 cross compiler with qemu-user
-# for its arm64 tests, when missing.
+# for its arm64 tests, when missing; and unpacks the aarch64 wheel of the same executorch release (its prebuilt arm64 runtime).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -30,4 +30,18 @@ if [ ! -f /usr/share/java/junit4.jar ] || [ ! -f /usr/share/java/msgpack-core.ja
   command -v qemu-aarch64 >/dev/null || PKGS="$PKGS qemu-user"
   $SUDO apt-get install -y -q $PKGS >/dev/null || {
     $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q $PKGS >/dev/null; }
+fi
+
+# ExecuTorch's prebuilt C++ runtime for arm64 Linux: the installed release's aarch64 wheel from PyPI, unpacked (not
+# installed) where splitface.device.runtimes.native.arm64_runtime_dir says, for the runner's arm64 cross build.
+ET_ARM64=$(.venv/bin/python -c "from splitface.device.runtimes.native import arm64_runtime_dir; print(arm64_runtime_dir())")
+if [ ! -f "$ET_ARM64/executorch/lib/cmake/executorch/executorch-config.cmake" ]; then
+  ET_WHEELS=$(mktemp -d)
+  .venv/bin/pip download -q --no-deps --only-binary=:all: --platform manylinux_2_28_aarch64 \
+    --python-version "$(.venv/bin/python -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')" \
+    -d "$ET_WHEELS" "executorch==$(.venv/bin/python -c 'from importlib.metadata import version; print(version("executorch"))')"
+  rm -rf "$ET_ARM64.partial"
+  .venv/bin/python -m zipfile -e "$ET_WHEELS"/executorch-*.whl "$ET_ARM64.partial"
+  rm -rf "$ET_ARM64" "$ET_WHEELS"
+  mv "$ET_ARM64.partial" "$ET_ARM64"
 fi

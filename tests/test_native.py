@@ -3,7 +3,9 @@ C++ runtime, it links no libtorch, and its release and summed weight gradient ov
 batch-2 programs, and over the strips of each image with the strip programs, equal eager PyTorch. The noise
 it draws is ChaCha20's keystream (checked against the `cryptography` package's) through Box-Muller, Gaussian,
 and under a fresh key per release unless a key file is given. Bad inputs stop it with a message naming the
-file. Without cmake or a C++ compiler the build fails with a message (it is not skipped).
+file. Without cmake or a C++ compiler the build fails with a message (it is not skipped). The same runner
+cross-built for arm64 (against ExecuTorch's aarch64 wheel, which scripts/setup.sh unpacks) passes every one of
+these runner tests under qemu-user, and its JNI library exports what the host's does.
 
 The `native` backend (splitface/device/runtimes/native_runtime.py): one runner process serves a device's releases
 and weight gradients, each step's weights read at run time, equal to eager PyTorch over steps whose weights
@@ -17,6 +19,7 @@ release is the Python clip-and-quantise of eager PyTorch's release plus those sa
 the weight step and the accountant's figures are eager PyTorch's, and a simulator run spends what eager spends."""
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -41,10 +44,9 @@ STRIP_RELEASE, STRIP_GRAD = ["images", "weight", "bias"], ["images", "grad", "we
 
 
 @pytest.fixture(scope="module")
-def native(tmp_path_factory):
-    """The built runner, a device layer (DP clamp on) and its im2col programs for batches 1 and 2."""
-    root = tmp_path_factory.mktemp("native")
-    binary = build(root / "build")
+def exported(tmp_path_factory):
+    """A device layer (DP clamp on) and its im2col programs for batches 1 and 2 and its strip programs."""
+    root = tmp_path_factory.mktemp("programs")
     torch.manual_seed(0)
     layer = build_device_part(resolve_spec("iresnet_small"), "conv1").eval()
     for lrn in (m for m in layer.modules() if isinstance(m, PaperLRN)):
@@ -64,7 +66,32 @@ def native(tmp_path_factory):
     release, vjp = export_strip_ptes(layer, ROWS, SIZE)
     (programs["strips"] / "release.pte").write_bytes(release)
     (programs["strips"] / "vjp.pte").write_bytes(vjp)
-    return binary, layer, programs, root
+    return layer, programs
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory) -> dict[str, Path]:
+    """The runner (and libsplitface_jni beside it) built for this machine, and cross-built for arm64 against the
+    aarch64 wheel's runtime."""
+    root = tmp_path_factory.mktemp("builds")
+    return {target: build(root / target, arm64=target == "arm64") for target in ("host", "arm64")}
+
+
+@pytest.fixture(scope="module", params=["host", "arm64"])
+def native(request, builds, exported, tmp_path_factory):
+    """One build with the programs; the arm64 one runs under qemu-user (`launcher`): every test below holds both
+    builds to the same programs and references."""
+    return builds[request.param], *exported, tmp_path_factory.mktemp(f"native-{request.param}")
+
+
+def elf_machine(binary: Path) -> int:
+    """The ELF header's e_machine: 62 x86-64, 183 arm64."""
+    return int.from_bytes(binary.read_bytes()[18:20], "little")
+
+
+def needed_libraries(binary: Path) -> str:
+    """The shared libraries `binary` names (readelf reads either architecture's ELF)."""
+    return subprocess.run(["readelf", "-d", str(binary)], capture_output=True, text=True, check=True).stdout
 
 
 def strip_run(native, work, noise_std=None, key=None, grad=True):
@@ -84,7 +111,7 @@ def test_build_without_cmake_fails_with_a_message(monkeypatch, tmp_path):
 @pytest.mark.slow  # builds the runner (CMake, a few seconds) and lowers four programs
 def test_native_runner_matches_eager_in_chunks_without_libtorch(native):
     binary, layer, programs, root = native
-    linked = subprocess.run(["ldd", str(binary)], capture_output=True, text=True).stdout
+    linked = needed_libraries(binary)
     assert "libexecutorch.so" in linked and "xnnpack" in linked and "torch" not in linked.replace("executorch", "")
     g = torch.Generator().manual_seed(1)
     images = 3 * torch.rand(SAMPLES, 3, SIZE, SIZE, generator=g)  # above the clamp: its mask matters
@@ -193,22 +220,40 @@ def test_every_vector_path_draws_the_reference_normals(tmp_path):
 def test_arm64_noise_is_neon_and_draws_the_reference_normals_under_qemu(tmp_path):
     """The same sources built for arm64 by Debian's cross compiler (scripts/setup.sh installs it and qemu-user)
     compile to NEON (4 lanes: chacha20_lanes.h) and, run under qemu-aarch64, draw the key's normals and
-    keystream as on x86. The runner itself needs ExecuTorch's runtime for arm64, which is not built here
-    (docs/device.md)."""
+    keystream as on x86 (the whole runner's arm64 build: the `native` fixture's second parameter)."""
     from bench import noise_isa
     binary = noise_isa.build(None, None, tmp_path / "noise-arm64", cxx=noise_isa.ARM64_CXX)
-    assert binary.read_bytes()[18:20] == (183).to_bytes(2, "little")  # the ELF header's e_machine: EM_AARCH64
+    assert elf_machine(binary) == native_module.EM_AARCH64
     asm = subprocess.run([noise_isa.ARM64_CXX, *noise_isa.FLAGS, "-S", "-o", "-",
                           str(noise_isa.NATIVE / "gaussian_noise.cpp")], capture_output=True, text=True, check=True)
     assert asm.stdout.count(".4s") > 100  # the lanes as NEON vectors of 4 x 32 bits, not scalar code
-    check_noise_dump(noise_isa, binary, tmp_path / "z", "arm64", emulator=noise_isa.ARM64_RUN)
+    check_noise_dump(noise_isa, binary, tmp_path / "z", "arm64")
 
 
-def check_noise_dump(noise_isa, binary: Path, dump: Path, label: str, emulator: list[str] = ()) -> None:
+@pytest.mark.slow  # the two runner builds
+def test_arm64_build_is_arm64_code_with_the_jni_entry_points_of_the_host_build(builds):
+    """The runner and libsplitface_jni cross-built for arm64 are arm64 ELF files linked against the aarch64
+    wheel's runtime (no libtorch), and the JNI library exports the same Java entry points as the host's (it
+    cannot run here: there is no arm64 JVM; the runner's parity tests run it under qemu)."""
+    host, arm64 = builds["host"], builds["arm64"]
+    jni = {binary: binary.parent / native_module.JNI_LIBRARY for binary in (host, arm64)}
+    assert elf_machine(arm64) == elf_machine(jni[arm64]) == native_module.EM_AARCH64
+    assert elf_machine(host) == elf_machine(jni[host]) == {"x86_64": 62, "aarch64": 183}[os.uname().machine]
+    exports = {}
+    for binary, library in jni.items():
+        symbols = subprocess.run(["readelf", "--dyn-syms", "-W", str(library)], capture_output=True, text=True,
+                                 check=True).stdout.split()
+        exports[binary] = {s for s in symbols if s.startswith("Java_org_splitface_")}
+    assert exports[arm64] == exports[host] and len(exports[host]) >= 4
+    assert str(native_module.arm64_runtime_dir()) in needed_libraries(arm64)  # its RUNPATH: the aarch64 wheel
+    assert "libexecutorch.so" in needed_libraries(arm64) and "torch" not in needed_libraries(arm64).replace("executorch", "")
+
+
+def check_noise_dump(noise_isa, binary: Path, dump: Path, label: str) -> None:
     """The harness's normals equal the float64 reference (the float32 polynomials' error, as the runner's own
     test) and its keystream equals `NoiseStream`'s bytes exactly."""
     n = 3 * 256 + 37  # whole groups and a part of one
-    noise_isa.run(binary, n, 1, dump, emulator=emulator)
+    noise_isa.run(binary, n, 1, dump)
     z, keystream = noise_isa.read_dump(dump, n)
     assert np.abs(z - reference_normals(noise_isa.KEY, n)).max() < 2e-5, label
     assert keystream == NoiseStream(noise_isa.KEY).random_bytes(noise_isa.KEYSTREAM_BYTES), label

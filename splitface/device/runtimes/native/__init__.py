@@ -8,7 +8,8 @@ out, the weight gradient summed over chunks. With batch-1 programs a batch of N 
 than one image's activations, which is what brings the device's peak memory down.
 
 Built here with CMake against the executorch wheel's prebuilt runtime (`build`, or `build_cached` into a
-per-user cache), driven by `run_native` (one batch per process: the bench and tests) and `StripServer` (one
+per-user cache), or for arm64 with Debian's cross compiler against the same release's aarch64 wheel
+(`build(..., arm64=True)`; scripts/setup.sh unpacks it into `arm64_runtime_dir()`), driven by `run_native` (one batch per process: the bench and tests) and `StripServer` (one
 process that keeps the strip programs loaded and answers a request per batch: the `native` backend,
 `splitface/device/runtimes/native_runtime.py`), and measured by `bench/bench_native.py`. Its fast path is the strip programs (`splitface.export.artifacts.export_strip_ptes`): each image cut into
 strips of a few rows so that XNNPACK's passes stay in cache, and the release's noise drawn by the runner
@@ -32,6 +33,9 @@ import numpy as np
 SOURCE = Path(__file__).resolve().parent
 BINARY = "splitface_native"
 JNI_LIBRARY = "libsplitface_jni.so"  # splitface_jni.cpp: the runtime for android_demo's Java device on a host JVM
+ARM64_CXX = "aarch64-linux-gnu-g++"  # Debian's g++-aarch64-linux-gnu
+ARM64_RUN = ["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu"]  # qemu-user, with the cross toolchain's loader and libc
+EM_AARCH64 = 183  # the ELF header's e_machine for arm64
 
 
 def executorch_cmake_dir() -> Path:
@@ -45,21 +49,55 @@ def executorch_cmake_dir() -> Path:
     return found
 
 
-def build(build_dir: Path) -> Path:
-    """Configure and build the runner in `build_dir` (CMake rebuilds only what changed); the binary's path."""
-    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+def arm64_runtime_dir() -> Path:
+    """Where scripts/setup.sh unpacks the aarch64 wheel of the installed executorch release (its prebuilt
+    C++ runtime for arm64 Linux; nothing of it is installed): $SPLITFACE_EXECUTORCH_ARM64, else
+    <XDG cache or ~/.cache>/splitface/executorch-<version>-aarch64."""
+    from importlib.metadata import version
+
+    if os.environ.get("SPLITFACE_EXECUTORCH_ARM64"):
+        return Path(os.environ["SPLITFACE_EXECUTORCH_ARM64"])
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "splitface" / f"executorch-{version('executorch')}-aarch64"
+
+
+def arm64_cmake_dir() -> Path:
+    """The aarch64 wheel's CMake package, as `executorch_cmake_dir` is the installed wheel's."""
+    found = arm64_runtime_dir() / "executorch" / "lib" / "cmake" / "executorch"
+    if not (found / "executorch-config.cmake").exists():
+        raise RuntimeError(f"no ExecuTorch runtime for arm64 at {arm64_runtime_dir()}: run scripts/setup.sh, which "
+                           "unpacks the installed release's aarch64 wheel there")
+    return found
+
+
+def build(build_dir: Path, arm64: bool = False) -> Path:
+    """Configure and build the runner in `build_dir` (CMake rebuilds only what changed); the binary's path.
+    `arm64`: cross-built with Debian's aarch64 compiler against `arm64_cmake_dir()`; `launcher` runs it."""
+    compiler = ARM64_CXX if arm64 else "c++"
+    missing = [tool for tool in ("cmake", compiler) if shutil.which(tool) is None]
     if missing:
         raise RuntimeError(f"building the native runner needs {' and '.join(missing)} on PATH "
-                           "(Debian: apt-get install cmake g++)")
+                           f"(Debian: apt-get install cmake {'g++-aarch64-linux-gnu' if arm64 else 'g++'})")
     build_dir.mkdir(parents=True, exist_ok=True)
-    steps = [["cmake", "-S", str(SOURCE), "-B", str(build_dir), f"-Dexecutorch_DIR={executorch_cmake_dir()}",
-              "-DCMAKE_BUILD_TYPE=Release"],
+    target = ([f"-Dexecutorch_DIR={arm64_cmake_dir()}", "-DCMAKE_SYSTEM_NAME=Linux",
+               "-DCMAKE_SYSTEM_PROCESSOR=aarch64", f"-DCMAKE_CXX_COMPILER={ARM64_CXX}"] if arm64
+              else [f"-Dexecutorch_DIR={executorch_cmake_dir()}"])
+    steps = [["cmake", "-S", str(SOURCE), "-B", str(build_dir), *target, "-DCMAKE_BUILD_TYPE=Release"],
              ["cmake", "--build", str(build_dir)]]
     for step in steps:
         proc = subprocess.run(step, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(step[:2])} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     return build_dir / BINARY
+
+
+def launcher(binary: Path) -> list[str]:
+    """The command that starts `binary`: itself, or under qemu-user when it was built for arm64 and this
+    machine is not one (the arm64 build's tests run the same calls as the host build's)."""
+    with open(binary, "rb") as elf:
+        machine = int.from_bytes(elf.read(20)[18:20], "little")
+    foreign = machine == EM_AARCH64 and os.uname().machine not in ("aarch64", "arm64")
+    return [*(ARM64_RUN if foreign else []), str(binary)]
 
 
 def cache_dir() -> Path:
@@ -134,7 +172,7 @@ def run_native(binary: Path, workdir: Path, samples: int, release: tuple[Path, l
     Gaussian option instead, (sigma^2 in steps^2 as "P/Q", step, clip norm in steps) as
     `DiscreteGaussianMechanism.describe` gives them; "release" is then the int8 integers. `etdump`: a path
     prefix; every run is recorded with ExecuTorch's ETDump into <prefix>.release.etdp and .grad.etdp."""
-    cmd = [str(binary), "--dir", str(workdir), "--samples", str(samples), "--runs", str(runs),
+    cmd = [*launcher(binary), "--dir", str(workdir), "--samples", str(samples), "--runs", str(runs),
            "--warmup", str(warmup), "--threads", threads, "--release", f"{release[0]}:{','.join(release[1])}"]
     if grad is not None:
         cmd += ["--grad", f"{grad[0]}:{','.join(grad[1])}"]
@@ -216,9 +254,10 @@ class StripServer:
             noise = ["--noise-in", "noise"]
         else:
             noise = ["--noise-std", repr(float(noise_std)), *key] if noise_std > 0 else []
-        cmd = [str(binary), "--serve", "--strips", "--dir", str(self.scratch), "--threads", threads, *noise,
-               "--release", f"{release_pte}:images,{names}", "--grad", f"{vjp_pte}:images,grad,{names}"]
+        options = ["--serve", "--strips", "--dir", str(self.scratch), "--threads", threads, *noise,
+                   "--release", f"{release_pte}:images,{names}", "--grad", f"{vjp_pte}:images,grad,{names}"]
         try:
+            cmd = [*launcher(binary), *options]
             with open(self._stderr, "wb") as err:
                 self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
         except BaseException:
@@ -296,7 +335,7 @@ def draw_integers(binary: Path, workdir: Path, key: Path, n: int, sigma2: str | 
     through bit, word64, word32, byte, byte (as uint64) (the test hooks --draw-discrete, --draw-uniform,
     --draw-reads)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    cmd = [str(binary), "--dir", str(workdir), "--noise-key", str(key)]
+    cmd = [*launcher(binary), "--dir", str(workdir), "--noise-key", str(key)]
     if sigma2 is not None:
         cmd += ["--noise-discrete", sigma2, "--draw-discrete", str(n)]
         name, dtype = "discrete.i64", np.int64
