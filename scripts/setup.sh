@@ -2,7 +2,8 @@
 # Creates .venv with torch 2.13.0 (CPU wheel) first, then the project with its test, audit, export and ray extras; installs the
 # JDK-side test jars (JUnit 4, msgpack-java) from Debian for the Android demo's JVM core, CMake and a C++
 # compiler for the native device runner (splitface/device/runtimes/native), and the arm64 cross compiler with qemu-user
-# for its arm64 tests, when missing; and unpacks the aarch64 wheel of the same executorch release (its prebuilt arm64 runtime).
+# for its arm64 tests, and Debian's arm64 JRE (multiarch) for the Java device on arm64, when missing; and unpacks the
+# aarch64 wheel of the same executorch release (its prebuilt arm64 runtime).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -30,6 +31,19 @@ if [ ! -f /usr/share/java/junit4.jar ] || [ ! -f /usr/share/java/msgpack-core.ja
   command -v qemu-aarch64 >/dev/null || PKGS="$PKGS qemu-user"
   $SUDO apt-get install -y -q $PKGS >/dev/null || {
     $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q $PKGS >/dev/null; }
+fi
+
+# Debian's arm64 JRE (multiarch), which runs the Android demo's Java device on arm64 under qemu-user in the tests
+if [ ! -x /usr/lib/jvm/java-17-openjdk-arm64/bin/java ]; then
+  if ! command -v apt-get >/dev/null; then
+    echo "need Debian's arm64 JRE at /usr/lib/jvm/java-17-openjdk-arm64 (dpkg --add-architecture arm64; apt-get install openjdk-17-jre-headless:arm64)" >&2
+    exit 1
+  fi
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  dpkg --print-foreign-architectures | grep -qx arm64 || $SUDO dpkg --add-architecture arm64
+  $SUDO apt-get update -q >/dev/null
+  $SUDO apt-get install -y -q --no-install-recommends openjdk-17-jre-headless:arm64 >/dev/null
 fi
 
 # ExecuTorch's prebuilt C++ runtime for arm64 Linux: the installed release's aarch64 wheel from PyPI, unpacked (not

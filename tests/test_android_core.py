@@ -23,6 +23,7 @@ from splitface.device.trainer import to_input
 from splitface.common.models import build_backbone, resolve_spec, split_backbone
 from splitface.common.models.lrn import PaperLRN
 from splitface.device.privacy.planner import release_schedule
+from splitface.device.runtimes.native import cache_dir as native_cache_dir
 from splitface.server.checkpoint import load_checkpoint
 from splitface.export.java_layer import java_layer_job
 from tests.conftest import TOKENS, PausingTrainer, recording_trainer, serve_in_thread, small_trainer
@@ -36,13 +37,23 @@ DEMO = ROOT / "android_demo"
 MODEL = "iresnet_small"
 
 
+# Debian's arm64 JRE (multiarch: scripts/setup.sh installs it) under qemu-user, with the arm64 root's loader
+ARM64_JAVA = ["qemu-aarch64", "-L", "/", "/usr/lib/jvm/java-17-openjdk-arm64/bin/java"]
+
+
 @pytest.fixture(scope="module")
-def java(tmp_path_factory) -> list[str]:
+def cli(tmp_path_factory) -> list[str]:
+    """The core's command line, after the JVM that runs it."""
     out = tmp_path_factory.mktemp("jvm")   # its own build: another build of core/build cannot pull it away
     build = subprocess.run([str(DEMO / "jvm_test.sh"), "--build-only"], capture_output=True, text=True,
                            env={**os.environ, "JVM_BUILD_DIR": str(out)})
     assert build.returncode == 0, build.stdout + build.stderr
-    return ["java", "-cp", f"{out / 'main'}:/usr/share/java/msgpack-core.jar", "org.splitface.core.Cli"]
+    return ["-cp", f"{out / 'main'}:/usr/share/java/msgpack-core.jar", "org.splitface.core.Cli"]
+
+
+@pytest.fixture(scope="module")
+def java(cli) -> list[str]:
+    return ["java", *cli]
 
 
 def device_layer(clamp: float | None) -> torch.nn.Module:
@@ -88,10 +99,10 @@ def test_java_device_layer_equals_pytorch_on_real_faces(java, faces, tmp_path, c
     parity(java, device_layer(clamp), faces[0][:4], tmp_path)
 
 
-def programs(layer: torch.nn.Module, kind: str, batch: int, size: int, out: Path) -> dict:
+def programs(layer: torch.nn.Module, kind: str, batch: int, size: int, out: Path, arm64: bool = False) -> dict:
     """A job's "programs": the layer's im2col programs for `batch` images ("gemm", `splitface-export --gemm`) or
     its strip programs ("strips", 4 rows, as the native backend runs them), and the JNI library through which the
-    Java device runs them on ExecuTorch's C++ runtime."""
+    Java device runs them on ExecuTorch's C++ runtime (built for this machine, or for arm64)."""
     from splitface.device.runtimes.native import jni_library
     from splitface.device.runtimes.manifest import RELEASE_GEMM_PTE, VJP_GEMM_PTE
     from splitface.export.artifacts import example_inputs, export_gemm_ptes, write_strip_ptes
@@ -103,7 +114,7 @@ def programs(layer: torch.nn.Module, kind: str, batch: int, size: int, out: Path
         release, vjp = out / RELEASE_GEMM_PTE, out / VJP_GEMM_PTE
         for path, program in zip((release, vjp), export_gemm_ptes(layer, *example_inputs(layer, batch, size), None)):
             path.write_bytes(program)
-    return {"library": str(jni_library()), "kind": kind, "release": str(release), "vjp": str(vjp)}
+    return {"library": str(jni_library(arm64)), "kind": kind, "release": str(release), "vjp": str(vjp)}
 
 
 # what each kind of programs says when the images or the weights do not fit them
@@ -134,6 +145,17 @@ def test_java_device_on_executorch_equals_pytorch_on_real_faces(java, faces, tmp
         run = subprocess.run([*java, "parity", str(tmp_path / "wrong.msgpack"), str(tmp_path / "out.msgpack")],
                              capture_output=True, text=True, errors="replace", timeout=120)  # the runtime logs bytes
         assert run.returncode != 0 and "IllegalArgumentException" in run.stderr and re.search(why, run.stderr), run.stderr
+
+
+@pytest.mark.parametrize("kind", ["gemm", "strips"])
+def test_java_device_on_executorch_equals_pytorch_on_an_arm64_jvm_under_qemu(cli, faces, tmp_path, kind):
+    """The same parity on the phone's instruction set: Debian's arm64 JVM, under qemu-user, runs the Java device,
+    whose layer goes through libsplitface_jni and ExecuTorch's runtime for arm64 (the aarch64 wheel's;
+    docs/device.md, "On arm64"), on the batch and the strip programs."""
+    layer = device_layer(None)
+    job = parity([*ARM64_JAVA, *cli], layer, faces[0][:3], tmp_path,
+                 programs=programs(layer, kind, 4, 64, tmp_path / "programs", arm64=True))
+    assert job["programs"]["library"].startswith(str(native_cache_dir(arm64=True)))
 
 
 def train_job(url: str, faces, token: str, epochs: int, **extra) -> dict:

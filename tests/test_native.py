@@ -233,8 +233,8 @@ def test_arm64_noise_is_neon_and_draws_the_reference_normals_under_qemu(tmp_path
 @pytest.mark.slow  # the two runner builds
 def test_arm64_build_is_arm64_code_with_the_jni_entry_points_of_the_host_build(builds):
     """The runner and libsplitface_jni cross-built for arm64 are arm64 ELF files linked against the aarch64
-    wheel's runtime (no libtorch), and the JNI library exports the same Java entry points as the host's (it
-    cannot run here: there is no arm64 JVM; the runner's parity tests run it under qemu)."""
+    wheel's runtime (no libtorch), and the JNI library exports the same Java entry points as the host's (an
+    arm64 JVM runs it: tests/test_android_core.py)."""
     host, arm64 = builds["host"], builds["arm64"]
     jni = {binary: binary.parent / native_module.JNI_LIBRARY for binary in (host, arm64)}
     assert elf_machine(arm64) == elf_machine(jni[arm64]) == native_module.EM_AARCH64

@@ -100,29 +100,33 @@ def launcher(binary: Path) -> list[str]:
     return [*(ARM64_RUN if foreign else []), str(binary)]
 
 
-def cache_dir() -> Path:
+def cache_dir(arm64: bool = False) -> Path:
     """Where `build_cached` builds: $SPLITFACE_NATIVE_BUILD, else <XDG cache or ~/.cache>/splitface/native-<h>
-    with h from this checkout's source path (CMake refuses a build directory configured for other sources)."""
+    with h from this checkout's source path (CMake refuses a build directory configured for other sources);
+    the arm64 build beside it, in native-<h>-arm64."""
     if os.environ.get("SPLITFACE_NATIVE_BUILD"):
-        return Path(os.environ["SPLITFACE_NATIVE_BUILD"])
-    checkout = hashlib.sha256(str(SOURCE).encode()).hexdigest()[:12]
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "splitface" / f"native-{checkout}"
+        where = Path(os.environ["SPLITFACE_NATIVE_BUILD"])
+    else:
+        checkout = hashlib.sha256(str(SOURCE).encode()).hexdigest()[:12]
+        where = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "splitface" / f"native-{checkout}"
+    return where.with_name(f"{where.name}-arm64") if arm64 else where
 
 
-def build_cached() -> Path:
+def build_cached(arm64: bool = False) -> Path:
     """The runner built (or brought up to date) in `cache_dir()`, under a file lock so that processes starting
     devices at once (the simulator, pytest's workers) build it once, not over each other."""
-    where = cache_dir()
+    where = cache_dir(arm64)
     where.mkdir(parents=True, exist_ok=True)
     with open(where / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return build(where)
+        return build(where, arm64)
 
 
-def jni_library() -> Path:
+def jni_library(arm64: bool = False) -> Path:
     """libsplitface_jni, built with the runner (`build_cached`): ExecuTorch's C++ runtime for the Android demo's
-    Java device on this host (android_demo/core's `NativeProgram`). CMake builds it where it finds a JDK's jni.h."""
-    library = build_cached().parent / JNI_LIBRARY
+    Java device on this host (android_demo/core's `NativeProgram`), or on an arm64 JVM. CMake builds it where it
+    finds a JDK's jni.h."""
+    library = build_cached(arm64).parent / JNI_LIBRARY
     if not library.exists():
         raise RuntimeError(f"no {JNI_LIBRARY} was built: CMake found no jni.h (set JAVA_HOME to a JDK, or "
                            "apt-get install openjdk-17-jdk-headless)")
