@@ -48,7 +48,6 @@ PATHS = [
 ]
 
 
-# arm64: Debian's cross compiler (g++-aarch64-linux-gnu), static, run under qemu-user (qemu-aarch64)
 KEYSTREAM_BYTES = 4 * 64 * 16  # what the harness dumps after the normals: 4 groups of 16 ChaCha20 blocks
 
 
@@ -56,7 +55,7 @@ def build(march: str | None, width: int | None, out: Path, cxx: str = CXX) -> Pa
     """The harness with the runner's noise sources for one path; `march` None: the build's own choice (the
     runner's flags on x86; NEON on arm64)."""
     flags = [*FLAGS, *([f"-march={march}"] if march else []), *([f"-DSPLITFACE_FORCE_LANES={width}"] if width else []),
-             *(["-static"] if cxx == ARM64_CXX else [])]
+             *(["-static"] if cxx == ARM64_CXX else [])]   # arm64: static, run under qemu-user (`launcher`)
     subprocess.run([cxx, *flags, f"-I{NATIVE}", str(HARNESS), str(NATIVE / "gaussian_noise.cpp"),
                     str(NATIVE / "chacha20.cpp"), "-o", str(out)], check=True)
     return out

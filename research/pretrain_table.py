@@ -6,8 +6,9 @@ Rows (results/pretrain/summary.json, table.md):
 - student: each distilled backbone (`--init distilled` builds them: research/distill.py), its embedding on
   View 1 as a device releases it (with the release's noise, for a noise-aware start), and frozen on LFW-158 (the
   main job's noise-aware start distilled for 10, 30 and run.sh's --noise-aware-epochs, the last also with run.sh's
-  server stage for the release, DEFAULT_SERVER_STAGE); and the plain student at
-  twice the width (how much of the gap to the teacher is the student's size);
+  server stage for the release, DEFAULT_SERVER_STAGE, from the 30- and the 60-epoch plain student); the plain
+  student at twice the width (how much of the gap to the teacher is the student's size); and the plain student
+  distilled for 60 epochs (run.sh's --student-epochs), at its width and at twice it;
 - split-finetune: `splitface-research demo` on LFW-158 (the main job's data: people with >= 10 images) from the
   distilled start, with the main job's release and wire (run.sh), server head and device head; the same from
   scratch (the old start), and from the distilled start with the paper's plain conv1 release; then run.sh's
@@ -277,8 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     narrow, recipes60 = resolve_spec(args.model), start_recipes(demo_parser().parse_known_args(STUDENT_60)[0])
     long_path = distilled_start(narrow, DEFAULT_SPLIT, NoNoise(), args.data, args.cache, recipes=recipes60)
     rows.append(student_row(long_path, frozen_probe(student_embedder(long_path, narrow, DEFAULT_SPLIT, NoNoise()), data)))
-    # both: the wider student for 60 epochs too (its View 1 was 0.915 at 30; built on first use: about 2.5 hours on
-    # 2 cores)
+    # both: the wider student for 60 epochs too (built on first use: about 2.5 hours on 2 cores; its View 1 during
+    # that build: 0.911, 0.902 and 0.915 at epochs 20, 25 and 30)
     wide60_path = distilled_start(wide, DEFAULT_SPLIT, NoNoise(), args.data, args.cache, recipes=recipes60)
     rows.append(student_row(wide60_path, frozen_probe(student_embedder(wide60_path, wide, DEFAULT_SPLIT, NoNoise()),
                                                       data)))

@@ -4,7 +4,7 @@ batch-2 programs, and over the strips of each image with the strip programs, equ
 it draws is ChaCha20's keystream (checked against the `cryptography` package's) through Box-Muller, Gaussian,
 and under a fresh key per release unless a key file is given. Bad inputs stop it with a message naming the
 file. Without cmake or a C++ compiler the build fails with a message (it is not skipped). The same runner
-cross-built for arm64 (against ExecuTorch's aarch64 wheel, which scripts/setup.sh unpacks) passes every one of
+cross-built for arm64 (against ExecuTorch's aarch64 wheel, which scripts/setup_arm64.sh unpacks) passes every one of
 these runner tests under qemu-user, and its JNI library exports what the host's does.
 
 The `native` backend (splitface/device/runtimes/native_runtime.py): one runner process serves a device's releases
@@ -19,9 +19,10 @@ release is the Python clip-and-quantise of eager PyTorch's release plus those sa
 the weight step and the accountant's figures are eager PyTorch's, and a simulator run spends what eager spends."""
 from __future__ import annotations
 
-import os
+import functools
 import subprocess
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -32,7 +33,8 @@ from splitface.common.models.lrn import PaperLRN
 from splitface.device.runtimes import native as native_module
 from splitface.device.privacy.discrete import (DiscreteGaussian, DiscreteGaussianMechanism, clip_quantise, squared_norms)
 from splitface.device.privacy.fastnoise import NoiseStream
-from splitface.device.runtimes.native import (StripServer, build, draw_integers, reference_normals, run_native, write_inputs)
+from splitface.device.runtimes.native import (StripServer, build, draw_integers, elf_machine, reference_normals, run_native,
+                                              write_inputs)
 from splitface.device.runtimes.native_runtime import NativeRuntime
 from splitface.device.runtimes.manifest import RELEASE_GEMM_PTE, VJP_GEMM_PTE, Manifest
 from splitface.export.artifacts import example_inputs, export_gemm_ptes, export_strip_ptes, manifest_of
@@ -70,28 +72,30 @@ def exported(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory) -> dict[str, Path]:
-    """The runner (and libsplitface_jni beside it) built for this machine, and cross-built for arm64 against the
-    aarch64 wheel's runtime."""
+def builds(tmp_path_factory) -> Callable[[str], Path]:
+    """The runner (and libsplitface_jni beside it) for "host", built for this machine, or for "arm64",
+    cross-built against the aarch64 wheel's runtime: each built on first use, once per module."""
     root = tmp_path_factory.mktemp("builds")
-    return {target: build(root / target, arm64=target == "arm64") for target in ("host", "arm64")}
+
+    @functools.cache
+    def built(target: str) -> Path:
+        return build(root / target, arm64=target == "arm64")
+    return built
 
 
 @pytest.fixture(scope="module", params=["host", "arm64"])
 def native(request, builds, exported, tmp_path_factory):
     """One build with the programs; the arm64 one runs under qemu-user (`launcher`): every test below holds both
     builds to the same programs and references."""
-    return builds[request.param], *exported, tmp_path_factory.mktemp(f"native-{request.param}")
+    return builds(request.param), *exported, tmp_path_factory.mktemp(f"native-{request.param}")
 
 
-def elf_machine(binary: Path) -> int:
-    """The ELF header's e_machine: 62 x86-64, 183 arm64."""
-    return int.from_bytes(binary.read_bytes()[18:20], "little")
-
-
-def needed_libraries(binary: Path) -> str:
-    """The shared libraries `binary` names (readelf reads either architecture's ELF)."""
-    return subprocess.run(["readelf", "-d", str(binary)], capture_output=True, text=True, check=True).stdout
+def linked_libraries(binary: Path) -> str:
+    """The shared libraries `binary` loads: all of them, as ldd resolves them, for this machine's build; those it
+    names (readelf, which reads either architecture) for the arm64 build."""
+    arm64 = elf_machine(binary) == native_module.EM_AARCH64
+    cmd = ["readelf", "-d", str(binary)] if arm64 else ["ldd", str(binary)]
+    return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
 
 
 def strip_run(native, work, noise_std=None, key=None, grad=True):
@@ -111,7 +115,7 @@ def test_build_without_cmake_fails_with_a_message(monkeypatch, tmp_path):
 @pytest.mark.slow  # builds the runner (CMake, a few seconds) and lowers four programs
 def test_native_runner_matches_eager_in_chunks_without_libtorch(native):
     binary, layer, programs, root = native
-    linked = needed_libraries(binary)
+    linked = linked_libraries(binary)
     assert "libexecutorch.so" in linked and "xnnpack" in linked and "torch" not in linked.replace("executorch", "")
     g = torch.Generator().manual_seed(1)
     images = 3 * torch.rand(SAMPLES, 3, SIZE, SIZE, generator=g)  # above the clamp: its mask matters
@@ -218,7 +222,7 @@ def test_every_vector_path_draws_the_reference_normals(tmp_path):
 
 @pytest.mark.slow  # a cross build and a run under qemu-user
 def test_arm64_noise_is_neon_and_draws_the_reference_normals_under_qemu(tmp_path):
-    """The same sources built for arm64 by Debian's cross compiler (scripts/setup.sh installs it and qemu-user)
+    """The same sources built for arm64 by Debian's cross compiler (scripts/setup_arm64.sh installs it and qemu-user)
     compile to NEON (4 lanes: chacha20_lanes.h) and, run under qemu-aarch64, draw the key's normals and
     keystream as on x86 (the whole runner's arm64 build: the `native` fixture's second parameter)."""
     from bench import noise_isa
@@ -235,18 +239,19 @@ def test_arm64_build_is_arm64_code_with_the_jni_entry_points_of_the_host_build(b
     """The runner and libsplitface_jni cross-built for arm64 are arm64 ELF files linked against the aarch64
     wheel's runtime (no libtorch), and the JNI library exports the same Java entry points as the host's (an
     arm64 JVM runs it: tests/test_android_core.py)."""
-    host, arm64 = builds["host"], builds["arm64"]
+    host, arm64 = builds("host"), builds("arm64")
     jni = {binary: binary.parent / native_module.JNI_LIBRARY for binary in (host, arm64)}
     assert elf_machine(arm64) == elf_machine(jni[arm64]) == native_module.EM_AARCH64
-    assert elf_machine(host) == elf_machine(jni[host]) == {"x86_64": 62, "aarch64": 183}[os.uname().machine]
+    assert elf_machine(host) == elf_machine(jni[host]) == native_module.EM_X86_64  # this project's machines
     exports = {}
     for binary, library in jni.items():
         symbols = subprocess.run(["readelf", "--dyn-syms", "-W", str(library)], capture_output=True, text=True,
                                  check=True).stdout.split()
         exports[binary] = {s for s in symbols if s.startswith("Java_org_splitface_")}
     assert exports[arm64] == exports[host] and len(exports[host]) >= 4
-    assert str(native_module.arm64_runtime_dir()) in needed_libraries(arm64)  # its RUNPATH: the aarch64 wheel
-    assert "libexecutorch.so" in needed_libraries(arm64) and "torch" not in needed_libraries(arm64).replace("executorch", "")
+    linked = linked_libraries(arm64)
+    assert str(native_module.arm64_runtime_dir()) in linked  # its RUNPATH: the aarch64 wheel
+    assert "libexecutorch.so" in linked and "torch" not in linked.replace("executorch", "")
 
 
 def check_noise_dump(noise_isa, binary: Path, dump: Path, label: str) -> None:

@@ -9,7 +9,7 @@ than one image's activations, which is what brings the device's peak memory down
 
 Built here with CMake against the executorch wheel's prebuilt runtime (`build`, or `build_cached` into a
 per-user cache), or for arm64 with Debian's cross compiler against the same release's aarch64 wheel
-(`build(..., arm64=True)`; scripts/setup.sh unpacks it into `arm64_runtime_dir()`), driven by `run_native` (one batch per process: the bench and tests) and `StripServer` (one
+(`build(..., arm64=True)`; scripts/setup_arm64.sh unpacks it into `arm64_runtime_dir()`), driven by `run_native` (one batch per process: the bench and tests) and `StripServer` (one
 process that keeps the strip programs loaded and answers a request per batch: the `native` backend,
 `splitface/device/runtimes/native_runtime.py`), and measured by `bench/bench_native.py`. Its fast path is the strip programs (`splitface.export.artifacts.export_strip_ptes`): each image cut into
 strips of a few rows so that XNNPACK's passes stay in cache, and the release's noise drawn by the runner
@@ -34,8 +34,15 @@ SOURCE = Path(__file__).resolve().parent
 BINARY = "splitface_native"
 JNI_LIBRARY = "libsplitface_jni.so"  # splitface_jni.cpp: the runtime for android_demo's Java device on a host JVM
 ARM64_CXX = "aarch64-linux-gnu-g++"  # Debian's g++-aarch64-linux-gnu
-ARM64_RUN = ["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu"]  # qemu-user, with the cross toolchain's loader and libc
-EM_AARCH64 = 183  # the ELF header's e_machine for arm64
+# qemu-user, its loader and libraries from Debian's arm64 multiarch root (the arm64 JRE that scripts/setup_arm64.sh
+# installs brings them; the JVM needs them there)
+ARM64_RUN = ["qemu-aarch64", "-L", "/"]
+EM_X86_64, EM_AARCH64 = 62, 183  # the ELF header's e_machine for x86-64 and arm64
+
+
+def user_cache() -> Path:
+    """<XDG cache or ~/.cache>/splitface: the per-user builds and downloads below."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "splitface"
 
 
 def executorch_cmake_dir() -> Path:
@@ -50,23 +57,22 @@ def executorch_cmake_dir() -> Path:
 
 
 def arm64_runtime_dir() -> Path:
-    """Where scripts/setup.sh unpacks the aarch64 wheel of the installed executorch release (its prebuilt
+    """Where scripts/setup_arm64.sh unpacks the aarch64 wheel of the installed executorch release (its prebuilt
     C++ runtime for arm64 Linux; nothing of it is installed): $SPLITFACE_EXECUTORCH_ARM64, else
-    <XDG cache or ~/.cache>/splitface/executorch-<version>-aarch64."""
+    `user_cache()`/executorch-<version>-aarch64."""
     from importlib.metadata import version
 
     if os.environ.get("SPLITFACE_EXECUTORCH_ARM64"):
         return Path(os.environ["SPLITFACE_EXECUTORCH_ARM64"])
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "splitface" / f"executorch-{version('executorch')}-aarch64"
+    return user_cache() / f"executorch-{version('executorch')}-aarch64"
 
 
 def arm64_cmake_dir() -> Path:
     """The aarch64 wheel's CMake package, as `executorch_cmake_dir` is the installed wheel's."""
     found = arm64_runtime_dir() / "executorch" / "lib" / "cmake" / "executorch"
     if not (found / "executorch-config.cmake").exists():
-        raise RuntimeError(f"no ExecuTorch runtime for arm64 at {arm64_runtime_dir()}: run scripts/setup.sh, which "
-                           "unpacks the installed release's aarch64 wheel there")
+        raise RuntimeError(f"no ExecuTorch runtime for arm64 at {arm64_runtime_dir()}: run scripts/setup_arm64.sh, "
+                           "which unpacks the installed release's aarch64 wheel there")
     return found
 
 
@@ -91,25 +97,33 @@ def build(build_dir: Path, arm64: bool = False) -> Path:
     return build_dir / BINARY
 
 
+def elf_machine(binary: Path) -> int | None:
+    """The ELF header's e_machine (EM_X86_64, EM_AARCH64, ...); None for a file that is not ELF (a script)."""
+    with open(binary, "rb") as elf:
+        header = elf.read(20)
+    return int.from_bytes(header[18:20], "little") if header[:4] == b"\x7fELF" and len(header) == 20 else None
+
+
 def launcher(binary: Path) -> list[str]:
     """The command that starts `binary`: itself, or under qemu-user when it was built for arm64 and this
     machine is not one (the arm64 build's tests run the same calls as the host build's)."""
-    with open(binary, "rb") as elf:
-        machine = int.from_bytes(elf.read(20)[18:20], "little")
-    foreign = machine == EM_AARCH64 and os.uname().machine not in ("aarch64", "arm64")
-    return [*(ARM64_RUN if foreign else []), str(binary)]
+    if elf_machine(binary) != EM_AARCH64 or os.uname().machine in ("aarch64", "arm64"):
+        return [str(binary)]
+    if shutil.which(ARM64_RUN[0]) is None:
+        raise RuntimeError(f"{binary} is arm64 code: running it here needs {ARM64_RUN[0]} (scripts/setup_arm64.sh; "
+                           "Debian: apt-get install qemu-user)")
+    return [*ARM64_RUN, str(binary)]
 
 
 def cache_dir(arm64: bool = False) -> Path:
     """Where `build_cached` builds: $SPLITFACE_NATIVE_BUILD, else <XDG cache or ~/.cache>/splitface/native-<h>
     with h from this checkout's source path (CMake refuses a build directory configured for other sources);
-    the arm64 build beside it, in native-<h>-arm64."""
+    the arm64 build in its arm64/ subfolder."""
     if os.environ.get("SPLITFACE_NATIVE_BUILD"):
         where = Path(os.environ["SPLITFACE_NATIVE_BUILD"])
     else:
-        checkout = hashlib.sha256(str(SOURCE).encode()).hexdigest()[:12]
-        where = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "splitface" / f"native-{checkout}"
-    return where.with_name(f"{where.name}-arm64") if arm64 else where
+        where = user_cache() / f"native-{hashlib.sha256(str(SOURCE).encode()).hexdigest()[:12]}"
+    return where / "arm64" if arm64 else where
 
 
 def build_cached(arm64: bool = False) -> Path:
