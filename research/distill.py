@@ -362,7 +362,8 @@ def distill(spec: ModelSpec, split: str, mechanism: Mechanism, lfw_root: str | P
                         "input": f"{spec.input_size} px from the {CROP} px centre crop",
                         "init": str(init) if init is not None else "seeded"},
             "public_faces": manifest, "recipe": asdict(recipe), "history": history,
-            "seconds": round(time.time() - started, 1)}
+            # a resumed run: this leg's time and its earlier legs' epochs
+            "seconds": round(time.time() - started + sum(h["epoch_s"] for h in history[:first]), 1)}
     if evaluate:
         meta["view1"] = evaluate_student(student, lfw_root, view1_limit)
     student.cpu()

@@ -137,7 +137,9 @@ def student_row(path: Path, probe: dict) -> dict:
             "input": student["input"], **meta["view1"], "file": path.name, "epochs": meta["recipe"]["epochs"],
             "train_cosine_loss": round(meta["history"][-1]["cosine"], 4),   # the last epoch's, on augmented images
             "public_people": meta["public_faces"]["people"], "public_images": meta["public_faces"]["images"],
-            "seconds": meta["seconds"], **probe}
+            "seconds": meta["seconds"],   # files built before resumed runs counted their earlier legs: this leg only
+            "epoch_seconds": round(sum(h["epoch_s"] for h in meta["history"]), 1),   # every epoch, every leg
+            **probe}
 
 
 def release_name(spec: dict, split: str, mechanism: dict) -> str:
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
                                 recipes=(replace(PLAIN_RECIPE, epochs=20), NOISE_AWARE_RECIPE))
     rows.append(student_row(wide_path, frozen_probe(student_embedder(wide_path, wide, DEFAULT_SPLIT, NoNoise()), data)))
     # time: the plain student at twice the recipe's epochs (its View 1 still rose at 30: 0.889, 0.898, 0.909 at 20,
-    # 25 and 30), run.sh's --student-epochs 60 (built on first use: 47 minutes on 2 cores)
+    # 25 and 30), run.sh's --student-epochs 60 (built on first use: about 60 minutes on 2 cores)
     narrow, recipes60 = resolve_spec(args.model), start_recipes(demo_parser().parse_known_args(STUDENT_60)[0])
     long_path = distilled_start(narrow, DEFAULT_SPLIT, NoNoise(), args.data, args.cache, recipes=recipes60)
     rows.append(student_row(long_path, frozen_probe(student_embedder(long_path, narrow, DEFAULT_SPLIT, NoNoise()), data)))
