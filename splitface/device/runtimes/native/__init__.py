@@ -9,7 +9,8 @@ than one image's activations, which is what brings the device's peak memory down
 
 Built here with CMake against the executorch wheel's prebuilt runtime (`build`, or `build_cached` into a
 per-user cache), or for arm64 with Debian's cross compiler against the same release's aarch64 wheel
-(`build(..., arm64=True)`; scripts/setup_arm64.sh unpacks it into `arm64_runtime_dir()`), driven by `run_native` (one batch per process: the bench and tests) and `StripServer` (one
+(`build(..., arm64=True)`; scripts/setup_arm64.sh unpacks it into `arm64_runtime_dir()`; `launcher` runs that
+build under qemu-user), driven by `run_native` (one batch per process: the bench and tests) and `StripServer` (one
 process that keeps the strip programs loaded and answers a request per batch: the `native` backend,
 `splitface/device/runtimes/native_runtime.py`), and measured by `bench/bench_native.py`. Its fast path is the strip programs (`splitface.export.artifacts.export_strip_ptes`): each image cut into
 strips of a few rows so that XNNPACK's passes stay in cache, and the release's noise drawn by the runner
