@@ -45,7 +45,7 @@ from splitface.common.options import add_data_root_arg, add_model_arg, add_model
 from splitface.device.privacy.mechanisms import Mechanism, NoNoise
 from splitface.device.privacy.options import add_privacy_args, release_mechanism
 from research.demo import parser as demo_parser, run_recorded, start_recipes
-from research.distill import (CROP, EVALUATION_SEED, NOISE_AWARE_RECIPE, PLAIN_RECIPE, Student, TeacherCache,
+from research.distill import (CROP, EVALUATION_SEED, NOISE_AWARE_RECIPE, PLAIN_RECIPE, Recipe, Student, TeacherCache,
                              default_cache, distilled_start)
 from research.evaluation.verification import verification_report, view1_pairs
 from research.results import write_summary
@@ -248,6 +248,12 @@ def main(argv: list[str] | None = None) -> None:
     fresh_head = ["--init", "distilled", "--head-lr-scale", "10"]
     bottleneck = ["--release", "bottleneck", "--bottleneck-channels", "4", "--bottleneck-stride", "2",
                   "--mechanism", "per-image", "--clip-norm", "16", "--noise-multiplier", "0.02"]
+    def student(spec: ModelSpec, split: str, mechanism: Mechanism, recipes: tuple[Recipe, Recipe]) -> Path:
+        """The distilled start (built on first use), its row appended: View 1 and frozen on LFW-158."""
+        path = distilled_start(spec, split, mechanism, args.data, args.cache, recipes=recipes)
+        rows.append(student_row(path, frozen_probe(student_embedder(path, spec, split, mechanism), data)))
+        return path
+
     # the distilled starts the fine-tuning runs use: the plain student, the main job's noise-aware start and the
     # bottleneck's
     privacy = argparse.ArgumentParser(add_help=False)
@@ -265,26 +271,19 @@ def main(argv: list[str] | None = None) -> None:
         # the flags name the student's epochs where they differ from the recipe's; the plain student: no noise-aware
         named = [*flags, "--noise-aware-epochs", str(epochs or NOISE_AWARE_RECIPE.epochs)]
         recipes = start_recipes(demo_parser().parse_known_args(named)[0])
-        path = distilled_start(spec, known.split, mechanism, args.data, args.cache, recipes=recipes)
-        probe = frozen_probe(student_embedder(path, spec, known.split, mechanism), data)
-        rows.append(student_row(path, probe))
+        student(spec, known.split, mechanism, recipes)
     # capacity: the plain student's recipe at twice the width (about 3.4x the parameters and 4x the tail's
     # multiply-adds), for 20 epochs: how much of the gap to the teacher is the student's size (built on first use:
     # about an hour on 2 cores)
     wide = replace(resolve_spec(args.model), width=2 * resolve_spec(args.model).width)
-    wide_path = distilled_start(wide, DEFAULT_SPLIT, NoNoise(), args.data, args.cache,
-                                recipes=(replace(PLAIN_RECIPE, epochs=20), NOISE_AWARE_RECIPE))
-    rows.append(student_row(wide_path, frozen_probe(student_embedder(wide_path, wide, DEFAULT_SPLIT, NoNoise()), data)))
+    wide_path = student(wide, DEFAULT_SPLIT, NoNoise(), (replace(PLAIN_RECIPE, epochs=20), NOISE_AWARE_RECIPE))
     # time: the plain student at twice the recipe's epochs (its View 1 still rose at 30: 0.889, 0.898, 0.909 at 20,
     # 25 and 30), run.sh's --student-epochs 60 (built on first use: about 60 minutes on 2 cores)
-    narrow, recipes60 = resolve_spec(args.model), start_recipes(demo_parser().parse_known_args(STUDENT_60)[0])
-    long_path = distilled_start(narrow, DEFAULT_SPLIT, NoNoise(), args.data, args.cache, recipes=recipes60)
-    rows.append(student_row(long_path, frozen_probe(student_embedder(long_path, narrow, DEFAULT_SPLIT, NoNoise()), data)))
+    recipes60 = start_recipes(demo_parser().parse_known_args(STUDENT_60)[0])
+    student(resolve_spec(args.model), DEFAULT_SPLIT, NoNoise(), recipes60)
     # both: the wider student for 60 epochs too (built on first use: about 2.5 hours on 2 cores; its View 1 during
     # that build: 0.911, 0.902 and 0.915 at epochs 20, 25 and 30)
-    wide60_path = distilled_start(wide, DEFAULT_SPLIT, NoNoise(), args.data, args.cache, recipes=recipes60)
-    rows.append(student_row(wide60_path, frozen_probe(student_embedder(wide60_path, wide, DEFAULT_SPLIT, NoNoise()),
-                                                      data)))
+    student(wide, DEFAULT_SPLIT, NoNoise(), recipes60)
     # the main job's release and wire with `fresh_head`, the first recipe from the distilled start (a fresh head at 10x
     # the lr), and its device-head twin; the old start from seeded weights with the old recipe; and the distilled
     # start with the paper's conv1 release
