@@ -1,8 +1,9 @@
 // ChaCha20 + Box-Muller on W lanes at once (W ChaCha blocks side by side, chacha20_lanes.h) with GCC/Clang
 // vector extensions: 16 lanes on AVX-512, 8 on AVX2, 4 on SSE2, picked at load time on x86 (function
-// multiversions), 4 on NEON at build time; the lanes go from ChaCha's registers straight into Box-Muller. log, sin and cos are Cephes' float
-// polynomials (about 1 ulp on their reduced ranges), branch-free so that they vectorise too. See
-// gaussian_noise.h for the mapping from keystream words to normals.
+// multiversions), 4 on NEON at build time; the lanes go from ChaCha's registers straight into Box-Muller, and the
+// normals straight into the sum with the release. log, sin and cos are Cephes' float polynomials (about 1 ulp on
+// their reduced ranges), branch-free so that they vectorise too. See gaussian_noise.h for the mapping from
+// keystream words to normals.
 #include "gaussian_noise.h"
 
 #include <sys/random.h>
@@ -18,8 +19,8 @@
 namespace splitface {
 namespace {
 
-constexpr int kLanes = kChachaLanes;       // ChaCha blocks per group
-constexpr int kGroup = kLanes * 16;        // values per group
+constexpr int kLanes = kChachaLanes;  // ChaCha blocks per group
+constexpr uint64_t kGroup = kNoiseGroup;
 
 [[noreturn]] void die(const char* why) {
   std::fprintf(stderr, "splitface_native: %s\n", why);
@@ -74,24 +75,37 @@ __attribute__((always_inline)) inline void box_muller(typename lanes::Vec<W>::u3
   z1 = r * (f32v)sin_b;
 }
 
-// out[16 j + l]: normal j of block `block + l` (lane l of vector j, stored as they are: no transpose), the 16
-// blocks W at a time.
+// dst[16 j + l] = src[16 j + l] + sigma * (normal j of block `block + l`) for the group's 256 values (lane l of
+// vector j, as they are: no transpose), the 16 blocks W at a time; a null src reads as zeros. The sum is made in
+// registers: the normals never go through memory, and no scalar pass over the group follows (the compiler at -O2
+// left that pass unvectorised: a third of the drawing time on a whole release, docs/device.md).
 template <int W>
-__attribute__((always_inline)) inline void group_normals_w(const NoiseKey& key, uint64_t block, float* out) {
+__attribute__((always_inline)) inline void group_add_w(const NoiseKey& key, uint64_t block, float sigma,
+                                                       const float* src, float* dst) {
+  using f32v = typename lanes::Vec<W>::f32;
   for (int h = 0; h < kLanes; h += W) {
     typename lanes::Vec<W>::u32 x[16];
     lanes::chacha20_lanes<W>(key, block + static_cast<uint64_t>(h), x);
-    typename lanes::Vec<W>::f32 z0, z1;
     for (int p = 0; p < 8; ++p) {
-      box_muller<W>(x[2 * p], x[2 * p + 1], z0, z1);
-      std::memcpy(out + 16 * (2 * p) + h, &z0, sizeof(z0));
-      std::memcpy(out + 16 * (2 * p + 1) + h, &z1, sizeof(z1));
+      f32v z[2];
+      box_muller<W>(x[2 * p], x[2 * p + 1], z[0], z[1]);
+      for (int k = 0; k < 2; ++k) {
+        size_t at = 16 * (2 * p + k) + h;
+        f32v v = sigma * z[k];
+        if (src != nullptr) {
+          f32v s;
+          std::memcpy(&s, src + at, sizeof(s));
+          v = s + v;
+        }
+        std::memcpy(dst + at, &v, sizeof(v));
+      }
     }
   }
 }
 
-#define SPLITFACE_GROUP_NORMALS(W) group_normals_w<W>(key, block, out)
-SPLITFACE_ISA_VERSIONS(void, group_normals, (const NoiseKey& key, uint64_t block, float* out), SPLITFACE_GROUP_NORMALS)
+#define SPLITFACE_GROUP_ADD(W) group_add_w<W>(key, block, sigma, src, dst)
+SPLITFACE_ISA_VERSIONS(void, group_add, (const NoiseKey& key, uint64_t block, float sigma, const float* src, float* dst),
+                       SPLITFACE_GROUP_ADD)
 
 }  // namespace
 
@@ -121,10 +135,15 @@ NoiseKey key_from_file(const char* path) {
 }
 
 void add_gaussian(float* dst, const float* src, size_t n, uint64_t first, const NoiseKey& key, float sigma) {
-  alignas(64) float z[kGroup];
   uint64_t end = first + n;
   for (uint64_t g = first / kGroup * kGroup; g < end; g += kGroup) {  // groups start at multiples of 256 values
-    group_normals(key, g / 16, z);
+    if (g >= first && g + kGroup <= end) {  // a whole group: drawn and added in registers
+      group_add(key, g / 16, sigma, src == nullptr ? nullptr : src + (g - first), dst + (g - first));
+      continue;
+    }
+    // a group cut by the range's ends: drawn whole into a buffer, the part inside the range added
+    alignas(64) float z[kGroup];
+    group_add(key, g / 16, 1.0f, nullptr, z);
     uint64_t lo = g > first ? g : first, hi = g + kGroup < end ? g + kGroup : end;
     const float* zg = z + (lo - g);
     float* d = dst + (lo - first);

@@ -24,6 +24,9 @@
 
 namespace splitface {
 
+// Values per group of 16 blocks: the unit that the generator draws whole (a range that cuts a group draws all of it).
+constexpr size_t kNoiseGroup = 16 * kChachaLanes;
+
 // 32 bytes from the OS CSPRNG (getrandom), as ChaCha20's key words; exits with a message if none can be read.
 NoiseKey fresh_key();
 
