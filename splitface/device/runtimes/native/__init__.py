@@ -77,9 +77,10 @@ def arm64_cmake_dir() -> Path:
     return found
 
 
-def build(build_dir: Path, arm64: bool = False) -> Path:
+def build(build_dir: Path, arm64: bool = False, source: Path = SOURCE) -> Path:
     """Configure and build the runner in `build_dir` (CMake rebuilds only what changed); the binary's path.
-    `arm64`: cross-built with Debian's aarch64 compiler against `arm64_cmake_dir()`; `launcher` runs it."""
+    `arm64`: cross-built with Debian's aarch64 compiler against `arm64_cmake_dir()`; `launcher` runs it.
+    `source`: another copy of this folder (an earlier revision's, bench/native_revisions.py)."""
     compiler = ARM64_CXX if arm64 else "c++"
     missing = [tool for tool in ("cmake", compiler) if shutil.which(tool) is None]
     if missing:
@@ -89,7 +90,7 @@ def build(build_dir: Path, arm64: bool = False) -> Path:
     target = ([f"-Dexecutorch_DIR={arm64_cmake_dir()}", "-DCMAKE_SYSTEM_NAME=Linux",
                "-DCMAKE_SYSTEM_PROCESSOR=aarch64", f"-DCMAKE_CXX_COMPILER={ARM64_CXX}"] if arm64
               else [f"-Dexecutorch_DIR={executorch_cmake_dir()}"])
-    steps = [["cmake", "-S", str(SOURCE), "-B", str(build_dir), *target, "-DCMAKE_BUILD_TYPE=Release"],
+    steps = [["cmake", "-S", str(source), "-B", str(build_dir), *target, "-DCMAKE_BUILD_TYPE=Release"],
              ["cmake", "--build", str(build_dir)]]
     for step in steps:
         proc = subprocess.run(step, capture_output=True, text=True)

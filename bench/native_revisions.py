@@ -1,0 +1,102 @@
+"""The native runner's strip release at several git revisions, side by side in one run.
+
+A change to the runner's hot path (the noise, the strips) is measured against the revision before it on one
+machine, with the rounds interleaved so that a change of the machine's load hits every revision alike: figures
+from two runs on a shared machine differ by more than such a change (docs/device.md). Each revision's native
+sources (`git archive`) are built with CMake as the runner is, every build is checked against eager PyTorch on the
+noise that it draws under a known key, then each strip height's release with drawn noise is timed: the release's
+compute, the part of it drawing and adding the noise, and the rest (the programs' conv, ReLU and LRN).
+
+    python -m bench.native_revisions --revisions 649b726 HEAD   # writes results/bench_native_revisions.{json,txt}
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from bench.bench_native import ROOT, device_layer, export_for_strips, inputs, measure, retime
+from bench.machine import cmake_flags, describe, record
+from research.results import write_record
+from splitface.device.runtimes.native import build, write_inputs
+from splitface.device.runtimes.parity import reference
+
+NATIVE = "splitface/device/runtimes/native"
+
+
+def build_revision(revision: str, work: Path) -> tuple[str, Path]:
+    """The revision's full commit id and its runner, built from its own native sources."""
+    commit = subprocess.run(["git", "rev-parse", "--verify", f"{revision}^{{commit}}"], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout.strip()
+    source = work / f"src-{commit[:12]}"
+    source.mkdir()
+    archive = subprocess.run(["git", "archive", commit, NATIVE], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+    return commit, build(work / f"build-{commit[:12]}", source=source / NATIVE)
+
+
+def table(saved: dict) -> str:
+    lines = [f"The strip runner's release with drawn noise at each revision, {saved['model']} conv1 at "
+             f"{saved['input_size']} px, {saved['samples']} images per batch, one thread, side by side in one run: "
+             f"{saved['rounds']} rounds of {saved['runs']} runs, each a fresh process after {saved['warmup']} warm-up "
+             "run, the revisions taking turns. ms per batch as mean / min; 'conv' is the release's compute less the "
+             f"drawing. Machine: {describe(saved['record'])} (load {saved['load_after'][0]:.1f} after). Not a phone: "
+             "compare the rows with each other.", "",
+             "| strips | revision | release compute | of it drawing noise | conv (the rest) | drawing / conv | release err |",
+             "|---|---|---|---|---|---:|---:|"]
+    for r in saved["rows"]:
+        compute, noise = np.array(r["forward_compute_ms"]), np.array(r["forward_noise_ms"])
+        conv = compute - noise
+        name = r["commit"][:7] if r["commit"].startswith(r["revision"]) else f"{r['revision']} ({r['commit'][:7]})"
+        lines.append(f"| {r['label']} | {name} | {compute.mean():.0f} / {compute.min():.0f} | "
+                     f"{noise.mean():.0f} / {noise.min():.0f} | {conv.mean():.0f} / {conv.min():.0f} | "
+                     f"{noise.mean() / conv.mean():.2f} | {r['release_max_abs_err']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--revisions", nargs="+", default=["HEAD~1", "HEAD"], help="git revisions, oldest first")
+    p.add_argument("--model", default="vgg_face")
+    p.add_argument("--input-size", type=int, default=224)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--strip-rows", type=int, nargs="+", default=[4, 8, 2])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "bench_native_revisions")
+    args = p.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="bench-native-revisions-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
+    builds = [(revision, *build_revision(revision, work)) for revision in args.revisions]
+    machine = record(cmake_flags(builds[-1][2].parent, "splitface_native"))
+    layer = device_layer(args.model, args.input_size)
+    tensors = inputs(layer, args.samples, args.input_size)
+    want = reference(layer, tensors["images"], tensors["noise"], tensors["grad"], [tensors["weight"], tensors["bias"]])
+    write_inputs(work, {k: v.numpy() for k, v in tensors.items()})
+    configs = [{"label": f"{r} rows", "strips": True, "draw": True,
+                "programs": export_for_strips(layer, r, args.input_size, work / f"{args.model}-s{r}")}
+               for r in args.strip_rows]
+    rows = []
+    for config in configs:
+        for revision, commit, binary in builds:
+            rows.append({**measure(binary, work, layer, tensors, want, config, args.runs, args.warmup),
+                         "revision": revision, "commit": commit, "binary": binary, "config": config})
+    for _ in range(args.rounds - 1):
+        for row in rows:
+            retime(row["binary"], work, args.samples, row["config"], row, args.runs, args.warmup)
+    for row in rows:
+        del row["binary"], row["config"]
+    saved = {"model": args.model, "input_size": args.input_size, "samples": args.samples, "runs": args.runs,
+             "rounds": args.rounds, "warmup": args.warmup, "record": machine, "rows": rows,
+             "load_after": record()["load_avg"]}
+    write_record(args.out, saved, table(saved))
+
+
+if __name__ == "__main__":
+    main()
