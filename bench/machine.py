@@ -53,15 +53,28 @@ def cmake_flags(build_dir: Path, target: str) -> str:
     return "; ".join(out)
 
 
+def revision() -> str:
+    """The checkout's commit, with "+dirty" when tracked files differ from it: which code the figures measured."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit, status = (subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True, check=True).stdout
+                          for cmd in (["rev-parse", "HEAD"], ["status", "--porcelain", "--untracked-files=no"]))
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return commit.strip() + ("+dirty" if status.strip() else "")
+
+
 def record(build_flags: str | list[str] | None = None, cxx: str = "c++") -> dict:
     """The record a benchmark stores with its figures; call it again at the end for the load after."""
     return {"cpu": cpu(), "compiler": compiler(cxx), "build_flags": build_flags, "load_avg": list(os.getloadavg()),
-            "platform": platform.platform()}
+            "platform": platform.platform(), "revision": revision()}
 
 
 def describe(rec: dict) -> str:
     """One line for a table's header."""
     c = rec["cpu"]
     flags = f"; build flags {rec['build_flags']}" if rec.get("build_flags") else ""
+    rev = rec.get("revision")  # records before it was kept have none
+    at = f"; code at {rev[:7]}{'+dirty' if rev.endswith('+dirty') else ''}" if rev and rev[0] != "u" else ""
     return (f"{c['model']} ({c['arch']}, {c['cores']} cores; {' '.join(c['isa']) or 'no listed vector extensions'}); "
-            f"{rec['compiler']}{flags}; load {rec['load_avg'][0]:.1f}")
+            f"{rec['compiler']}{flags}; load {rec['load_avg'][0]:.1f}{at}")

@@ -42,6 +42,10 @@ from splitface.device.runtimes.parity import GRAD_RTOL, RELEASE_ATOL, reference
 from splitface.export.exporter import EXPORTER
 
 SAMPLES, SIZE, ROWS = 4, 24, 8
+# Other strip heights, against the noise stream's groups of 256 values (a plane of 24 px is 576 values, and the
+# planes after the first start inside a group): 8 rows (192 values) never hold a whole group, 12 rows (288) do,
+# and 4 rows (96) can end inside the group that their plane starts in.
+OTHER_ROWS = (12, 4)
 STRIP_RELEASE, STRIP_GRAD = ["images", "weight", "bias"], ["images", "grad", "weight", "bias"]
 
 
@@ -63,7 +67,7 @@ def exported(tmp_path_factory):
         programs[batch].mkdir()
         (programs[batch] / RELEASE_GEMM_PTE).write_bytes(release)
         (programs[batch] / VJP_GEMM_PTE).write_bytes(vjp)
-    for name, rows in (("strips", ROWS), ("strips12", 12)):
+    for name, rows in (("strips", ROWS), *((f"strips{r}", r) for r in OTHER_ROWS)):
         programs[name] = root / name
         programs[name].mkdir()
         release, vjp = export_strip_ptes(layer, rows, SIZE)
@@ -100,8 +104,8 @@ def linked_libraries(binary: Path) -> str:
 
 
 def strip_run(native, work, noise_std=None, key=None, grad=True, strips="strips"):
-    """The strip programs (`strips`: of ROWS rows, or "strips12" of 12) through the runner, once, on the inputs
-    in `work`."""
+    """The strip programs (`strips`: of ROWS rows, or f"strips{r}" of r in OTHER_ROWS) through the runner, once,
+    on the inputs in `work`."""
     binary, _, programs, _ = native
     return run_native(binary, work, SAMPLES, (programs[strips] / "release.pte", STRIP_RELEASE),
                       (programs[strips] / "vjp.pte", STRIP_GRAD) if grad else None, runs=1, warmup=0,
@@ -177,6 +181,9 @@ def test_strip_runner_with_drawn_noise_matches_eager(native):
     for got, want in zip(report["grads"], want_grads, strict=True):
         assert np.abs(got - want.numpy().ravel()).max() <= GRAD_RTOL * want.abs().max().item()
     assert report["peak_kb"] > 0 and report["forward_noise_ms"][0] > 0
+    for rows in OTHER_ROWS:  # the same noise, whichever way the strips cut its groups
+        other = strip_run(native, work, 0.1, root / "test.key", grad=False, strips=f"strips{rows}")
+        assert np.abs(other["release"] - want_release.numpy().ravel()).max() <= RELEASE_ATOL
     # without --noise-std nothing is drawn: the release is the layer's output
     plain = strip_run(native, work, grad=False)
     noiseless = reference(layer, images, torch.zeros_like(noise), grad, weights, grads=False)[0]
@@ -198,10 +205,9 @@ def test_native_noise_is_keyed_chacha20_box_muller_and_fresh_per_release(native)
     z = strip_run(native, work, 1.0, root / "noise.key", grad=False)["release"]
     assert z.size == SAMPLES * weight.shape[0] * SIZE * SIZE
     assert np.abs(z - reference_normals(key, z.size)).max() < 2e-5
-    # the stream's groups of 256 values cut across strips either way: a strip of 8 rows (192 values) never holds
-    # a whole one, so each waits over strips; one of 12 rows (288) holds whole groups, drawn straight from it
-    z12 = strip_run(native, work, 1.0, root / "noise.key", grad=False, strips="strips12")["release"]
-    assert np.array_equal(z12, z)
+    for rows in OTHER_ROWS:  # the same normals, whichever way the strips cut the stream's groups
+        assert np.array_equal(strip_run(native, work, 1.0, root / "noise.key", grad=False,
+                                        strips=f"strips{rows}")["release"], z)
     n = z.size  # 36,864 values
     assert abs(z.mean()) < 5 / np.sqrt(n) and abs(z.std() - 1) < 0.01
     assert abs((np.abs(z) < 1).mean() - 0.6827) < 0.006 and abs((np.abs(z) < 2).mean() - 0.9545) < 0.004

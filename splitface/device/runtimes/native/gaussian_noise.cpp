@@ -20,7 +20,6 @@ namespace splitface {
 namespace {
 
 constexpr int kLanes = kChachaLanes;  // ChaCha blocks per group
-constexpr uint64_t kGroup = kNoiseGroup;
 
 [[noreturn]] void die(const char* why) {
   std::fprintf(stderr, "splitface_native: %s\n", why);
@@ -136,23 +135,19 @@ NoiseKey key_from_file(const char* path) {
 
 void add_gaussian(float* dst, const float* src, size_t n, uint64_t first, const NoiseKey& key, float sigma) {
   uint64_t end = first + n;
-  for (uint64_t g = first / kGroup * kGroup; g < end; g += kGroup) {  // groups start at multiples of 256 values
-    if (g >= first && g + kGroup <= end) {  // a whole group: drawn and added in registers
+  for (uint64_t g = first / kNoiseGroup * kNoiseGroup; g < end; g += kNoiseGroup) {  // groups of 256 values
+    uint64_t lo = g > first ? g : first, hi = g + kNoiseGroup < end ? g + kNoiseGroup : end;
+    if (lo == g && hi == g + kNoiseGroup) {  // a whole group: drawn and added in registers
       group_add(key, g / 16, sigma, src == nullptr ? nullptr : src + (g - first), dst + (g - first));
       continue;
     }
-    // a group cut by the range's ends: drawn whole into a buffer, the part inside the range added
-    alignas(64) float z[kGroup];
-    group_add(key, g / 16, 1.0f, nullptr, z);
-    uint64_t lo = g > first ? g : first, hi = g + kGroup < end ? g + kGroup : end;
-    const float* zg = z + (lo - g);
-    float* d = dst + (lo - first);
-    if (src == nullptr) {
-      for (uint64_t i = 0; i < hi - lo; ++i) d[i] = sigma * zg[i];
-    } else {
-      const float* s = src + (lo - first);
-      for (uint64_t i = 0; i < hi - lo; ++i) d[i] = s[i] + sigma * zg[i];
-    }
+    // a group cut by the range's ends: its part of the range through a buffer, added by the same code, so that
+    // a value rounds alike whichever way its group was cut
+    alignas(64) float t[kNoiseGroup] = {};
+    size_t at = lo - g, count = hi - lo;
+    if (src != nullptr) std::memcpy(t + at, src + (lo - first), count * sizeof(float));
+    group_add(key, g / 16, sigma, t, t);
+    std::memcpy(dst + (lo - first), t + at, count * sizeof(float));
   }
 }
 

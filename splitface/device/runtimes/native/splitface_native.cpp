@@ -327,31 +327,42 @@ void pread_all(int fd, float* dst, size_t floats, size_t offset_floats, const st
   }
 }
 
-// Copies a strip's values [a, b) of one channel's plane (`plane` values, `rows` holding them) into the release
-// map's plane, with their noise. The noise is drawn in whole groups of the stream (kNoiseGroup values, `first`
-// being the plane's index in the release), straight from the strip into the map where a group lies in the strip.
-// A strip's rows seldom end on a group (4 rows of 224 px are 3.5 groups): the values of a group that the strip
-// leaves unfinished wait in the map without noise (`noised` stays at the group's start), and the strip that
-// finishes the group noises it in place, so that no group is drawn twice. The plane's end finishes every group.
-void copy_noised(const Noise& noise, uint64_t first, float* map, size_t plane, size_t& noised, const float* rows,
-                 size_t a, size_t b) {
+// One channel's plane of a sample's release map as the strips fill it: its values, how many, where its noise
+// starts in the release's stream, and how far the noise has reached.
+struct Plane {
+  float* map;
+  size_t size;
+  uint64_t first;
+  size_t noised = 0;
+};
+
+// Copies a strip's values [a, b) of a plane from `rows` into the map, with their noise, drawn in whole groups of
+// the stream (kNoiseGroup values) so that none is drawn twice: a strip's rows seldom end on a group (4 rows of
+// 224 px are 3.5 groups), so the values of a group that the strip leaves unfinished wait in the map without
+// their noise, and the strip that finishes the group noises them in place, still in cache.
+void copy_noised(const Noise& noise, Plane& p, const float* rows, size_t a, size_t b) {
   constexpr uint64_t G = splitface::kNoiseGroup;
-  size_t end = b;  // the noise reaches here: b, or the last group's start before it while the plane is unfinished
-  if (b < plane) end = std::max(noised, static_cast<size_t>((first + b) / G * G - first));
-  if (noised < a) {  // the waiting values [noised, a) and this strip's part of their group, noised in place
-    size_t upto = std::min(end, static_cast<size_t>(((first + noised) / G + 1) * G - first));
-    if (upto > noised) {
-      std::memcpy(map + a, rows, (upto - a) * sizeof(float));
-      splitface::add_gaussian(map + noised, map + noised, upto - noised, first + noised, noise.key, noise.std);
-      noised = upto;
+  size_t end = b;  // the noise reaches here: b, or the last group start before it while the plane is unfinished
+  if (b < p.size) {
+    uint64_t cut = (p.first + b) / G * G;
+    end = cut > p.first + p.noised ? static_cast<size_t>(cut - p.first) : p.noised;
+  }
+  if (p.noised < a) {  // the waiting values [noised, a) and this strip's part of their group, noised in place
+    size_t upto = std::min(end, static_cast<size_t>(((p.first + p.noised) / G + 1) * G - p.first));
+    if (upto > p.noised) {
+      std::memcpy(p.map + a, rows, (upto - a) * sizeof(float));
+      splitface::add_gaussian(p.map + p.noised, p.map + p.noised, upto - p.noised, p.first + p.noised, noise.key,
+                              noise.std);
+      p.noised = upto;
     }
   }
-  if (end > noised) {  // whole groups (and the plane's last part) from the strip
-    splitface::add_gaussian(map + noised, rows + (noised - a), end - noised, first + noised, noise.key, noise.std);
-    noised = end;
+  if (end > p.noised) {  // whole groups (and the plane's last part) from the strip
+    splitface::add_gaussian(p.map + p.noised, rows + (p.noised - a), end - p.noised, p.first + p.noised, noise.key,
+                            noise.std);
+    p.noised = end;
   }
-  size_t raw = std::max(noised, a);  // the strip's part of an unfinished group, without its noise yet
-  std::memcpy(map + raw, rows + (raw - a), (b - raw) * sizeof(float));
+  size_t raw = std::max(p.noised, a);  // the strip's part of an unfinished group, without its noise yet
+  std::memcpy(p.map + raw, rows + (raw - a), (b - raw) * sizeof(float));
 }
 
 // The runner around the in-memory strip layer (strip_layer.h): each request's images (and noise, or the
@@ -397,19 +408,18 @@ struct StripRunner {
     if (noise.discrete) stream.emplace(noise.key);
     const splitface::Geometry& geo = g();
     size_t rows = static_cast<size_t>(geo.R) * geo.W, plane = static_cast<size_t>(geo.H) * geo.W;
-    std::vector<size_t> noised(geo.O);  // per channel: how many of its values have their noise
+    std::vector<Plane> planes(geo.O);
     for (int s = 0; s < samples; ++s) {
       load_image(s);
       if (noise_fd >= 0) pread_all(noise_fd, noise_map.data(), geo.map(), s * geo.map(), noise_in);
-      std::fill(noised.begin(), noised.end(), 0);
+      for (int o = 0; o < geo.O; ++o) planes[o] = {&map[o * plane], plane, s * geo.map() + o * plane};
       double t0 = now_ms();
       layer->release_image(image.data(), [&](int strip, const float* out) {
         double t1 = now_ms();
         for (int o = 0; o < geo.O; ++o) {
           size_t at = static_cast<size_t>(o) * plane + strip * rows;
           if (noise.on) {
-            copy_noised(noise, s * geo.map() + o * plane, &map[o * plane], plane, noised[o], out + o * rows,
-                        strip * rows, (strip + 1) * rows);
+            copy_noised(noise, planes[o], out + o * rows, strip * rows, (strip + 1) * rows);
           } else if (noise_fd >= 0) {
             for (size_t k = 0; k < rows; ++k) map[at + k] = out[o * rows + k] + noise_map[at + k];
           } else {
