@@ -77,7 +77,7 @@ __attribute__((always_inline)) inline void box_muller(typename lanes::Vec<W>::u3
 // dst[16 j + l] = src[16 j + l] + sigma * (normal j of block `block + l`) for the group's 256 values (lane l of
 // vector j, as they are: no transpose), the 16 blocks W at a time; a null src reads as zeros. The sum is made in
 // registers: the normals never go through memory, and no scalar pass over the group follows (the compiler at -O2
-// left that pass unvectorised: a third of the drawing time on a whole release, docs/device.md).
+// left that pass unvectorised; docs/device.md measures the change).
 template <int W>
 __attribute__((always_inline)) inline void group_add_w(const NoiseKey& key, uint64_t block, float sigma,
                                                        const float* src, float* dst) {
