@@ -77,6 +77,11 @@ def check_steps(steps: list[dict], n: int, what: str) -> None:
 
 @pytest.mark.parametrize("backend", ["torch", "executorch", "onnxruntime"])
 def test_backend_trains_like_eager_pytorch(backend, lfw, tmp_path, monkeypatch):
+    # The torch backend's gradient is eager PyTorch's, and oneDNN's float32 conv backward is not always within
+    # GRAD_RTOL of float64: on an Intel Xeon with AMX at one thread (the suite's workers), this run's last batch
+    # of 16 came out 1.4e-3 of the largest gradient off, 1e-5 in the weights, where PyTorch's own conv is 1e-8
+    # off. The check holds the engine's steps (tests/steps.py), not oneDNN's kernels, so it runs without oneDNN.
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
     steps = record_steps(monkeypatch)
     _, last_epoch = train_with(backend, lfw, tmp_path)
     check_steps(steps, 6, f"the {backend} backend")   # 2 epochs of 64 images in batches of 24
