@@ -26,6 +26,9 @@ NUM_CLASSES = 20
 # Two epochs clear the accuracy bar below by a wide margin (measured in two-epoch runs: test accuracy 0.77 and
 # 0.79 with the server head, 0.74 with the device head, against a bar of 0.45); a third added time, no check.
 LEARN_EPOCHS = 2
+# Crash and resume need only more batches than the crash point: 10 of those identities (309 training images) give
+# each of the two devices 5 batches an epoch, so two epochs make 20 batches and the crash at 12 falls in the second.
+CRASH_DATA, CRASH_CLASSES = ["--min-images", "20", "--max-identities", "10"], 10
 
 
 def _start_server(run_dir: Path, port: int = 0, num_classes: int = NUM_CLASSES,
@@ -43,9 +46,9 @@ def _start_server(run_dir: Path, port: int = 0, num_classes: int = NUM_CLASSES,
 
 
 def _simulator(port: int, lfw: Path, run_dir: Path, tokens: Path, epochs: int, head: str = "server",
-               pipeline: bool = False) -> subprocess.Popen:
+               pipeline: bool = False, data: list[str] = DATA) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "splitface.device_cli", "sim", "--server", f"ws://127.0.0.1:{port}", "--tokens", str(tokens),
-           "--data", str(lfw), *DATA, "--model", MODEL, "--head", head, *(["--pipeline"] if pipeline else []),
+           "--data", str(lfw), *data, "--model", MODEL, "--head", head, *(["--pipeline"] if pipeline else []),
            "--devices", "2", "--epochs", str(epochs),
            "--batch-size", "32", "--lr", "0.005", "--results", str(run_dir / "results.json"), "--threads", "1",
            "--no-progress", "--reconnect-timeout", "90"]
@@ -109,15 +112,16 @@ def test_killed_server_resumes_and_devices_finish(tmp_path, lfw, pipeline):
     step count at the end equals the number of training batches exactly: none lost, none applied twice.
     Pipelined, the release each device had made ahead is dropped with the rollback and made again."""
     tokens = _setup(tmp_path)
-    server, port = _start_server(tmp_path, checkpoint_every_batches="5", checkpoint_every="1000",
-                                 fault="crash-after-batch:12")
-    sim = _simulator(port, lfw, tmp_path, tokens, epochs=2, pipeline=pipeline)
+    server, port = _start_server(tmp_path, num_classes=CRASH_CLASSES, checkpoint_every_batches="5",
+                                 checkpoint_every="1000", fault="crash-after-batch:12")
+    sim = _simulator(port, lfw, tmp_path, tokens, epochs=2, pipeline=pipeline, data=CRASH_DATA)
     try:
         server.communicate(timeout=600)
         assert server.returncode == FAULT_EXIT
         killed_at = load_checkpoint(tmp_path / "checkpoint.pt")["trainer"]["steps"]
         assert killed_at == 10
-        server, _ = _start_server(tmp_path, port=port, checkpoint_every_batches="5", checkpoint_every="1000")
+        server, _ = _start_server(tmp_path, port=port, num_classes=CRASH_CLASSES, checkpoint_every_batches="5",
+                                  checkpoint_every="1000")
         out, _ = sim.communicate(timeout=900)
         assert sim.returncode == 0, out
     finally:

@@ -33,19 +33,19 @@ from splitface.common.models.lrn import PaperLRN
 from splitface.device.runtimes import native as native_module
 from splitface.device.privacy.discrete import (DiscreteGaussian, DiscreteGaussianMechanism, clip_quantise, squared_norms)
 from splitface.device.privacy.fastnoise import NoiseStream
-from splitface.device.runtimes.native import (StripServer, build, draw_integers, elf_machine, reference_normals, run_native,
-                                              write_inputs)
+from splitface.device.runtimes.native import (StripServer, build, build_cached, draw_integers, elf_machine,
+                                              reference_normals, run_native, write_inputs)
 from splitface.device.runtimes.native_runtime import NativeRuntime
 from splitface.device.runtimes.manifest import RELEASE_GEMM_PTE, VJP_GEMM_PTE, Manifest
 from splitface.export.artifacts import example_inputs, export_gemm_ptes, export_strip_ptes, manifest_of
 from splitface.device.runtimes.parity import GRAD_RTOL, RELEASE_ATOL, reference
 from splitface.export.exporter import EXPORTER
 
-SAMPLES, SIZE, ROWS = 4, 24, 8
-# Other strip heights, against the noise stream's groups of 256 values (a plane of 24 px is 576 values, and the
-# planes after the first start inside a group): 8 rows (192 values) never hold a whole group, 12 rows (288) do,
-# and 4 rows (96) can end inside the group that their plane starts in.
-OTHER_ROWS = (12, 4)
+SAMPLES, SIZE, ROWS = 4, 24, 4
+# Strip heights against the noise stream's groups of 256 values (a plane of 24 px is 576 values, and the planes
+# after the first start inside a group): ROWS = 4 rows (96 values) never hold a whole group and can end inside the
+# group that their plane starts in; 12 rows (288) hold whole groups.
+OTHER_ROWS = (12,)
 STRIP_RELEASE, STRIP_GRAD = ["images", "weight", "bias"], ["images", "grad", "weight", "bias"]
 
 
@@ -77,14 +77,13 @@ def exported(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory) -> Callable[[str], Path]:
+def builds() -> Callable[[str], Path]:
     """The runner (and libsplitface_jni beside it) for "host", built for this machine, or for "arm64",
-    cross-built against the aarch64 wheel's runtime: each built on first use, once per module."""
-    root = tmp_path_factory.mktemp("builds")
-
+    cross-built against the aarch64 wheel's runtime: each brought up to date on first use, in the per-user cache
+    that the simulator and the Android core's tests build into too (a build is 20 s of the suite's two cores)."""
     @functools.cache
     def built(target: str) -> Path:
-        return build(root / target, arm64=target == "arm64")
+        return build_cached(arm64=target == "arm64")
     return built
 
 
@@ -160,7 +159,7 @@ def test_native_runner_refuses_bad_inputs_by_name(native):
 
 @pytest.mark.slow
 def test_strip_runner_with_drawn_noise_matches_eager(native):
-    """Strips of 8 rows of 24 px images (3 per image): the release with the noise the runner drew under a known
+    """Strips of 4 rows of 24 px images (6 per image): the release with the noise the runner drew under a known
     key, and the weight gradient summed over strips and samples, equal eager PyTorch with that noise."""
     _, layer, _, root = native
     g = torch.Generator().manual_seed(4)
@@ -282,7 +281,7 @@ def test_strip_runner_refuses_bad_inputs_by_name(native):
     work = root / "strip-bad"
     weight, bias = (np.zeros(tuple(p.shape)) for p in layer.parameters())
     write_inputs(work, {"images": np.zeros((SAMPLES, 3, SIZE + 1, SIZE)), "weight": weight, "bias": bias})
-    with pytest.raises(RuntimeError, match=r"images.f32 holds .* H a multiple of 8"):
+    with pytest.raises(RuntimeError, match=rf"images.f32 holds .* H a multiple of {ROWS}"):
         strip_run(native, work, grad=False)
     write_inputs(work, {"images": np.zeros((SAMPLES, 3, SIZE, SIZE)), "bias": np.zeros(5)})
     with pytest.raises(RuntimeError, match=r"bias.f32 holds 20 bytes; the shared input takes 64"):
