@@ -94,9 +94,9 @@ def test_backend_trains_like_eager_pytorch(backend, lfw, tmp_path, monkeypatch):
 
 def test_native_backend_trains_vgg_face_like_eager_pytorch(lfw, tmp_path, monkeypatch):
     """Six steps of VGG-Face's conv1 (64 px, batch 2) through the C++ runner: without noise every release and
-    weight gradient is eager PyTorch's along the run (tests/steps.py). With noise every release is drawn in the
-    runner under the engine's key (another sampler than torch's, so its releases are not checked here;
-    tests/test_native.py holds that noise to its reference) and training runs."""
+    weight gradient is eager PyTorch's along the run (tests/steps.py). The noise the runner draws under the
+    engine's key, through the same engine, is test_native.py's (test_native_backend_draws_the_engines_noise_under_
+    the_release_key), and a noisy run through real processes its test_simulator_with_native_exact_noise_..."""
     from splitface.device.runtimes.native_runtime import NativeRuntime
 
     small = {"model": "vgg_face_small", "images": 6, "batch_size": 2, "epochs": 2, "mechanism": NoNoise}
@@ -111,6 +111,4 @@ def test_native_backend_trains_vgg_face_like_eager_pytorch(lfw, tmp_path, monkey
     check_steps(steps, 6, "the native backend")
     # the load's self-check (two weight sets), then every step: none fell back to torch
     assert calls["weight_grads"] == 2 + 6 and calls["keyed_release"] >= 6
-    assert last_epoch["cost"]["forward_s"]["mean"] > 0
-    noisy, _ = train_with("native", lfw, tmp_path / "noisy", **{**small, "mechanism": lambda: PerActivationGaussian(3.0, 1e-5)})
-    assert np.isfinite(noisy).all() and noisy != losses and calls["weight_grads"] == 2 * (2 + 6)
+    assert last_epoch["cost"]["forward_s"]["mean"] > 0 and np.isfinite(losses).all()
