@@ -7,6 +7,7 @@ a few steps."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,12 +28,15 @@ MODEL = "iresnet_small"
 
 
 def train_with(backend: str, lfw, tmp_path, model: str = MODEL, images: int = 64, batch_size: int = 24,
-               epochs: int = 2, mechanism=lambda: PerActivationGaussian(10.0, 1e-5)) -> tuple[list[float], dict]:
+               epochs: int = 2, mechanism=lambda: PerActivationGaussian(10.0, 1e-5),
+               artifacts: Path | None = None) -> tuple[list[float], dict]:
+    """`artifacts`: where the device's programs are, exported there first if they are not (default: in
+    `tmp_path`)."""
     data = load_lfw(lfw, min_images=10, max_identities=4)
     data.train = data.train.subset(np.arange(images))
     data.test = data.test.subset(np.arange(8))
     config = SimConfig(url="", spec=resolve_spec(model), num_devices=1, epochs=epochs, batch_size=batch_size,
-                       progress=False, train=TrainConfig(lr=0.05), backend=backend, artifacts=tmp_path / "artifacts",
+                       progress=False, train=TrainConfig(lr=0.05), backend=backend, artifacts=artifacts or tmp_path / "artifacts",
                        privacy=lambda: PrivacyEngine(mechanism=mechanism(), secret=7))
     with serve_in_thread(small_trainer(len(data.class_names), model, lr=0.05), tmp_path / backend) as server:
         config.url = server.url
@@ -75,15 +79,22 @@ def check_steps(steps: list[dict], n: int, what: str) -> None:
                      engine.config.momentum, what)
 
 
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory) -> Path:
+    """One export for both runtimes' runs: the export writes the ExecuTorch and the ONNX programs, the weights
+    are their inputs, and both runs start from the same seeded layer (a lowering is 20 s of the suite)."""
+    return tmp_path_factory.mktemp("programs")
+
+
 @pytest.mark.parametrize("backend", ["torch", "executorch", "onnxruntime"])
-def test_backend_trains_like_eager_pytorch(backend, lfw, tmp_path, monkeypatch):
+def test_backend_trains_like_eager_pytorch(backend, lfw, tmp_path, monkeypatch, programs):
     # The torch backend's gradient is eager PyTorch's, and oneDNN's float32 conv backward is not always within
     # GRAD_RTOL of float64: on an Intel Xeon with AMX at one thread (the suite's workers), this run's last batch
     # of 16 came out 1.4e-3 of the largest gradient off, 1e-5 in the weights, where PyTorch's own conv is 1e-8
     # off. The check holds the engine's steps (tests/steps.py), not oneDNN's kernels, so it runs without oneDNN.
     monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
     steps = record_steps(monkeypatch)
-    _, last_epoch = train_with(backend, lfw, tmp_path)
+    _, last_epoch = train_with(backend, lfw, tmp_path, artifacts=None if backend == "torch" else programs)
     check_steps(steps, 6, f"the {backend} backend")   # 2 epochs of 64 images in batches of 24
     # 3 batches per epoch of which 1 is warm-up; the meter reports every phase and names the missing energy counter
     cost = last_epoch["cost"]
