@@ -36,7 +36,8 @@ def train_with(backend: str, lfw, tmp_path, model: str = MODEL, images: int = 64
     data.train = data.train.subset(np.arange(images))
     data.test = data.test.subset(np.arange(8))
     config = SimConfig(url="", spec=resolve_spec(model), num_devices=1, epochs=epochs, batch_size=batch_size,
-                       progress=False, train=TrainConfig(lr=0.05), backend=backend, artifacts=artifacts or tmp_path / "artifacts",
+                       progress=False, train=TrainConfig(lr=0.05), backend=backend,
+                       artifacts=artifacts or tmp_path / "artifacts",
                        privacy=lambda: PrivacyEngine(mechanism=mechanism(), secret=7))
     with serve_in_thread(small_trainer(len(data.class_names), model, lr=0.05), tmp_path / backend) as server:
         config.url = server.url
@@ -105,9 +106,10 @@ def test_backend_trains_like_eager_pytorch(backend, lfw, tmp_path, monkeypatch, 
 
 def test_native_backend_trains_vgg_face_like_eager_pytorch(lfw, tmp_path, monkeypatch):
     """Six steps of VGG-Face's conv1 (64 px, batch 2) through the C++ runner: without noise every release and
-    weight gradient is eager PyTorch's along the run (tests/steps.py). The noise the runner draws under the
-    engine's key, through the same engine, is test_native.py's (test_native_backend_draws_the_engines_noise_under_
-    the_release_key), and a noisy run through real processes its test_simulator_with_native_exact_noise_..."""
+    weight gradient is eager PyTorch's along the run (tests/steps.py). The float noise that the runner draws under
+    the engine's key is checked through the same engine in test_native.py (the release against its reference,
+    the step against eager's), and a noisy run through the simulator and a loopback server there too (the exact
+    option)."""
     from splitface.device.runtimes.native_runtime import NativeRuntime
 
     small = {"model": "vgg_face_small", "images": 6, "batch_size": 2, "epochs": 2, "mechanism": NoNoise}
