@@ -26,8 +26,8 @@ NUM_CLASSES = 20
 # Two epochs clear the accuracy bar below by a wide margin (measured in two-epoch runs: test accuracy 0.77 and
 # 0.79 with the server head, 0.74 with the device head, against a bar of 0.45); a third added time, no check.
 LEARN_EPOCHS = 2
-# Crash and resume need only more batches than the crash point: 10 of those identities (309 training images) give
-# each of the two devices 5 batches an epoch, so two epochs make 20 batches and the crash at 12 falls in the second.
+# The crash tests need no learning: 10 of those identities (309 training images) give each of the two devices 5
+# batches an epoch, 10 steps an epoch in all; the checkpoint at step 6 and the crash at step 8 fall inside the first.
 CRASH_DATA, CRASH_CLASSES = ["--min-images", "20", "--max-identities", "10"], 10
 
 
@@ -106,21 +106,21 @@ def test_two_devices_learn_on_lfw(tmp_path, lfw, head):
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["lock-step", "pipelined"])
 def test_killed_server_resumes_and_devices_finish(tmp_path, lfw, pipeline):
-    """The server exits hard right after replying step 12 (`--fault crash-after-batch:12`), 2 steps after
-    its checkpoint at step 10; restarted on the same port from that checkpoint, the devices reconnect, the
-    ones that committed steps 11 and 12 roll back to what the checkpoint holds, and all finish. The server's
+    """The server exits hard right after replying step 8 (`--fault crash-after-batch:8`), mid-epoch and 2 steps
+    after its checkpoint at step 6; restarted on the same port from that checkpoint, the devices reconnect, the
+    ones that committed steps 7 and 8 roll back to what the checkpoint holds, and all finish. The server's
     step count at the end equals the number of training batches exactly: none lost, none applied twice.
     Pipelined, the release each device had made ahead is dropped with the rollback and made again."""
     tokens = _setup(tmp_path)
-    server, port = _start_server(tmp_path, num_classes=CRASH_CLASSES, checkpoint_every_batches="5",
-                                 checkpoint_every="1000", fault="crash-after-batch:12")
+    server, port = _start_server(tmp_path, num_classes=CRASH_CLASSES, checkpoint_every_batches="3",
+                                 checkpoint_every="1000", fault="crash-after-batch:8")
     sim = _simulator(port, lfw, tmp_path, tokens, epochs=2, pipeline=pipeline, data=CRASH_DATA)
     try:
         server.communicate(timeout=600)
         assert server.returncode == FAULT_EXIT
         killed_at = load_checkpoint(tmp_path / "checkpoint.pt")["trainer"]["steps"]
-        assert killed_at == 10
-        server, _ = _start_server(tmp_path, port=port, num_classes=CRASH_CLASSES, checkpoint_every_batches="5",
+        assert killed_at == 6
+        server, _ = _start_server(tmp_path, port=port, num_classes=CRASH_CLASSES, checkpoint_every_batches="3",
                                   checkpoint_every="1000")
         out, _ = sim.communicate(timeout=900)
         assert sim.returncode == 0, out
@@ -131,7 +131,7 @@ def test_killed_server_resumes_and_devices_finish(tmp_path, lfw, pipeline):
     results = json.loads((tmp_path / "results.json").read_text())
     assert len(results["epochs"]) == 2
     assert sum(d["reconnects"] for d in results["devices"]) >= 2
-    assert "rolled back to batch" in out  # the device that committed step 12 was ahead of the checkpoint
+    assert "rolled back to batch" in out  # the device that committed step 8 was ahead of the checkpoint
     final = load_checkpoint(tmp_path / "checkpoint.pt")
     total = sum(r["batches"] for d in results["devices"] for r in d["epochs"])
     assert killed_at < total

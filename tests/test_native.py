@@ -117,7 +117,7 @@ def test_build_without_cmake_fails_with_a_message(monkeypatch, tmp_path):
         build(tmp_path)
 
 
-@pytest.mark.slow  # builds the runner (CMake, a few seconds) and lowers four programs
+@pytest.mark.slow  # brings the cached runner up to date (CMake) and lowers the programs
 def test_native_runner_matches_eager_in_chunks_without_libtorch(native):
     binary, layer, programs, root = native
     linked = linked_libraries(binary)

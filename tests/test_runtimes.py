@@ -83,7 +83,8 @@ def check_steps(steps: list[dict], n: int, what: str) -> None:
 @pytest.fixture(scope="module")
 def programs(tmp_path_factory) -> Path:
     """One export for both runtimes' runs: the export writes the ExecuTorch and the ONNX programs, the weights
-    are their inputs, and both runs start from the same seeded layer (a lowering is 20 s of the suite)."""
+    are their inputs, and both runs start from the same seeded layer (a lowering is 20 s of the suite). The
+    second run loads what the first exported and verified; its steps are held to eager PyTorch all the same."""
     return tmp_path_factory.mktemp("programs")
 
 
