@@ -4,7 +4,8 @@ Every research process runs numpy's BLAS (OpenBLAS) on one thread. Torch's OpenM
 after each op, and OpenBLAS's own threads then wait on the same cores: on 2 cores, a (16 x 200k) by (200k x 48)
 product of the audit's ridge inversion took 4 s after a torch op against 0.02 s on one thread, and the full-size
 frontier's audit 74 s against 48 s (docs/testing.md). Numpy's products here are small next to torch's work."""
-import numpy  # noqa: F401  (loaded first, so that threadpoolctl finds its BLAS)
+import numpy
 from threadpoolctl import threadpool_limits
 
-threadpool_limits(limits=1, user_api="blas")
+threadpool_limits(limits=1, user_api="blas")   # numpy's OpenBLAS, loaded by the import above (else none is found)
+del numpy

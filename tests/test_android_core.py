@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 from pathlib import Path
+from typing import Callable
 
 import msgpack
 import numpy as np
@@ -98,22 +99,33 @@ def test_java_device_layer_equals_pytorch_on_real_faces(java, faces, tmp_path, c
     parity(java, device_layer(clamp), faces[0][:4], tmp_path)
 
 
-def programs(layer: torch.nn.Module, kind: str, batch: int, size: int, out: Path, arm64: bool = False) -> dict:
-    """A job's "programs": the layer's im2col programs for `batch` images ("gemm", `splitface-export --gemm`) or
-    its strip programs ("strips", 4 rows, as the native backend runs them), and the JNI library through which the
-    Java device runs them on ExecuTorch's C++ runtime (built for this machine, or for arm64)."""
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory) -> Callable[..., dict]:
+    """A job's "programs": the seeded layer's (`device_layer(clamp)`) im2col programs for `batch` images ("gemm",
+    `splitface-export --gemm`) or its strip programs ("strips", 4 rows of 64-px images, as the native backend runs
+    them; any batch), and the JNI library through which the Java device runs them on ExecuTorch's C++ runtime (built
+    for this machine, or for arm64). Each program is lowered once for the module: the arm64 tests and the training
+    test run the programs the parity tests checked (about 10 s a lowering)."""
     from splitface.device.runtimes.native import jni_library
     from splitface.device.runtimes.manifest import RELEASE_GEMM_PTE, VJP_GEMM_PTE
     from splitface.export.artifacts import example_inputs, export_gemm_ptes, write_strip_ptes
 
-    if kind == "strips":
-        release, vjp = write_strip_ptes(layer, 4, size, out)
-    else:
-        out.mkdir(parents=True, exist_ok=True)
-        release, vjp = out / RELEASE_GEMM_PTE, out / VJP_GEMM_PTE
-        for path, program in zip((release, vjp), export_gemm_ptes(layer, *example_inputs(layer, batch, size), None)):
-            path.write_bytes(program)
-    return {"library": str(jni_library(arm64)), "kind": kind, "release": str(release), "vjp": str(vjp)}
+    lowered: dict[tuple, tuple[Path, Path]] = {}
+
+    def job_programs(clamp: float | None, kind: str, batch: int, arm64: bool = False) -> dict:
+        key = (clamp, kind, batch if kind == "gemm" else None)
+        if key not in lowered:
+            layer, out = device_layer(clamp), tmp_path_factory.mktemp(kind)
+            if kind == "strips":
+                lowered[key] = write_strip_ptes(layer, 4, 64, out)
+            else:
+                lowered[key] = out / RELEASE_GEMM_PTE, out / VJP_GEMM_PTE
+                for path, program in zip(lowered[key], export_gemm_ptes(layer, *example_inputs(layer, batch, 64), None)):
+                    path.write_bytes(program)
+        release, vjp = lowered[key]
+        return {"library": str(jni_library(arm64)), "kind": kind, "release": str(release), "vjp": str(vjp)}
+
+    return job_programs
 
 
 # what each kind of programs says when the images or the weights do not fit them
@@ -125,13 +137,13 @@ REFUSALS = {"gemm": ("values as 3 images of 32 x 64; the programs take up to 4 i
 
 @pytest.mark.parametrize("kind", ["gemm", "strips"])
 @pytest.mark.parametrize("clamp", [None, 1.0])
-def test_java_device_on_executorch_equals_pytorch_on_real_faces(java, faces, tmp_path, clamp, kind):
+def test_java_device_on_executorch_equals_pytorch_on_real_faces(java, faces, programs, tmp_path, clamp, kind):
     """The Java device's layer through ExecuTorch's C++ runtime (JNI, XNNPACK, no PyTorch in the JVM), on the
     batch im2col programs and on the strip programs, equals PyTorch's on real faces, with a batch shorter than the
     batch programs' 4; images or weights that do not fit the programs are refused by name, not a crash."""
     images = faces[0][:3]
     layer = device_layer(clamp)
-    job = parity(java, layer, images, tmp_path, programs=programs(layer, kind, 4, 64, tmp_path / "programs"))
+    job = parity(java, layer, images, tmp_path, programs=programs(clamp, kind, 4))
     cout = job["conv"]["cout"]
     other_layer = {"conv": {**job["conv"], "cout": cout + 1}, "weight": job["weight"] + bytes(len(job["weight"]) // cout),
                    "bias": job["bias"] + bytes(4)}  # the programs were exported for another layer
@@ -147,13 +159,13 @@ def test_java_device_on_executorch_equals_pytorch_on_real_faces(java, faces, tmp
 
 
 @pytest.mark.parametrize("kind", ["gemm", "strips"])
-def test_java_device_on_executorch_equals_pytorch_on_an_arm64_jvm_under_qemu(cli, faces, tmp_path, kind):
+def test_java_device_on_executorch_equals_pytorch_on_an_arm64_jvm_under_qemu(cli, faces, programs, tmp_path, kind):
     """The same parity on the phone's instruction set: Debian's arm64 JVM, under qemu-user, runs the Java device,
     whose layer goes through libsplitface_jni and ExecuTorch's runtime for arm64 (the aarch64 wheel's;
     docs/device.md, "On arm64"), on the batch and the strip programs."""
     layer = device_layer(None)
     parity([*ARM64_JAVA, *cli], layer, faces[0][:3], tmp_path, timeout=600,  # a JVM emulated instruction by instruction
-           programs=programs(layer, kind, 4, 64, tmp_path / "programs", arm64=True))
+           programs=programs(None, kind, 4, arm64=True))
 
 
 def train_job(url: str, faces, token: str, epochs: int, **extra) -> dict:
@@ -199,15 +211,14 @@ def check_java_steps(job: dict, faces, received: list, weights_out: Path, layer:
     check_trajectory(layer, weights, steps, job["momentum"], "the Java device")
 
 
-def test_java_device_on_executorch_trains_against_the_python_server(java, faces, tmp_path):
+def test_java_device_on_executorch_trains_against_the_python_server(java, faces, programs, tmp_path):
     """Two epochs of the Java device with its layer through ExecuTorch's C++ runtime (JNI), on the batch im2col
     programs and on the strip programs: every batch is applied once, and every step is eager PyTorch's (float64)
     along the run's own trajectory: the release the server got, and the SGD step with the gradient it sent back.
     Not the runs' losses against a reference run's: see tests/steps.py for why those are not comparable."""
-    layer = device_layer(None)
     for name in ("gemm", "strips"):
         job = train_job("", faces, TOKENS["device-0"], epochs=2, weights_out=str(tmp_path / f"{name}.weights"),
-                        programs=programs(layer, name, 16, 64, tmp_path / name))
+                        programs=programs(None, name, 16))
         with serve_in_thread(recording_trainer(faces[2], MODEL, lr=0.05), tmp_path / f"server-{name}") as server:
             run = run_java(java, {**job, "url": server.url}, tmp_path)
             steps, received = server.trainer.steps, server.trainer.received
