@@ -339,27 +339,54 @@ FRONTIERS = (RESULTS / "frontier", RESULTS / "frontier-distilled-imprinted-stude
              RESULTS / "frontier-distilled-imprinted", RESULTS / "frontier-distilled")
 
 
-def audited_point(results: dict, frontiers: tuple[Path, ...] = FRONTIERS) -> tuple[Path, dict] | None:
-    """(frontier, its row) for this run's release (same model, split, head, device weights, layer training and
-    mechanism), if measured. Device weights compare by file name: a distilled start's name holds the hash of
-    everything it was made from, wherever its cache is."""
-    def release(r: dict) -> tuple:
-        privacy = r["devices"][0]["privacy"]
-        # a run recorded before a ModelSpec field existed holds that field's default
-        model = ModelSpec.from_dict(r["config"]["model"]).to_dict()
-        weights = r["config"].get("device_weights")
-        return (model, r["config"]["split"], r["config"]["head"], Path(weights).name if weights else None,
-                privacy["mechanism"], privacy["layer_training"])
+def release_of(results: dict, by_weights: bool = True) -> tuple:
+    """What makes two runs' releases the same: model, split, head, device weights, layer training and mechanism.
+    Device weights compare by file name (`by_weights`), else only whether there were any."""
+    privacy = results["devices"][0]["privacy"]
+    # a run recorded before a ModelSpec field existed holds that field's default
+    model = ModelSpec.from_dict(results["config"]["model"]).to_dict()
+    weights = results["config"].get("device_weights")
+    held = (Path(weights).name if weights else None) if by_weights else weights is not None
+    return (model, results["config"]["split"], results["config"]["head"], held, privacy["mechanism"],
+            privacy["layer_training"])
 
-    for frontier in frontiers:
-        summary = frontier / "summary.json"
-        if not summary.exists():
-            continue
-        for row in json.loads(summary.read_text()):
-            measured = frontier / "runs" / row["run"] / "results.json"
-            if measured.exists() and release(json.loads(measured.read_text())) == release(results):
-                return frontier, row
-    return None
+
+# the demo's flags that, beside the model and the release, make its distilled start (distill.py's recipes)
+START_RECIPE = ("init", "student_epochs", "noise_aware_epochs")
+
+
+def audited_point(results: dict, frontiers: tuple[Path, ...] = FRONTIERS,
+                  args: argparse.Namespace | None = None) -> tuple[Path, dict] | None:
+    """(frontier, its row) for this run's release (`release_of`), if measured. Device weights compare by file name:
+    a distilled start's name holds the hash of everything it was made from, wherever its cache is.
+
+    That hash includes the plain student's bytes, which a student trained again (on another machine, or resumed)
+    does not repeat bit for bit, so a noise-aware start built anywhere but where the audit ran has another name.
+    With this run's `args`, a run from a distilled start that matches no name matches a run audited from another
+    build of the same recipe (`START_RECIPE`): `audit_line` says so."""
+    def find(by_weights: bool, recipe_matches) -> tuple[Path, dict] | None:
+        for frontier in frontiers:
+            summary = frontier / "summary.json"
+            if not summary.exists():
+                continue
+            for row in json.loads(summary.read_text()):
+                run = frontier / "runs" / row["run"]
+                if ((run / "results.json").exists() and recipe_matches(run)
+                        and release_of(json.loads((run / "results.json").read_text()), by_weights)
+                        == release_of(results, by_weights)):
+                    return frontier, row
+        return None
+
+    def same_recipe(run: Path) -> bool:
+        if not (run / "demo_args.json").exists():
+            return False
+        audited, _ = parser().parse_known_args(json.loads((run / "demo_args.json").read_text()))
+        return all(getattr(audited, k) == getattr(args, k) for k in START_RECIPE)
+
+    exact = find(True, lambda run: True)
+    if exact is not None or args is None or args.init != "distilled":
+        return exact
+    return find(False, same_recipe)
 
 
 # how the server trains: the audited run's may differ from this run's for the same release
@@ -369,18 +396,25 @@ SERVER_RECIPE = ("lr", "head_lr_scale", "imprint_epochs")
 def audit_line(results: dict, args: argparse.Namespace | None = None) -> str:
     """What the audit measured for this release: the figures, not a promise. With this run's `args`, it also says
     where the audited run's server trained otherwise: what a server can recognise depends on how it trained."""
-    found = audited_point(results)
+    found = audited_point(results, args=args)
     if found is None:
         return "privacy: this release setting has not been audited (research/frontier.py, docs/audit.md)"
     frontier, row = found
     caveat = ""
+    audited_weights = json.loads((frontier / "runs" / row["run"] / "results.json").read_text())["config"].get(
+        "device_weights")
+    ours = results["config"].get("device_weights")
+    if ours and audited_weights and Path(ours).name != Path(audited_weights).name:
+        caveat = (f" [audited from another build of this distilled start, the same recipe ({Path(audited_weights).name} "
+                  f"there, {Path(ours).name} here): a student trained again does not repeat its weights bit for bit, "
+                  f"so these figures are that build's]")
     recorded = frontier / "runs" / row["run"] / "demo_args.json"
     if args is not None and recorded.exists():
         audited, _ = parser().parse_known_args(json.loads(recorded.read_text()))
         differ = [f"{k.replace('_', '-')} {getattr(audited, k):g} there, {getattr(args, k):g} here"
                   for k in SERVER_RECIPE if getattr(audited, k) != getattr(args, k)]
         if differ:
-            caveat = f" [the audited run's server trained otherwise ({'; '.join(differ)}): its figures are for that run]"
+            caveat += f" [the audited run's server trained otherwise ({'; '.join(differ)}): its figures are for that run]"
     split = ""
     if "reconstruction_identity_r1" in row:
         split = (f"; what it can see: dlib names {row['reconstruction_identity_r1']:.3f} from reconstructions (chance "

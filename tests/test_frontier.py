@@ -157,6 +157,27 @@ def test_the_main_job_prints_the_audit_of_its_own_release_and_start():
     assert f"{row['model_identity_r1']:.3f} from its models of releases" in line and "trained otherwise" not in line
 
 
+def test_the_main_job_from_its_own_build_of_the_start_prints_the_audit_of_the_same_recipe():
+    """A user's build of the noise-aware start is named otherwise than the audited one (its key hashes the plain
+    student's bytes, which a student trained again does not repeat): with run.sh's start flags the main job still
+    prints the audit of that recipe and says it was another build's; from another recipe it finds none."""
+    from research.demo import audit_line, parser
+
+    results = json.loads((ROOT / "results" / "main_job" / "distilled" / "results.json").read_text())
+    rebuilt = json.loads(json.dumps(results))
+    rebuilt["config"]["device_weights"] = "/home/someone/.cache/splitface/distilled/iresnet18-w16-64px-0123456789abcdef.pt"
+    ours, _ = parser().parse_known_args(run_sh_start())
+    assert audited_point(rebuilt) is None   # by name alone: no audit of these bytes
+    frontier, row = audited_point(rebuilt, args=ours)
+    assert (frontier, row) == audited_point(results)
+    line = audit_line(rebuilt, ours)
+    assert f"{row['model_identity_r1']:.3f} from its models of releases" in line
+    assert "another build of this distilled start" in line and "iresnet18-w16-64px-0123456789abcdef.pt here" in line
+    other, _ = parser().parse_known_args([*run_sh_start(), "--student-epochs", "5"])
+    assert audited_point(rebuilt, args=other) is None
+    assert audit_line(rebuilt, other).startswith("privacy: this release setting has not been audited")
+
+
 def test_a_plain_student_run_finds_the_frontier_trained_as_the_main_job_trains():
     """The undefended point from the recipe's plain student is in both frontiers from it (the same start file):
     the one trained as run.sh trains speaks for it. From run.sh's own plain student (60 epochs: another file), the
