@@ -3,7 +3,8 @@
 Every research process runs numpy's BLAS (OpenBLAS) on one thread. Torch's OpenMP threads stay awake for a while
 after each op, and OpenBLAS's own threads then wait on the same cores: on 2 cores, a (16 x 200k) by (200k x 48)
 product of the audit's ridge inversion took 4 s after a torch op against 0.02 s on one thread, and the full-size
-frontier's audit 74 s against 48 s (docs/testing.md). Numpy's products here are small next to torch's work."""
+frontier's audit 74 s against 48 s (docs/testing.md). Numpy's products here are small next to torch's work. (SciPy's
+own OpenBLAS, loaded later by what uses it, keeps its threads.)"""
 import numpy
 from threadpoolctl import threadpool_limits
 

@@ -21,6 +21,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, TextIO
 
+import torch
+
 from splitface.common.options import load_data
 from splitface.common.models import ModelSpec
 from splitface.common.options import add_data_args, add_devices_args, add_model_args, add_training_args, data_argv, model_argv, model_spec
@@ -351,42 +353,54 @@ def release_of(results: dict, by_weights: bool = True) -> tuple:
             privacy["layer_training"])
 
 
-# the demo's flags that, beside the model and the release, make its distilled start (distill.py's recipes)
-START_RECIPE = ("init", "student_epochs", "noise_aware_epochs")
+def noise_aware_origin(weights: str | None) -> tuple[str, int] | None:
+    """(the plain student's file name, the epochs) a noise-aware distilled start was made from, from its manifest;
+    None for any other weights or a file not on this machine."""
+    if not weights or not Path(weights).exists():
+        return None
+    meta = torch.load(weights, map_location="cpu", weights_only=True).get("meta", {})
+    init = meta.get("student", {}).get("init")
+    if not init or init == "seeded" or "recipe" not in meta:
+        return None
+    return Path(init).name, int(meta["recipe"]["epochs"])
 
 
-def audited_point(results: dict, frontiers: tuple[Path, ...] = FRONTIERS,
-                  args: argparse.Namespace | None = None) -> tuple[Path, dict] | None:
+def audited_point(results: dict, frontiers: tuple[Path, ...] = FRONTIERS) -> tuple[Path, dict] | None:
     """(frontier, its row) for this run's release (`release_of`), if measured. Device weights compare by file name:
     a distilled start's name holds the hash of everything it was made from, wherever its cache is.
 
-    That hash includes the plain student's bytes, which a student trained again (on another machine, or resumed)
-    does not repeat bit for bit, so a noise-aware start built anywhere but where the audit ran has another name.
-    With this run's `args`, a run from a distilled start that matches no name matches a run audited from another
-    build of the same recipe (`START_RECIPE`): `audit_line` says so."""
-    def find(by_weights: bool, recipe_matches) -> tuple[Path, dict] | None:
+    A noise-aware start's name hashes the plain student's bytes, which a student trained again (on another machine,
+    or resumed) does not repeat bit for bit, so such a start built anywhere but where the audit ran has another
+    name. A run from one that matches no name matches a run audited from another build of the same recipe: the
+    same plain student's name (that key is reproducible: recipe and public faces) in the frontier's undefended run,
+    and the same noise-aware epochs recorded in the audited run's flags. `audit_line` says so."""
+    def find(by_weights: bool, same_start: Callable[[Path, Path], bool]) -> tuple[Path, dict] | None:
         for frontier in frontiers:
             summary = frontier / "summary.json"
             if not summary.exists():
                 continue
             for row in json.loads(summary.read_text()):
                 run = frontier / "runs" / row["run"]
-                if ((run / "results.json").exists() and recipe_matches(run)
+                if ((run / "results.json").exists() and same_start(frontier, run)
                         and release_of(json.loads((run / "results.json").read_text()), by_weights)
                         == release_of(results, by_weights)):
                     return frontier, row
         return None
 
-    def same_recipe(run: Path) -> bool:
-        if not (run / "demo_args.json").exists():
-            return False
-        audited, _ = parser().parse_known_args(json.loads((run / "demo_args.json").read_text()))
-        return all(getattr(audited, k) == getattr(args, k) for k in START_RECIPE)
-
-    exact = find(True, lambda run: True)
-    if exact is not None or args is None or args.init != "distilled":
+    exact = find(True, lambda frontier, run: True)
+    origin = noise_aware_origin(results["config"].get("device_weights")) if exact is None else None
+    if origin is None:
         return exact
-    return find(False, same_recipe)
+    plain, epochs = origin
+
+    def another_build(frontier: Path, run: Path) -> bool:
+        undefended = frontier / "runs" / "none" / "results.json"
+        flags = json.loads((run / "demo_args.json").read_text()) if (run / "demo_args.json").exists() else []
+        plain_there = json.loads(undefended.read_text())["config"].get("device_weights") if undefended.exists() else None
+        return (plain_there is not None and Path(plain_there).name == plain and "--noise-aware-epochs" in flags
+                and flags[flags.index("--noise-aware-epochs") + 1] == str(epochs))
+
+    return find(False, another_build)
 
 
 # how the server trains: the audited run's may differ from this run's for the same release
@@ -396,7 +410,7 @@ SERVER_RECIPE = ("lr", "head_lr_scale", "imprint_epochs")
 def audit_line(results: dict, args: argparse.Namespace | None = None) -> str:
     """What the audit measured for this release: the figures, not a promise. With this run's `args`, it also says
     where the audited run's server trained otherwise: what a server can recognise depends on how it trained."""
-    found = audited_point(results, args=args)
+    found = audited_point(results)
     if found is None:
         return "privacy: this release setting has not been audited (research/frontier.py, docs/audit.md)"
     frontier, row = found
@@ -405,7 +419,7 @@ def audit_line(results: dict, args: argparse.Namespace | None = None) -> str:
         "device_weights")
     ours = results["config"].get("device_weights")
     if ours and audited_weights and Path(ours).name != Path(audited_weights).name:
-        caveat = (f" [audited from another build of this distilled start, the same recipe ({Path(audited_weights).name} "
+        caveat = (f" [audited from another build of this noise-aware start, the same recipe ({Path(audited_weights).name} "
                   f"there, {Path(ours).name} here): a student trained again does not repeat its weights bit for bit, "
                   f"so these figures are that build's]")
     recorded = frontier / "runs" / row["run"] / "demo_args.json"

@@ -119,9 +119,10 @@ def programs(tmp_path_factory) -> Callable[..., dict]:
             if kind == "strips":
                 lowered[key] = write_strip_ptes(layer, 4, 64, out)
             else:
-                lowered[key] = out / RELEASE_GEMM_PTE, out / VJP_GEMM_PTE
-                for path, program in zip(lowered[key], export_gemm_ptes(layer, *example_inputs(layer, batch, 64), None)):
+                paths = out / RELEASE_GEMM_PTE, out / VJP_GEMM_PTE
+                for path, program in zip(paths, export_gemm_ptes(layer, *example_inputs(layer, batch, 64), None)):
                     path.write_bytes(program)
+                lowered[key] = paths   # kept once written: a failed lowering is not reused
         release, vjp = lowered[key]
         return {"library": str(jni_library(arm64)), "kind": kind, "release": str(release), "vjp": str(vjp)}
 

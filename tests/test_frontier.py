@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from splitface.common.models import ModelSpec
 from research.demo import audited_point
@@ -157,25 +159,34 @@ def test_the_main_job_prints_the_audit_of_its_own_release_and_start():
     assert f"{row['model_identity_r1']:.3f} from its models of releases" in line and "trained otherwise" not in line
 
 
-def test_the_main_job_from_its_own_build_of_the_start_prints_the_audit_of_the_same_recipe():
+def test_the_main_job_from_its_own_build_of_the_start_prints_the_audit_of_the_same_recipe(tmp_path):
     """A user's build of the noise-aware start is named otherwise than the audited one (its key hashes the plain
-    student's bytes, which a student trained again does not repeat): with run.sh's start flags the main job still
-    prints the audit of that recipe and says it was another build's; from another recipe it finds none."""
+    student's bytes, which a student trained again does not repeat): made from the plain student of the same name
+    (a reproducible key) for the same epochs, the main job still prints the audit of that recipe and says it was
+    another build's; from another plain student or for other epochs it finds none."""
     from research.demo import audit_line, parser
 
     results = json.loads((ROOT / "results" / "main_job" / "distilled" / "results.json").read_text())
-    rebuilt = json.loads(json.dumps(results))
-    rebuilt["config"]["device_weights"] = "/home/someone/.cache/splitface/distilled/iresnet18-w16-64px-0123456789abcdef.pt"
+    frontier, row = audited_point(results)
+    plain = json.loads((frontier / "runs" / "none" / "results.json").read_text())["config"]["device_weights"]
+
+    def rebuilt(init: str, epochs: int) -> dict:
+        start = tmp_path / f"iresnet18-w16-64px-{len(list(tmp_path.iterdir())):016d}.pt"
+        torch.save({"meta": {"student": {"init": init}, "recipe": {"epochs": epochs}}}, start)
+        run = json.loads(json.dumps(results))
+        run["config"]["device_weights"] = str(start)
+        return run
+
     ours, _ = parser().parse_known_args(run_sh_start())
-    assert audited_point(rebuilt) is None   # by name alone: no audit of these bytes
-    frontier, row = audited_point(rebuilt, args=ours)
-    assert (frontier, row) == audited_point(results)
-    line = audit_line(rebuilt, ours)
+    same = rebuilt(f"/home/someone/.cache/splitface/distilled/{Path(plain).name}", ours.noise_aware_epochs)
+    assert audited_point(same) == (frontier, row)
+    line = audit_line(same, ours)
     assert f"{row['model_identity_r1']:.3f} from its models of releases" in line
-    assert "another build of this distilled start" in line and "iresnet18-w16-64px-0123456789abcdef.pt here" in line
-    other, _ = parser().parse_known_args([*run_sh_start(), "--student-epochs", "5"])
-    assert audited_point(rebuilt, args=other) is None
-    assert audit_line(rebuilt, other).startswith("privacy: this release setting has not been audited")
+    assert "another build of this noise-aware start" in line and f"{Path(same['config']['device_weights']).name} here" in line
+    for other in (rebuilt("/elsewhere/iresnet18-w16-64px-0123456789abcdef.pt", ours.noise_aware_epochs),
+                  rebuilt(plain, ours.noise_aware_epochs + 1), rebuilt("seeded", ours.noise_aware_epochs)):
+        assert audited_point(other) is None
+        assert audit_line(other, ours).startswith("privacy: this release setting has not been audited")
 
 
 def test_a_plain_student_run_finds_the_frontier_trained_as_the_main_job_trains():
