@@ -34,9 +34,7 @@ import hashlib
 import json
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, fields, replace
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -146,21 +144,21 @@ class TeacherCache:
         self.known = load_vectors(self.file)
         self.computed = 0
 
-    def embed(self, paths: list[Path], workers: int = 2, progress: bool = True) -> np.ndarray:
+    def embed(self, paths: list[Path], progress: bool = True) -> np.ndarray:
         """(N, 128) float32 teacher embeddings of the files, computing only those not cached."""
         keys = [file_hash(p) for p in paths]
         todo = sorted({k: i for i, k in enumerate(keys) if k not in self.known}.values())
         if todo:
-            chunks = [todo[i:i + 32] for i in range(0, len(todo), 32)]
+            teacher = DlibResNet(work_size=TEACHER_SIZE)
             bar = tqdm(total=len(todo), desc="teacher (dlib)", unit="img", disable=not progress)
-            with ProcessPoolExecutor(max(1, workers), mp_context=get_context("spawn")) as pool:
-                work = pool.map(_teacher_chunk, [[paths[i] for i in c] for c in chunks], [self.size] * len(chunks))
-                for chunk, vectors in zip(chunks, work):
-                    for i, v in zip(chunk, vectors):
-                        self.known[keys[i]] = v
-                    bar.update(len(chunk))
-                    if bar.n % 1024 < len(chunk):
-                        self._save()   # a killed run keeps what it embedded
+            for start in range(0, len(todo), 256):
+                chunk = todo[start:start + 256]
+                images = FaceSet([paths[i] for i in chunk], np.zeros(len(chunk)), ["?"]).load(self.size, CROP)
+                for i, v in zip(chunk, teacher.embed(images.astype(np.float32) / 255)):
+                    self.known[keys[i]] = v
+                bar.update(len(chunk))
+                if bar.n % 4096 < len(chunk):
+                    self._save()   # a killed run keeps what it embedded
             bar.close()
             self.computed += len(todo)
             self._save()
@@ -169,18 +167,6 @@ class TeacherCache:
     def _save(self) -> None:
         if self.file is not None:
             save_vectors(self.file, self.known)
-
-
-_TEACHER: DlibResNet | None = None
-
-
-def _teacher_chunk(paths: list[Path], size: int) -> np.ndarray:
-    """In a worker process (dlib runs one image at a time on one core): decode, align, embed."""
-    global _TEACHER
-    if _TEACHER is None:
-        _TEACHER = DlibResNet(work_size=TEACHER_SIZE)
-    images = FaceSet(list(paths), np.zeros(len(paths)), ["?"]).load(size, CROP).astype(np.float32) / 255
-    return _TEACHER.embed(images)
 
 
 # ---- the student ---------------------------------------------------------------------------------------------
@@ -266,7 +252,7 @@ def checkpoint_key(spec: ModelSpec, split: str, mechanism: Mechanism, recipe: Re
 
 def distill(spec: ModelSpec, split: str, mechanism: Mechanism, lfw_root: str | Path | None, out: Path,
             recipe: Recipe = Recipe(), cache_dir: Path | None = None, init: Path | None = None,
-            limit: int | None = None, workers: int = 2, progress: bool = True,
+            limit: int | None = None, progress: bool = True,
             evaluate: bool = True, view1_limit: int | None = None, stop_after: int | None = None,
             device: str = "cpu", public_set: str = "lfw158") -> dict[str, Any]:
     """Train the student, write it to `out` (a splitface backbone file, with the transform's stages when it has
@@ -282,7 +268,7 @@ def distill(spec: ModelSpec, split: str, mechanism: Mechanism, lfw_root: str | P
         print(f"distilling {Path(out).name}: {len(faces)} public faces ({missing} not yet embedded by the teacher), "
               f"{recipe.epochs} epochs; roughly {estimate_minutes(len(faces), missing, recipe, spec):.0f} min on a "
               f"2-core machine", flush=True)
-    teacher = torch.from_numpy(cache.embed(faces.paths, workers, progress))
+    teacher = torch.from_numpy(cache.embed(faces.paths, progress))
     # dlib's embeddings share a large common component (two strangers' cosine is about 0.9); the targets are the
     # teacher's directions about its mean over the public faces, which a student ending in batch norm can reach
     teacher = teacher - teacher.mean(0)
@@ -405,7 +391,7 @@ def is_plain(spec: ModelSpec, mechanism: Mechanism) -> bool:
 
 
 def distilled_start(spec: ModelSpec, split: str, mechanism: Mechanism, lfw_root: str | Path | None,
-                    cache_dir: Path | None = None, progress: bool = True, workers: int = 2,
+                    cache_dir: Path | None = None, progress: bool = True,
                     recipes: tuple[Recipe, Recipe] = (PLAIN_RECIPE, NOISE_AWARE_RECIPE),
                     limit: int | None = None, public_set: str = "lfw158") -> Path:
     """The distilled backbone file for this model, cut and release: the plain student, or a noise-aware start
@@ -414,15 +400,14 @@ def distilled_start(spec: ModelSpec, split: str, mechanism: Mechanism, lfw_root:
     `public_set`: the faces it is distilled on (PUBLIC_SETS; "federated" for the federated experiments)."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache()
     plain = _cached_student(plain_spec(spec), DEFAULT_SPLIT, NoNoise(), recipes[0], lfw_root, cache_dir, None,
-                            progress, workers, limit, public_set)
+                            progress, limit, public_set)
     if is_plain(spec, mechanism):
         return plain
-    return _cached_student(spec, split, mechanism, recipes[1], lfw_root, cache_dir, plain, progress, workers, limit,
-                           public_set)
+    return _cached_student(spec, split, mechanism, recipes[1], lfw_root, cache_dir, plain, progress, limit, public_set)
 
 
 def _cached_student(spec: ModelSpec, split: str, mechanism: Mechanism, recipe: Recipe, lfw_root: str | Path | None,
-                    cache_dir: Path, init: Path | None, progress: bool, workers: int, limit: int | None,
+                    cache_dir: Path, init: Path | None, progress: bool, limit: int | None,
                     public_set: str) -> Path:
     """The file's key holds the public set's content hash, so another public set is another file; a set other
     than the default is named in the file name too (the default's names stay those already cached)."""
@@ -435,7 +420,7 @@ def _cached_student(spec: ModelSpec, split: str, mechanism: Mechanism, recipe: R
         return path
     if progress:
         print(f"building the distilled start {path} (first use; cached afterwards)", flush=True)
-    distill(spec, split, mechanism, lfw_root, path, recipe, cache_dir, init, limit, workers=workers, progress=progress,
+    distill(spec, split, mechanism, lfw_root, path, recipe, cache_dir, init, limit, progress=progress,
             public_set=public_set)
     return path
 
@@ -470,9 +455,10 @@ STUDENT_RATE = {"none": 112, "dct": 441, "bottleneck": 18}
 
 
 def estimate_minutes(images: int, missing: int, recipe: Recipe, spec: ModelSpec) -> float:
-    """A stated, rough time on this project's machines (2 cores), from rates measured there: dlib 0.08 s an image
-    on each of two cores, and STUDENT_RATE (other models: unknown, scaled by input area only)."""
-    teacher = missing * 0.08 / 2
+    """A stated, rough time on this project's machines (2 cores), from rates measured there: the teacher 0.008 s an
+    image (decoding, dlib's alignment, the network ported to PyTorch), and STUDENT_RATE (other models: unknown,
+    scaled by input area only)."""
+    teacher = missing * 0.008
     student = recipe.epochs * images / STUDENT_RATE.get(spec.release, STUDENT_RATE["none"]) * (spec.input_size / 64) ** 2
     return (teacher + student) / 60
 
@@ -491,7 +477,6 @@ def main(argv: list[str] | None = None) -> None:
                                                            "for a noise-aware start)")
     d.add_argument("--cache", type=Path, default=default_cache(), help="teacher embeddings (default: "
                                                                         "$SPLITFACE_CACHE or ~/.cache/splitface)")
-    d.add_argument("--workers", type=int, default=2, help="teacher processes (dlib uses one core each)")
     d.add_argument("--limit", type=int, default=None, help="only the first N public images (smoke tests)")
     d.add_argument("--public-set", choices=PUBLIC_SETS, default="lfw158",
                    help="lfw158: leave out LFW-158 and View 1's DevTest people (the split runs); federated: leave out "
@@ -515,7 +500,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({k: v for k, v in meta.items() if k != "history"}), "final:", meta["history"][-1])
         return
     meta = distill(model_spec(args), args.split, release_mechanism(args), args.data, args.out, recipe_of(args),
-                   args.cache, args.init, args.limit, args.workers, not args.no_progress,
+                   args.cache, args.init, args.limit, not args.no_progress,
                    view1_limit=args.view1_limit, device=args.device, public_set=args.public_set)
     print(json.dumps({"out": str(args.out), "view1": meta.get("view1"), "last_epoch": meta["history"][-1],
                       "seconds": meta["seconds"]}, indent=2))

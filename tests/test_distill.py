@@ -37,7 +37,7 @@ def cache(tmp_path_factory, lfw):
     """The teacher's embeddings of the first LIMIT public faces, made once for this file's tests."""
     folder = tmp_path_factory.mktemp("teacher")
     faces, _ = public_faces(lfw, LIMIT)
-    TeacherCache(folder).embed(faces.paths, workers=2, progress=False)
+    TeacherCache(folder).embed(faces.paths, progress=False)
     return folder
 
 
@@ -104,7 +104,7 @@ def test_the_teacher_cache_is_keyed_by_each_images_bytes(tmp_path, lfw, cache):
     edited = tmp_path / "edited.png"
     with Image.open(faces.paths[1]) as im:
         im.transpose(Image.FLIP_LEFT_RIGHT).save(edited)
-    teacher.embed([edited], workers=1, progress=False)
+    teacher.embed([edited], progress=False)
     assert teacher.computed == 1   # other bytes: computed, then kept
     assert TeacherCache(cache).embed([edited], progress=False).shape == (1, 128)
 

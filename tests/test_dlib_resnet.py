@@ -1,0 +1,66 @@
+"""dlib's face-recognition network ported to PyTorch (research/audit/dlib_resnet.py) against dlib's own, on
+real LFW faces aligned by dlib: the audit's strong recognizer and the distillation teacher run the port.
+
+The tolerance, from an error analysis: both compute the same float32 network and differ only in the order of
+each sum (dlib's im2col and gemm against oneDNN's kernels). A float32 sum of K products is off by at most
+about K * 2**-24 of the sum of their magnitudes; the widest sum here has K = 3 * 3 * 256 = 2304 terms and a
+descriptor passes through 30 such layers (29 convolutions and the last fully connected one), so with nothing
+amplifying errors a descriptor moves by at most about 30 * 2304 * 2**-24 = 4.1e-3 of its norm. dlib's own
+decision threshold is a distance of 0.6 between descriptors of norm about 1.3."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from splitface.common.data import load_lfw
+from splitface.device.trainer import to_input
+from research.audit.dlib_resnet import DlibFaceNet, DlibFormatError
+from research.audit.recognizer import DlibResNet, dlib_models_dir
+
+WEIGHTS = "dlib_face_recognition_resnet_model_v1.dat"
+TOLERANCE = 30 * 2304 * 2.0 ** -24
+
+
+@pytest.fixture(scope="module")
+def faces(lfw) -> tuple[np.ndarray, np.ndarray]:
+    """Three photos each of eight LFW people, as the audit sees them (64 px of the 160 px centre crop)."""
+    data = load_lfw(lfw, min_images=10, max_identities=8)
+    keep = np.concatenate([np.flatnonzero(data.train.labels == c)[:3] for c in np.unique(data.train.labels)])
+    return to_input(data.train.subset(keep).load(64, 160)).numpy(), data.train.labels[keep]
+
+
+def test_the_port_gives_dlibs_descriptors_on_real_faces(faces):
+    images, labels = faces
+    ported, own = DlibResNet(engine="torch").embed(images, batch=7), DlibResNet(engine="dlib").embed(images)
+    assert ported.shape == own.shape == (len(images), 128)
+    error = np.linalg.norm(ported - own, axis=1) / np.linalg.norm(own, axis=1)
+    assert error.max() <= TOLERANCE, error.max()
+    # the same faces are nearest to each other by either network (no pair sits within the error of a tie)
+    def nearest(v: np.ndarray) -> np.ndarray:
+        d = np.linalg.norm(v[:, None] - v[None], axis=2)
+        np.fill_diagonal(d, np.inf)
+        return d.argmin(1)
+    assert np.array_equal(nearest(ported), nearest(own))
+    assert (labels[nearest(own)] == labels).mean() > 0.8   # and they find people: this is a face recognizer
+
+
+def test_a_batch_gives_each_faces_descriptor_alone(faces):
+    images, _ = faces
+    dlib = DlibResNet()
+    together, alone = dlib.embed(images[:5]), np.concatenate([dlib.embed(images[i:i + 1]) for i in range(5)])
+    assert (np.linalg.norm(together - alone, axis=1) / np.linalg.norm(alone, axis=1)).max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("other", ["mmod_human_face_detector.dat", "shape_predictor_5_face_landmarks.dat"])
+def test_another_dlib_model_is_refused_by_name(other):
+    with pytest.raises(DlibFormatError, match="not dlib's face-recognition ResNet"):
+        DlibFaceNet(dlib_models_dir() / other)
+
+
+@pytest.mark.parametrize("keep", [0, 100, 500_000, -2000])
+def test_a_truncated_file_is_refused_clearly(tmp_path, keep):
+    data = (dlib_models_dir() / WEIGHTS).read_bytes()
+    cut = tmp_path / "cut.dat"
+    cut.write_bytes(data[:keep])
+    with pytest.raises(DlibFormatError, match="cut.dat: not dlib's face-recognition ResNet"):
+        DlibFaceNet(cut)
