@@ -78,7 +78,7 @@ def test_an_experiment_starts_from_the_distilled_start(lfw, tmp_path):
     set (a tiny one here: one epoch on 16 faces, cached in tmp_path), every run begins from its weights, no public
     split is pre-trained, and a private round trains from there."""
     tiny = Recipe(epochs=1, batch_size=8)
-    build = {"cache_dir": tmp_path / "cache", "recipes": (tiny, tiny), "limit": 16, "progress": False, "workers": 1}
+    build = {"cache_dir": tmp_path / "cache", "recipes": (tiny, tiny), "limit": 16, "progress": False}
     unused = tmp_path / "public_backbone.pt"
     shared = load_shared(TINY, lfw, unused, 1, max_users=12, view1_limit=20, start="distilled", distill_args=build,
                          log=lambda _: None)
