@@ -9,10 +9,14 @@ import java.nio.file.Files;
 import java.nio.file.Path;
 import java.util.List;
 import java.util.Map;
+import org.junit.Rule;
 import org.junit.Test;
+import org.junit.rules.TemporaryFolder;
 
 /** The budget survives the app (BudgetGuard.persistIn): resumed, refused past the budget, never reset by a bad or lost file. */
 public class BudgetStateTest {
+    @Rule public TemporaryFolder tmp = new TemporaryFolder();   // deleted after each test
+
     static final byte[] SCHEDULE = Wire.pack(Map.of("delta", 1e-5, "epsilon_after", List.of(1.0, 1.5, 1.9)));
 
     static BudgetGuard guard(Path file) {
@@ -21,7 +25,7 @@ public class BudgetStateTest {
 
     @Test
     public void aRestartedGuardResumesItsReleasesAndRefusesPastTheBudget() throws Exception {
-        Path dir = Files.createTempDirectory("budget");
+        Path dir = tmp.newFolder().toPath();
         Path file = BudgetGuard.stateFile(dir, "phone-01");
         BudgetGuard first = guard(file);
         assertTrue(Files.exists(file));   // written at once, before any release
@@ -42,7 +46,7 @@ public class BudgetStateTest {
 
     @Test
     public void aCorruptEditedOrForeignFileIsAnErrorNeverAReset() throws Exception {
-        Path file = BudgetGuard.stateFile(Files.createTempDirectory("budget"), "phone-01");
+        Path file = BudgetGuard.stateFile(tmp.newFolder().toPath(), "phone-01");
         guard(file).admit(new long[] {7});
         byte[] good = Files.readAllBytes(file);
         byte[] edited = good.clone();
@@ -60,7 +64,7 @@ public class BudgetStateTest {
 
     @Test
     public void aGuardBelowTheServersFigureHasLostItsState() throws Exception {
-        Path file = BudgetGuard.stateFile(Files.createTempDirectory("budget"), "phone-01");
+        Path file = BudgetGuard.stateFile(tmp.newFolder().toPath(), "phone-01");
         BudgetGuard fresh = guard(file);   // the old file was deleted: a new one starts at 0
         fresh.checkServerFigure("phone-01", null);
         fresh.admit(new long[] {1});

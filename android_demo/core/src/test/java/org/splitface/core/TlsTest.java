@@ -11,10 +11,14 @@ import java.nio.file.Files;
 import java.nio.file.Path;
 import java.security.cert.CertificateException;
 import javax.net.ssl.SSLHandshakeException;
+import org.junit.Rule;
 import org.junit.Test;
+import org.junit.rules.TemporaryFolder;
 
 /** The URL rule of splitface/device/connection.py's tls_context; the real handshakes run in tests/test_android_core.py. */
 public class TlsTest {
+    @Rule public TemporaryFolder tmp = new TemporaryFolder();   // deleted after each test
+
     static void refused(String url, Path ca, boolean insecure, String words) {
         try {
             Tls.forUrl(url, ca, insecure);
@@ -39,7 +43,7 @@ public class TlsTest {
     public void otherSchemesAndACaFileForPlainWsAreRefused() throws Exception {
         refused("http://127.0.0.1:8765", null, false, "must start with wss://");
         refused("127.0.0.1:8765", null, false, "must start with wss://");
-        Path ca = Files.createTempFile("ca", ".pem");
+        Path ca = tmp.newFile().toPath();
         refused("ws://127.0.0.1:8765", ca, false, "a CA file was given for a plain ws:// URL");
     }
 
@@ -48,9 +52,9 @@ public class TlsTest {
         Tls platform = Tls.forUrl("wss://face-edge.example", null, false);
         assertNotNull(platform.context);
         assertTrue(platform.trustManager.getAcceptedIssuers().length > 0);
-        Path empty = Files.createTempFile("ca", ".pem");
+        Path empty = tmp.newFile().toPath();
         refused("wss://face-edge.example", empty, false, "holds no certificate");
-        Path junk = Files.createTempFile("ca", ".pem");
+        Path junk = tmp.newFile().toPath();
         Files.writeString(junk, "-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydGlmaWNhdGU=\n-----END CERTIFICATE-----\n");
         refused("wss://face-edge.example", junk, false, "is not PEM certificates");
         refused("wss://face-edge.example", junk.resolveSibling("missing.pem"), false, "cannot read the CA file");

@@ -10,7 +10,9 @@ import java.nio.file.Path;
 import java.util.Map;
 import java.util.Random;
 import java.util.TreeMap;
+import org.junit.Rule;
 import org.junit.Test;
+import org.junit.rules.TemporaryFolder;
 
 /**
  * The training progress survives the app (TrainingState, DeviceClient.persistIn): a restarted device gets back its
@@ -18,6 +20,8 @@ import org.junit.Test;
  * fresh start. (tests/test_android_core.py kills a Java device process with SIGKILL against the Python server.)
  */
 public class TrainingStateTest {
+    @Rule public TemporaryFolder tmp = new TemporaryFolder();   // deleted after each test
+
     static ReferenceLayerTrainer trainer() {
         DeviceLayer layer = DeviceLayerTest.layer(null);
         return new ReferenceLayerTrainer(layer, new Sgd(new float[][] {layer.weight, layer.bias}, 0.05, 0.9, 0.0, 0.1, 100));
@@ -47,7 +51,7 @@ public class TrainingStateTest {
 
     @Test
     public void aRestartedDeviceResumesItsCommittedBatchExactly() throws Exception {
-        Path file = TrainingState.stateFile(Files.createTempDirectory("training"), "phone-01");
+        Path file = TrainingState.stateFile(tmp.newFolder().toPath(), "phone-01");
         ReferenceLayerTrainer before = trainer();
         new TrainingState(file, ClientSessionTest.session()).save(3, trained(before));
 
@@ -72,7 +76,7 @@ public class TrainingStateTest {
 
     @Test
     public void aCorruptOrForeignFileIsAnErrorNeverAFreshStart() throws Exception {
-        Path file = TrainingState.stateFile(Files.createTempDirectory("training"), "phone-01");
+        Path file = TrainingState.stateFile(tmp.newFolder().toPath(), "phone-01");
         new TrainingState(file, ClientSessionTest.session()).save(3, trained(trainer()));
         byte[] good = Files.readAllBytes(file);
         byte[] edited = good.clone();
