@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
         row("eigenfaces (64 components, 32 px grey)", eigenfaces.embed, args,
             fitted_on=f"{len(public)} DevTrain images of {len(np.unique(public.labels))} people"),
         row("dlib ResNet (face-recognition-models)", DlibResNet().embed, args,
-            fitted_on="dlib's public training set (about 3 million faces)"),
+            fitted_on="dlib's public training set (about 3 million faces)",
+            network="dlib's weights run in PyTorch (research/audit/dlib_resnet.py; dlib aligns)"),
     ]
     write_report(args.out / "reference.json", rows, args.out / "table.md", table(rows), echo=False)
     print(f"wrote {args.out / 'reference.json'} and {args.out / 'table.md'}")
