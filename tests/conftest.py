@@ -163,7 +163,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
 
 # The heaviest files first, by their summed test time in a measured run of the suite (docs/testing.md): test.sh
-# gives each xdist worker a file at a time in collection order (--no-loadscope-reorder). xdist's own order puts
+# gives each xdist worker a file at a time in collection order (--no-loadscopereorder). xdist's own order puts
 # the files with the most tests first, which left long files of few tests (the DP sweep's, 2 min) to the end,
 # where one worker ran them alone. Files not named follow in their usual order; only the order changes.
 HEAVY_FIRST = ("test_android_core.py", "test_frontier.py", "test_native.py", "test_integration.py", "test_dp_sweep.py",
