@@ -5,5 +5,5 @@ cd "$(dirname "$0")"
 bash scripts/setup.sh
 bash scripts/setup_arm64.sh
 android_demo/jvm_test.sh
-# two workers (pytest-xdist, a test file per worker, the heaviest files first: tests/conftest.py HEAVY_FIRST)
-exec .venv/bin/python -m pytest -q -rs -n "${SPLITFACE_TEST_WORKERS:-2}" --dist loadfile --no-loadscopereorder "$@"
+# two workers (pytest-xdist, a test file per worker): the real-process tests spend much of their time waiting
+exec .venv/bin/python -m pytest -q -rs -n "${SPLITFACE_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -160,19 +160,3 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if _skipped and not os.environ.get("SPLITFACE_ALLOW_SKIPS"):
         terminalreporter.write_line(f"{len(_skipped)} unexpected skip(s) fail this run (SPLITFACE_ALLOW_SKIPS=1 "
                                     f"allows them): {', '.join(_skipped[:5])}", red=True)
-
-
-# The heaviest files first, by their summed test time in a measured run of the suite (docs/testing.md): test.sh
-# gives each xdist worker a file at a time in collection order (--no-loadscopereorder). xdist's own order puts
-# the files with the most tests first, which left long files of few tests (the DP sweep's, 2 min) to the end,
-# where one worker ran them alone. Files not named follow in their usual order; only the order changes.
-HEAVY_FIRST = ("test_android_core.py", "test_frontier.py", "test_native.py", "test_integration.py", "test_dp_sweep.py",
-               "test_distill.py", "test_runtimes.py", "test_dp_end_to_end.py", "test_full_size.py",
-               "test_ray_placement.py", "test_federated_ws.py", "test_identity_matching.py", "test_export.py",
-               "test_fastws.py", "test_tls.py", "test_privacy_state.py", "test_federated_ray.py",
-               "test_fault_injection.py", "test_fuzz_server.py", "test_training_state.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: each file's tests stay in order
