@@ -17,7 +17,7 @@ DEFAULT_SERVER_STAGE=(--dct-stem-blocks 2)
 DEFAULT_WIRE=(--activation-encoding i8c --gradient-encoding i8c)
 # The start: splitface's backbone distilled from dlib's public recognizer on public LFW faces (none of LFW-158's
 # people, none of View 1's test pairs) for 60 epochs, then for 60 more with the release above and its noise in the
-# device part (noise-aware); built on first use (about 85 minutes on 2 cores, with progress bars), then reused from
+# device part (noise-aware); built on first use (about 80 minutes on 2 cores, with progress bars), then reused from
 # ~/.cache/splitface (docs/pretrain.md). The server's classifier
 # starts as its classes' mean embeddings over the first epoch (weight imprinting), then learns at 10x the rest's
 # gentle rate, so that fine-tuning keeps what the start knows (results/pretrain/). `--init scratch

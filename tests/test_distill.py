@@ -26,6 +26,7 @@ from splitface.server.checkpoint import load_checkpoint
 from research.evaluation.verification import view1_pairs
 from research.federated.population import PUBLIC_MIN_IMAGES, private_people
 from tests.conftest import ROOT
+from tests.test_dlib_resnet import TOLERANCE
 
 LIMIT = 48
 SPEC = PRESETS["iresnet_small"]
@@ -98,9 +99,10 @@ def test_the_teacher_cache_is_keyed_by_each_images_bytes(tmp_path, lfw, cache):
     teacher = TeacherCache(cache)
     cached = teacher.embed([faces.paths[0], copy], progress=False)
     assert teacher.computed == 0 and np.array_equal(cached[0], cached[1])   # same bytes, another name: a hit
-    # the cached vector is dlib's embedding of that image as the teacher sees it (same code, same input: equal)
+    # the cached vector is dlib's embedding of that image as the teacher sees it (embedded in a batch of 48 there,
+    # alone here: the same sums in another order, within test_dlib_resnet's tolerance)
     direct = DlibResNet(TEACHER_SIZE).embed(FaceSet([faces.paths[0]], [0], ["x"]).load(TEACHER_SIZE, CROP) / 255.0)
-    np.testing.assert_allclose(cached[0], direct[0], rtol=0, atol=1e-6)
+    assert np.linalg.norm(cached[0] - direct[0]) <= TOLERANCE * np.linalg.norm(direct[0])
     edited = tmp_path / "edited.png"
     with Image.open(faces.paths[1]) as im:
         im.transpose(Image.FLIP_LEFT_RIGHT).save(edited)

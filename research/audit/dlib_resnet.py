@@ -1,7 +1,7 @@
 """dlib's face-recognition ResNet (`dlib_face_recognition_resnet_model_v1.dat`) as a PyTorch module.
 
-dlib runs the network one image at a time on one core (the `dlib-bin` wheel has no BLAS): about 0.15 s a
-face here. The same weights in PyTorch embed a batch on every core. The network is dlib's `anet_type`
+dlib runs the network on one core without BLAS (the `dlib-bin` wheel): about 0.15 s a face here. The same
+weights in PyTorch embed a batch on every core. The network is dlib's `anet_type`
 (tools/python/src/face_recognition.cpp in dlib's source), read layer by layer from the wheel's file in
 dlib's own serialization format (dlib/serialize.h, dlib/dnn/layers.h, dlib/cuda/tensor.h):
 
@@ -12,12 +12,15 @@ dlib's own serialization format (dlib/serialize.h, dlib/dnn/layers.h, dlib/cuda/
 
 What dlib does that PyTorch does not by default, and this module copies: strided convolutions and pools
 have no padding; a residual sum of two tensors of different sizes has the larger size, the smaller one
-zero-filled past its end (dlib's `tt::add`), which happens where a down-sampling block meets an odd size;
-the input is (RGB - per-channel mean) / 256. tests/test_dlib_resnet.py checks the port against dlib's own
+zero-filled past its end (dlib's `tt::add`), which happens at every down-sampling block that widens the
+channels, and spatially where such a block meets an even size (8 -> 3 against the pool's 4, 4 -> 1 against 2);
+the input is (RGB - per-channel mean) / 256. The file must hold exactly the layers of dlib's network (LAYERS). tests/test_dlib_resnet.py checks the port against dlib's own
 network on real LFW chips."""
 from __future__ import annotations
 
+import math
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LAYER_NAMES = ("input_rgb_image_sized", "con_4", "affine_", "relu_", "max_pool_2", "avg_pool_2", "add_prev_", "fc_2")
+# every layer of dlib_face_recognition_resnet_model_v1.dat, by version string: its 29 convolutions, each followed
+# by an affine layer (batch norm folded), 14 residual blocks, 4 of them down-sampling, the stem's max pool and
+# the final global average
+LAYERS = {"input_rgb_image_sized": 1, "con_4": 29, "affine_": 29, "relu_": 29, "max_pool_2": 1, "avg_pool_2": 5,
+          "add_prev_": 14, "fc_2": 1}
 
 
 class DlibFormatError(ValueError):
@@ -69,7 +76,7 @@ class _Reader:
 
     def tensor(self) -> np.ndarray:
         shape = self.shape(2)
-        n = int(np.prod(shape))
+        n = math.prod(shape)
         if min(shape) < 0 or self.at + 4 * n > len(self.data):
             raise DlibFormatError(f"truncated: a tensor of {n} floats at byte {self.at} runs past the end")
         values = np.frombuffer(self.data, "<f4", n, self.at).astype(np.float32).reshape(shape)
@@ -78,7 +85,7 @@ class _Reader:
 
     def next_layer(self) -> str:
         """Skip the wrappers (dlib's add_layer bookkeeping) up to the next layer's version string."""
-        pattern = re.compile(rb"\x01([\x01-\x20])(" + b"|".join(re.escape(n.encode()) for n in LAYER_NAMES) + rb")")
+        pattern = re.compile(rb"\x01([\x01-\x20])(" + b"|".join(re.escape(n.encode()) for n in LAYERS) + rb")")
         while (m := pattern.search(self.data, self.at)) is not None:
             if m.group(1)[0] == len(m.group(2)):
                 self.at = m.start()
@@ -115,7 +122,9 @@ def read_network(path: Path) -> _Network:
 
 def _read_network(r: _Reader) -> _Network:
     net: _Network | None = None
+    seen: Counter[str] = Counter()
     while name := r.next_layer():
+        seen[name] += 1
         if name == "input_rgb_image_sized":
             mean = (r.real(), r.real(), r.real())
             rows, cols = r.integer(), r.integer()
@@ -131,10 +140,14 @@ def _read_network(r: _Reader) -> _Network:
             if (out, fh, fw, stride_y, pad_y) != (filters, kh, kw, stride_x, pad_x) or kh != kw:
                 raise DlibFormatError(f"unexpected convolution {filters} x {kh} x {kw} / {stride_y}, {stride_x}")
             n = out * cin * kh * kw
+            if len(params) != n + out:
+                raise DlibFormatError(f"a convolution of {len(params)} parameters, not {n + out}")
             net.convs.append(_Conv(params[:n].reshape(out, cin, kh, kw), params[n:n + out], stride_y, pad_y))
         elif name == "affine_":
             params = r.tensor().ravel()
             half = len(params) // 2
+            if not net.convs or half != len(net.convs[-1].bias) or len(params) != 2 * half:
+                raise DlibFormatError(f"an affine layer of {len(params)} parameters after its convolution")
             net.affines.append((params[:half], params[half:]))
         elif name in ("max_pool_2", "avg_pool_2"):
             window, window_x, stride, stride_x, pad, pad_x = (r.integer() for _ in range(6))
@@ -144,9 +157,11 @@ def _read_network(r: _Reader) -> _Network:
         elif name == "fc_2":
             outputs, inputs = r.integer(), r.integer()
             params = r.tensor().ravel()
-            net.fc = params[:inputs * outputs].reshape(inputs, outputs)
-    if net is None or net.fc is None:
-        raise DlibFormatError("no input or no fully connected layer")
+            if len(params) != inputs * outputs:   # fc_no_bias: weights only
+                raise DlibFormatError(f"a fully connected layer of {len(params)} parameters, not {inputs * outputs}")
+            net.fc = params.reshape(inputs, outputs)
+    if dict(seen) != LAYERS:
+        raise DlibFormatError(f"layers {dict(seen)}, not {LAYERS}")
     return net
 
 
@@ -206,9 +221,10 @@ class DlibFaceNet(nn.Module):
         super().__init__()
         net = read_network(path)
         # the stem (conv, affine, relu, max pool), then blocks of two convolutions each, the last pool global
-        if len(net.convs) != len(net.affines) or len(net.convs) % 2 != 1 or net.pools[0][0] != "max" \
-                or net.pools[-1][:2] != ("avg", 0):
-            raise DlibFormatError(f"{path}: not dlib's face-recognition ResNet")
+        strided = sum(c.stride != 1 for c in net.convs[1::2])
+        if [p[0] for p in net.pools] != ["max"] + ["avg"] * (len(net.pools) - 1) or net.pools[-1][1] != 0 \
+                or strided != len(net.pools) - 2:
+            raise DlibFormatError(f"{path}: not dlib's face-recognition ResNet (its pools: {net.pools})")
         self.size = net.size
         self.register_buffer("mean", torch.tensor(net.mean_rgb, dtype=torch.float32).view(1, 3, 1, 1))
         self.stem = nn.Sequential(_conv(net.convs[0]), _Affine(*net.affines[0]), nn.ReLU())
@@ -227,6 +243,8 @@ class DlibFaceNet(nn.Module):
 
     @torch.no_grad()
     def forward(self, chips: torch.Tensor) -> torch.Tensor:
+        if tuple(chips.shape[1:]) != (3, self.size, self.size):
+            raise ValueError(f"dlib's network takes (N, 3, {self.size}, {self.size}) chips, not {tuple(chips.shape)}")
         x = (chips.float() - self.mean) / 256.0
         x = self.blocks(self.pool(self.stem(x)))
         return x.mean(dim=(2, 3)) @ self.fc

@@ -96,8 +96,9 @@ class DlibResNet:
     detector is needed, and one would miss faces this small), cut into dlib's 150 px chip (dlib,
     about 2 ms a face) and embedded (128-d, Euclidean). `engine`: "torch" runs dlib's network as
     ported to PyTorch (research/audit/dlib_resnet.py; batched, about 5 ms a face on 2 cores here),
-    "dlib" runs dlib's own (one face at a time on one core, about 0.15 s a face). The two agree to
-    about 1e-6 (tests/test_dlib_resnet.py), so they share the fingerprint that names cached embeddings."""
+    "dlib" runs dlib's own (one core without BLAS, about 0.15 s a face). The two agree to about 1e-6
+    of a descriptor's norm (tests/test_dlib_resnet.py), so they share the fingerprint that names cached
+    embeddings."""
 
     def __init__(self, work_size: int = 150, engine: str = "torch"):
         try:
