@@ -14,8 +14,8 @@ What dlib does that PyTorch does not by default, and this module copies: strided
 have no padding; a residual sum of two tensors of different sizes has the larger size, the smaller one
 zero-filled past its end (dlib's `tt::add`), which happens at every down-sampling block that widens the
 channels, and spatially where such a block meets an even size (8 -> 3 against the pool's 4, 4 -> 1 against 2);
-the input is (RGB - per-channel mean) / 256. The file must hold exactly the layers of dlib's network (LAYERS). tests/test_dlib_resnet.py checks the port against dlib's own
-network on real LFW chips."""
+the input is (RGB - per-channel mean) / 256. The file must hold exactly the layers of dlib's network
+(LAYERS). tests/test_dlib_resnet.py checks the port against dlib's own network on real LFW chips."""
 from __future__ import annotations
 
 import math
@@ -220,7 +220,8 @@ class DlibFaceNet(nn.Module):
     def __init__(self, path: Path):
         super().__init__()
         net = read_network(path)
-        # the stem (conv, affine, relu, max pool), then blocks of two convolutions each, the last pool global
+        # the stem (conv, affine, relu, max pool), then blocks of two convolutions each, an average pool for each
+        # block that strides, the last pool global
         strided = sum(c.stride != 1 for c in net.convs[1::2])
         if [p[0] for p in net.pools] != ["max"] + ["avg"] * (len(net.pools) - 1) or net.pools[-1][1] != 0 \
                 or strided != len(net.pools) - 2:
@@ -233,10 +234,8 @@ class DlibFaceNet(nn.Module):
         downs = iter(net.pools[1:-1])
         blocks = []
         for i in range(1, len(net.convs), 2):
-            strided = net.convs[i].stride != 1
-            blocks.append(_Block(net.convs[i:i + 2], net.affines[i:i + 2], next(downs) if strided else None))
-        if next(downs, None) is not None:
-            raise DlibFormatError(f"{path}: more average pools than down-sampling blocks")
+            down = next(downs) if net.convs[i].stride != 1 else None
+            blocks.append(_Block(net.convs[i:i + 2], net.affines[i:i + 2], down))
         self.blocks = nn.Sequential(*blocks)
         self.register_buffer("fc", torch.from_numpy(net.fc.copy()))
         self.eval()
