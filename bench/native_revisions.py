@@ -3,9 +3,11 @@
 A change to the runner's hot path (the noise, the strips) is measured against the revision before it on one
 machine, with the rounds interleaved so that a change of the machine's load hits every revision alike: figures
 from two runs on a shared machine differ by more than such a change (docs/device.md). Each revision's native
-sources (`git archive`) are built with CMake as the runner is, every build is checked against eager PyTorch on the
+sources (`git archive`) are built with CMake as the runner is, and its strip programs are exported by its own
+`splitface` package (what a strip program computes may change with the runner: since the LRN moved into the
+runner, the release program stops at the LRN's input). Every build is checked against eager PyTorch on the
 noise that it draws under a known key, then each strip height's release with drawn noise is timed: the release's
-compute, the part of it drawing and adding the noise, and the rest (the programs' conv, ReLU and LRN).
+compute, the part of it drawing and adding the noise, and the rest (the conv, ReLU and LRN).
 
     python -m bench.native_revisions --revisions 649b726 HEAD   # writes results/bench_native_revisions.{json,txt}
 """
@@ -13,31 +15,55 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from bench.bench_native import ROOT, device_layer, export_for_strips, inputs, measure, retime
+from bench.bench_native import ROOT, device_layer, inputs, measure, retime
 from bench.machine import cmake_flags, describe, record
 from research.results import write_record
 from splitface.device.runtimes.native import build, write_inputs
 from splitface.device.runtimes.parity import reference
 
 NATIVE = "splitface/device/runtimes/native"
+# Run with a revision's `splitface` first on sys.path: its strip programs for (model, size, rows, out), the layer
+# built as bench_native.device_layer builds it (the programs take the weights as inputs: only shapes matter).
+EXPORT = """
+import sys, torch
+from pathlib import Path
+from splitface.common.models import build_device_part, resolve_spec
+from splitface.common.models.lrn import PaperLRN
+from splitface.export.artifacts import write_strip_ptes
+model, size, rows, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+torch.manual_seed(0)
+layer = build_device_part(resolve_spec(model), "conv1").eval()
+for lrn in (m for m in layer.modules() if isinstance(m, PaperLRN)):
+    lrn.input_max = 1.0
+write_strip_ptes(layer, rows, size, out)
+"""
 
 
-def build_revision(revision: str, work: Path) -> tuple[str, Path]:
-    """The revision's full commit id and its runner, built from its own native sources."""
+def build_revision(revision: str, work: Path) -> tuple[str, Path, Path]:
+    """The revision's full commit id, its runner (built from its own native sources) and its source tree."""
     commit = subprocess.run(["git", "rev-parse", "--verify", f"{revision}^{{commit}}"], cwd=ROOT, check=True,
                             capture_output=True, text=True).stdout.strip()
     source = work / f"src-{commit[:12]}"
     source.mkdir()
-    archive = subprocess.run(["git", "archive", commit, NATIVE], cwd=ROOT, check=True, capture_output=True).stdout
+    archive = subprocess.run(["git", "archive", commit, "splitface"], cwd=ROOT, check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
-    return commit, build(work / f"build-{commit[:12]}", source=source / NATIVE)
+    return commit, build(work / f"build-{commit[:12]}", source=source / NATIVE), source
+
+
+def export_revision(source: Path, model: str, size: int, rows: int, out: Path) -> Path:
+    """The strip programs that the revision in `source` exports, in `out`."""
+    subprocess.run([sys.executable, "-c", EXPORT, model, str(size), str(rows), str(out)], check=True,
+                   env={**os.environ, "PYTHONPATH": str(source)}, capture_output=True)
+    return out
 
 
 def table(saved: dict) -> str:
@@ -79,12 +105,11 @@ def main(argv: list[str] | None = None) -> None:
     tensors = inputs(layer, args.samples, args.input_size)
     want = reference(layer, tensors["images"], tensors["noise"], tensors["grad"], [tensors["weight"], tensors["bias"]])
     write_inputs(work, {k: v.numpy() for k, v in tensors.items()})
-    configs = [{"label": f"{r} rows", "strips": True, "draw": True,
-                "programs": export_for_strips(layer, r, args.input_size, work / f"{args.model}-s{r}")}
-               for r in args.strip_rows]
     rows = []
-    for config in configs:
-        for revision, commit, binary in builds:
+    for r in args.strip_rows:
+        for revision, commit, binary, source in builds:
+            programs = export_revision(source, args.model, args.input_size, r, work / f"{commit[:12]}-s{r}")
+            config = {"label": f"{r} rows", "strips": True, "draw": True, "programs": programs}
             rows.append({**measure(binary, work, layer, tensors, want, config, args.runs, args.warmup),
                          "revision": revision, "commit": commit, "binary": binary, "config": config})
     for _ in range(args.rounds - 1):

@@ -35,7 +35,8 @@ from torch import nn
 if TYPE_CHECKING:
     from splitface.common.models import ModelSpec
 
-from splitface.export.gemm_programs import GemmReleaseProgram, GemmWeightGrad, gemm_refusal, strip_example
+from splitface.export.gemm_programs import (GemmReleaseProgram, GemmWeightGrad, gemm_refusal, strip_constants,
+                                            strip_example)
 from splitface.export.programs import LayerVJP, ReleaseProgram, TrainingProgram, param_names, training_refusal
 from splitface.device.runtimes.manifest import (NO_GEMM, RELEASE_GEMM_PTE, RELEASE_ONNX, RELEASE_PTE,
                                                RELEASE_STRIP_PTE, TRAIN_PTE, VJP_GEMM_PTE, VJP_ONNX, VJP_STRIP_PTE, Manifest,
@@ -78,12 +79,14 @@ def export_release_pte(layer: nn.Module, images: torch.Tensor, noise: torch.Tens
     return lower_to_xnnpack(program, args)
 
 
-def lower_to_xnnpack(program: nn.Module, args: tuple) -> bytes:
-    """A .pte of `program` with XnnpackPartitioner: whatever XNNPACK accepts runs there, the rest on portable kernels."""
+def lower_to_xnnpack(program: nn.Module, args: tuple, constants: dict | None = None) -> bytes:
+    """A .pte of `program` with XnnpackPartitioner: whatever XNNPACK accepts runs there, the rest on portable kernels.
+    `constants`: constant methods (name -> int or float) that the program carries for its caller."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
-    edge = to_edge_transform_and_lower(torch.export.export(program, args), partitioner=[XnnpackPartitioner()])
+    edge = to_edge_transform_and_lower(torch.export.export(program, args), partitioner=[XnnpackPartitioner()],
+                                       constant_methods=constants)
     return edge.to_executorch().buffer
 
 
@@ -98,12 +101,14 @@ def export_gemm_ptes(layer: nn.Module, images: torch.Tensor, noise: torch.Tensor
 
 def export_strip_ptes(layer: nn.Module, rows: int, width: int) -> tuple[bytes, bytes]:
     """release_strip.pte and vjp_strip.pte: the im2col programs over one padded strip of `rows` image rows
-    (batch 1, no noise input), which the native runner (splitface/device/runtimes/native) runs strip by strip."""
+    (batch 1, no noise input), which the native runner (splitface/device/runtimes/native) runs strip by strip.
+    The release program stops at the LRN's input and carries the LRN's constants (`strip_constants`)."""
     strip = strip_example(layer, rows, width)
     weights = weights_of(layer)
     with torch.no_grad():
         grad = torch.zeros_like(GemmReleaseProgram(layer, strip=True)(strip, *weights))
-    release = lower_to_xnnpack(GemmReleaseProgram(layer, strip=True).eval(), (strip, *weights))
+    release = lower_to_xnnpack(GemmReleaseProgram(layer, strip=True).eval(), (strip, *weights),
+                               strip_constants(layer))
     return release, lower_to_xnnpack(GemmWeightGrad(layer, strip=True).eval(), (strip, grad, *weights))
 
 

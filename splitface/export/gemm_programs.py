@@ -11,7 +11,9 @@ matrix, and keep every large tensor in ops XNNPACK runs:
 - `GemmWeightGrad`: (images, grad, weight, bias) -> (d weight, d bias) of sum(release * grad), the
   closed form: columns^T times the gradient through the LRN and the ReLU, one bmm for both.
 - `strip=True` on either: the native runner's form, over a strip of a few image rows that it cuts with
-  the conv's halo (`strip_example`), the release without noise (the runner draws and adds it).
+  the conv's halo (`strip_example`). The strip release stops at the LRN's input: the runner applies the LRN
+  (its constants are the program's constant methods, `strip_constants`) and draws and adds the noise in C++,
+  while the strip is in cache, in a few passes where XNNPACK would take about fifteen.
 
 The LRN's d^-beta is rsqrt for the paper's beta = 1/2 (XNNPACK's pow takes only the power 2); its
 derivative masks are [r > 0] = clamp(ceil(r), 0, 1) for r = relu(x) >= 0, exactly, and [r > m] the
@@ -108,13 +110,21 @@ def _indicator_positive(t: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.ceil(t), 0.0, 1.0)
 
 
+def strip_constants(layer: nn.Module) -> dict[str, int | float]:
+    """The LRN's constants, which the strip release program carries as constant methods for the native
+    runner (strip_layer.cpp), since that program stops at the LRN's input (beta is 1/2: `gemm_refusal`)."""
+    _, lrn = _parts(layer)
+    return {"lrn_size": int(lrn.size), "lrn_alpha": float(lrn.alpha), "lrn_gamma": float(lrn.gamma)}
+
+
 class GemmReleaseProgram(nn.Module):
     """layer(images) [* mask] + noise with weight and bias as inputs, every large op XNNPACK-delegable.
 
     `strip=True` is the native runner's form: the input is a strip of rows already zero-padded with the
-    conv's halo, and there is neither noise nor mask (the runner draws the noise itself and adds it while
-    the strip's output is still in cache). A strip of a few rows keeps every intermediate in the core's
-    cache, where XNNPACK's elementwise passes run several times faster than over a 224 x 224 map.
+    conv's halo, there is neither noise nor mask, and the output is the LRN's input a = clamp(relu(conv)).
+    The runner applies the LRN (`strip_constants`) and adds the noise it draws while the strip's output is
+    still in cache: XNNPACK runs each elementwise op as its own pass (the LRN alone is about fifteen), one
+    loop in C++ does the LRN in a few. A strip of a few rows keeps every intermediate in the core's cache.
     """
 
     def __init__(self, layer: nn.Module, masked: bool = False, strip: bool = False):
@@ -132,6 +142,8 @@ class GemmReleaseProgram(nn.Module):
             mask, (weight, bias) = (rest[0], rest[1:]) if self.masked else (None, rest)
         cols, size = columns(self.conv, images, padded=self.strip)
         a = _lrn_input(self.lrn, _conv(cols, weight, bias)).reshape(images.shape[0], weight.shape[0], *size)
+        if self.strip:
+            return a
         out = a * _lrn_denominator(self.lrn, a)
         if mask is not None:
             out = out * mask

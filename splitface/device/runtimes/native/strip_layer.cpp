@@ -1,8 +1,11 @@
 // See strip_layer.h.
 #include "strip_layer.h"
 
+#include "isa_versions.h"
+
 #include <executorch/devtools/etdump/etdump_flatcc.h>
 
+#include <cmath>
 #include <cstring>
 
 using executorch::aten::ScalarType;
@@ -36,6 +39,16 @@ StripProgram load_strip(const std::string& path, const std::vector<SizesType>& o
   return p;
 }
 
+// A number that a program carries as a constant method (exported with constant_methods).
+double constant(Module& m, const std::string& path, const char* name) {
+  auto out = m.execute(name);
+  if (!out.ok() || out->size() != 1 || !(out->at(0).isInt() || out->at(0).isDouble())) {
+    throw StripError(path + " carries no " + name + ": a strip release program from before the runner applied the "
+                     "LRN itself; export the strip programs again (splitface-export --app)");
+  }
+  return out->at(0).isInt() ? static_cast<double>(out->at(0).toInt()) : out->at(0).toDouble();
+}
+
 std::vector<EValue> run(StripProgram& p) {
   std::vector<EValue> args;
   for (auto& t : p.tensors) args.emplace_back(t);
@@ -55,6 +68,40 @@ std::unique_ptr<Module> load_module(const std::string& path, bool profile) {
   if (m->load_method("forward") != executorch::runtime::Error::Ok) throw StripError("cannot load " + path);
   return m;
 }
+
+namespace {
+
+// PaperLRN.forward's arithmetic, step by step: compiled without floating-point contraction (CMakeLists.txt), each
+// step rounds as eager PyTorch's does. The squares are summed in window_sum's order (the zero channels that it
+// adds at the edges change no sum), then the input is divided by the correctly rounded square root, as
+// torch.pow(d, 0.5) is. Blocks of pixels keep the window's rows in L1 across the channels that share them.
+__attribute__((always_inline)) inline void lrn_loops(const Lrn& l, const float* a, int O, size_t n, float* out) {
+  constexpr size_t kBlock = 256;
+  for (size_t k0 = 0; k0 < n; k0 += kBlock) {
+    size_t m = n - k0 < kBlock ? n - k0 : kBlock;
+    for (int o = 0; o < O; ++o) {
+      int lo = o - l.r < 0 ? 0 : o - l.r, hi = o + l.r >= O ? O - 1 : o + l.r;
+      float* s = out + static_cast<size_t>(o) * n + k0;
+      const float* t = a + static_cast<size_t>(lo) * n + k0;
+      for (size_t k = 0; k < m; ++k) s[k] = t[k] * t[k];
+      for (int j = lo + 1; j <= hi; ++j) {
+        t = a + static_cast<size_t>(j) * n + k0;
+        for (size_t k = 0; k < m; ++k) s[k] += t[k] * t[k];
+      }
+      const float* x = a + static_cast<size_t>(o) * n + k0;
+      for (size_t k = 0; k < m; ++k) s[k] = x[k] / std::sqrt(l.gamma + l.alpha * s[k]);
+    }
+  }
+}
+
+}  // namespace
+
+// The loops once per ISA (isa_versions.h): sqrt and division run 16 lanes wide with AVX-512.
+#define SPLITFACE_LRN(W) lrn_loops(l, a, O, n, out)
+SPLITFACE_ISA_VERSIONS(void, lrn_strip, (const Lrn& l, const float* a, int O, size_t n, float* out), SPLITFACE_LRN)
+#undef SPLITFACE_LRN
+
+void Lrn::apply(const float* a, int O, size_t n, float* out) const { lrn_strip(*this, a, O, n, out); }
 
 void accumulate(const std::vector<EValue>& outs, std::vector<std::vector<float>>& sums) {
   sums.resize(outs.size());
@@ -88,6 +135,14 @@ StripLayer::StripLayer(const std::string& release_pte, const std::string& grad_p
   std::vector<SizesType> out_shape = {1, g.O, g.R, g.W};
   release = load_strip(release_pte, out_shape, profile);
   if (release.feature >= 0) throw StripError("a strip release program takes no per-sample map (the runner draws the noise)");
+  double size = constant(*release.module, release_pte, "lrn_size");
+  lrn.alpha = static_cast<float>(constant(*release.module, release_pte, "lrn_alpha"));
+  lrn.gamma = static_cast<float>(constant(*release.module, release_pte, "lrn_gamma"));
+  if (size < 1 || size > g.O || !(lrn.gamma > 0) || !(lrn.alpha >= 0)) {
+    throw StripError(release_pte + ": an LRN of size " + std::to_string(size) + ", alpha " + std::to_string(lrn.alpha) +
+                     ", gamma " + std::to_string(lrn.gamma) + " over " + std::to_string(g.O) + " channels");
+  }
+  lrn.r = static_cast<int>(size) / 2;
   if (!grad_pte.empty()) {
     grad = load_strip(grad_pte, out_shape, profile);
     if (grad.feature < 0) throw StripError(grad.path + " takes no (1, O, rows, width) gradient strip");
@@ -143,7 +198,9 @@ void StripLayer::release_image(const float* image, const std::function<void(int,
   for (int strip = 0; strip < g.H / g.R; ++strip) {
     cut(strip, release.buffers[0].data());
     auto outs = run(release);
-    emit(strip, outs.at(0).toTensor().const_data_ptr<float>());
+    released_.resize(static_cast<size_t>(g.O) * g.R * g.W);
+    lrn.apply(outs.at(0).toTensor().const_data_ptr<float>(), g.O, static_cast<size_t>(g.R) * g.W, released_.data());
+    emit(strip, released_.data());
   }
 }
 

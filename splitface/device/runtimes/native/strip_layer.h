@@ -44,6 +44,16 @@ struct StripProgram {
 // A program's forward method loaded (memory-mapped; with an ETDump event tracer when `profile`).
 std::unique_ptr<executorch::extension::Module> load_module(const std::string& path, bool profile);
 
+// The paper's LRN (PaperLRN.forward, beta 1/2) on a strip: out = a / sqrt(gamma + alpha s), s the sum of a^2
+// over the channel window [o - r, o + r] clamped at the edges. The strip release program stops at the LRN's
+// input a and carries these constants as its constant methods (splitface.export.gemm_programs.strip_constants).
+struct Lrn {
+  int r = 0;
+  float alpha = 1, gamma = 2;
+  // a and out: O channels of n values each.
+  void apply(const float* a, int O, size_t n, float* out) const;
+};
+
 // Adds a program's outputs into `sums` (the loss is a sum over samples and strips, so are the gradients).
 void accumulate(const std::vector<executorch::runtime::EValue>& outs, std::vector<std::vector<float>>& sums);
 
@@ -54,6 +64,7 @@ class StripLayer {
   StripLayer(const std::string& release_pte, const std::string& grad_pte, bool profile = false);
 
   Geometry g;  // H: the images' height, set_height's
+  Lrn lrn;     // from the release program's constant methods
   StripProgram release, grad;
   bool has_grad() const { return grad.module != nullptr; }
 
@@ -73,7 +84,7 @@ class StripLayer {
  private:
   void pad(const float* image);
   void cut(int strip, float* out) const;
-  std::vector<float> padded_;
+  std::vector<float> padded_, released_;
 };
 
 }  // namespace splitface
