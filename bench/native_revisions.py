@@ -61,8 +61,8 @@ def build_revision(revision: str, work: Path) -> tuple[str, Path, Path]:
 
 def export_revision(source: Path, model: str, size: int, rows: int, out: Path) -> Path:
     """The strip programs that the revision in `source` exports, in `out`."""
-    subprocess.run([sys.executable, "-c", EXPORT, model, str(size), str(rows), str(out)], check=True,
-                   env={**os.environ, "PYTHONPATH": str(source)}, capture_output=True)
+    subprocess.run([sys.executable, "-c", EXPORT, model, str(size), str(rows), str(out)], check=True, cwd=source,
+                   env={**os.environ, "PYTHONPATH": str(source)}, capture_output=True)  # -c puts the cwd first
     return out
 
 
