@@ -7,8 +7,9 @@ VGG-Face conv1 + ReLU + LRN at 224x224, a batch of 8 images, one thread: the im2
   and its release out at a time), the noise read from a file as before, and the batch-1 programs with the
   noise drawn by the runner into their noise input;
 - the strip programs (`export_strip_ptes`: a few rows of one image per call, so that every intermediate
-  stays in cache), the noise drawn by the runner into each strip's rows (ChaCha20 + Box-Muller under a
-  fresh OS-CSPRNG key per release), for each of `--strip-rows`;
+  stays in cache; the release program ends at the LRN's input and the runner applies the LRN), the noise
+  drawn by the runner into each strip's rows (ChaCha20 + Box-Muller under a fresh OS-CSPRNG key per
+  release), for each of `--strip-rows`;
 - the Python binding running the batch-8 programs (`executorch-xnnpack`, whose process imports PyTorch).
 Every native configuration is checked against eager PyTorch first (splitface/export/verify.py's tolerances); where
 the runner draws the noise, the check runs once under a known key (`--noise-key`), whose normals
@@ -221,7 +222,7 @@ def table(saved: dict) -> str:
              f"min over {saved['rounds']} rounds of {saved['runs']} runs, each round a fresh process per row after "
              f"{saved['warmup']} warm-up run, the rows taking turns (so a change of the machine's load hits them "
              "all); 'compute' is the programs' execute "
-             "calls plus what the runner does between them in memory (cutting strips, drawing and adding the noise), "
+             "calls plus what the runner does between them in memory (cutting strips, the strips' LRN, drawing and adding the noise), "
              "'with I/O' adds streaming each image's inputs from files and its release out (a phone's camera, "
              "server gradient and socket stand in for the files). Noise 'read': the release program adds noise "
              "read from a file, not drawn (last session's rows); 'drawn': the runner draws N(0, "
