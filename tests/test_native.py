@@ -39,7 +39,7 @@ from splitface.device.runtimes.native_runtime import NativeRuntime
 from splitface.device.runtimes.manifest import RELEASE_GEMM_PTE, VJP_GEMM_PTE, Manifest
 from splitface.export.artifacts import (example_inputs, export_gemm_ptes, export_strip_ptes, lower_to_xnnpack,
                                        manifest_of)
-from splitface.export.gemm_programs import GemmReleaseProgram, strip_example
+from splitface.export.gemm_programs import GemmReleaseProgram, GemmWeightGrad, strip_example
 from splitface.device.runtimes.parity import GRAD_RTOL, RELEASE_ATOL, reference
 from splitface.export.exporter import EXPORTER
 
@@ -291,12 +291,18 @@ def test_strip_runner_refuses_bad_inputs_by_name(native):
     with pytest.raises(RuntimeError, match="--noise-key needs --noise-std or --noise-discrete"):
         run_native(binary, work, SAMPLES, (programs["strips"] / "release.pte", STRIP_RELEASE), strips=True,
                    noise_key=root / "noise.key", runs=1, warmup=0)
-    old = root / "strip-before-lrn.pte"  # a strip release program without the LRN's constants (as exported before)
-    if not old.exists():
-        old.write_bytes(lower_to_xnnpack(GemmReleaseProgram(layer, strip=True).eval(),
-                                         (strip_example(layer, ROWS, SIZE), *(p.detach() for p in layer.parameters()))))
+    # strip programs as exported before the runner took the LRN and its backward over: without their constant methods
+    strip, weights = strip_example(layer, ROWS, SIZE), [p.detach() for p in layer.parameters()]
+    old_release, old_grad = root / "strip-before-lrn.pte", root / "vjp-before-lrn.pte"
+    if not old_grad.exists():
+        old_release.write_bytes(lower_to_xnnpack(GemmReleaseProgram(layer, strip=True).eval(), (strip, *weights)))
+        grad = torch.zeros(1, weights[0].shape[0], ROWS, SIZE)
+        old_grad.write_bytes(lower_to_xnnpack(GemmWeightGrad(layer, strip=True).eval(), (strip, grad, *weights)))
     with pytest.raises(RuntimeError, match="carries no lrn_size: .* export the strip programs again"):
-        run_native(binary, work, SAMPLES, (old, STRIP_RELEASE), strips=True, runs=1, warmup=0)
+        run_native(binary, work, SAMPLES, (old_release, STRIP_RELEASE), strips=True, runs=1, warmup=0)
+    with pytest.raises(RuntimeError, match="does not take the conv's gradient: .* export the strip programs again"):
+        run_native(binary, work, SAMPLES, (programs["strips"] / "release.pte", STRIP_RELEASE), (old_grad, STRIP_GRAD),
+                   strips=True, runs=1, warmup=0)
     for exact, why in ((("1/0", 0.1, 10), "takes sigma\\^2 in steps\\^2 as P or P/Q"),
                        ((str(2**60), 0.1, 10), "wider than 2\\^56"), (("4", 0.1, 0), "--clip-steps B >= 1")):
         with pytest.raises(RuntimeError, match=why):

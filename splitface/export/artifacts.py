@@ -99,17 +99,24 @@ def export_gemm_ptes(layer: nn.Module, images: torch.Tensor, noise: torch.Tensor
     return release, lower_to_xnnpack(GemmWeightGrad(layer).eval(), (images, noise, *weights))
 
 
+# The strip gradient program's constant method that says its gradient input is the conv's (the runner computes it):
+# a program without it took the release's gradient, and the runner refuses it (strip_layer.cpp).
+STRIP_GRAD_MARK = "takes_conv_gradient"
+
+
 def export_strip_ptes(layer: nn.Module, rows: int, width: int) -> tuple[bytes, bytes]:
     """release_strip.pte and vjp_strip.pte: the im2col programs over one padded strip of `rows` image rows
     (batch 1, no noise input), which the native runner (splitface/device/runtimes/native) runs strip by strip.
-    The release program stops at the LRN's input and carries the LRN's constants (`strip_constants`)."""
+    The release program ends at the conv's output and carries the constants of what the runner computes after
+    it (`strip_constants`); the gradient program takes the conv's gradient, and says so (`STRIP_GRAD_MARK`)."""
     strip = strip_example(layer, rows, width)
     weights = weights_of(layer)
     with torch.no_grad():
         grad = torch.zeros_like(GemmReleaseProgram(layer, strip=True)(strip, *weights))
     release = lower_to_xnnpack(GemmReleaseProgram(layer, strip=True).eval(), (strip, *weights),
                                strip_constants(layer))
-    return release, lower_to_xnnpack(GemmWeightGrad(layer, strip=True).eval(), (strip, grad, *weights))
+    return release, lower_to_xnnpack(GemmWeightGrad(layer, strip=True).eval(), (strip, grad, *weights),
+                                     {STRIP_GRAD_MARK: 1})
 
 
 def write_strip_ptes(layer: nn.Module, rows: int, width: int, out: Path) -> tuple[Path, Path]:

@@ -11,9 +11,11 @@ matrix, and keep every large tensor in ops XNNPACK runs:
 - `GemmWeightGrad`: (images, grad, weight, bias) -> (d weight, d bias) of sum(release * grad), the
   closed form: columns^T times the gradient through the LRN and the ReLU, one bmm for both.
 - `strip=True` on either: the native runner's form, over a strip of a few image rows that it cuts with
-  the conv's halo (`strip_example`). The strip release stops at the LRN's input: the runner applies the LRN
-  (its constants are the program's constant methods, `strip_constants`) and draws and adds the noise in C++,
-  while the strip is in cache, in a few passes where XNNPACK would take about fifteen.
+  the conv's halo (`strip_example`), and only the GEMMs: the release program ends at the conv's output, and
+  the gradient program starts from the conv's gradient. The runner does the rest in C++ while the strip is in
+  cache (ReLU and clamp, the LRN and its backward, `conv_grad`; the constants are the release program's
+  constant methods, `strip_constants`), and draws and adds the noise: a few passes where XNNPACK runs
+  each elementwise op as its own (the LRN alone was about fifteen, its backward about thirty).
 
 The LRN's d^-beta is rsqrt for the paper's beta = 1/2 (XNNPACK's pow takes only the power 2); its
 derivative masks are [r > 0] = clamp(ceil(r), 0, 1) for r = relu(x) >= 0, exactly, and [r > m] the
@@ -110,21 +112,36 @@ def _indicator_positive(t: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.ceil(t), 0.0, 1.0)
 
 
+def conv_grad(lrn: PaperLRN, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of sum(LRN(clamp(relu(x))) * grad) with respect to the conv's output x, in closed form
+    (`LayerVJP`'s formulas for this chain; the native runner's `Lrn::backward` computes the same): with
+    a = clamp(relu(x), 0, m) and d = gamma + alpha window(a^2),
+      g_a = g d^-1/2 - alpha a window(g a d^-3/2)          (2 alpha beta = alpha for beta 1/2)
+      g_conv = g_a [x > 0] [x <= m]."""
+    a = _lrn_input(lrn, x)
+    inv = _lrn_denominator(lrn, a)
+    g_a = grad * inv - _times_alpha(lrn, a * lrn.window_sum(grad * a * (inv * inv * inv)))
+    g = g_a * _indicator_positive(x)
+    if lrn.input_max is not None:
+        g = g * (1.0 - _indicator_positive(x - float(lrn.input_max)))
+    return g
+
+
 def strip_constants(layer: nn.Module) -> dict[str, int | float]:
-    """The LRN's constants, which the strip release program carries as constant methods for the native
-    runner (strip_layer.cpp), since that program stops at the LRN's input (beta is 1/2: `gemm_refusal`)."""
+    """The constants of what the native runner computes between the strip programs (strip_layer.cpp: ReLU,
+    the clamp, the LRN with beta 1/2 and their backward), which the strip release program carries as constant
+    methods: the LRN's size, alpha and gamma, and its input clamp m (0: none)."""
     _, lrn = _parts(layer)
-    return {"lrn_size": int(lrn.size), "lrn_alpha": float(lrn.alpha), "lrn_gamma": float(lrn.gamma)}
+    return {"lrn_size": int(lrn.size), "lrn_alpha": float(lrn.alpha), "lrn_gamma": float(lrn.gamma),
+            "lrn_input_max": 0.0 if lrn.input_max is None else float(lrn.input_max)}
 
 
 class GemmReleaseProgram(nn.Module):
     """layer(images) [* mask] + noise with weight and bias as inputs, every large op XNNPACK-delegable.
 
     `strip=True` is the native runner's form: the input is a strip of rows already zero-padded with the
-    conv's halo, there is neither noise nor mask, and the output is the LRN's input a = clamp(relu(conv)).
-    The runner applies the LRN (`strip_constants`) and adds the noise it draws while the strip's output is
-    still in cache: XNNPACK runs each elementwise op as its own pass (the LRN alone is about fifteen), one
-    loop in C++ does the LRN in a few. A strip of a few rows keeps every intermediate in the core's cache.
+    conv's halo, there is neither noise nor mask, and the output is the conv's: the runner applies ReLU, the
+    clamp and the LRN (`strip_constants`) and adds the noise it draws while the strip is still in cache.
     """
 
     def __init__(self, layer: nn.Module, masked: bool = False, strip: bool = False):
@@ -141,9 +158,10 @@ class GemmReleaseProgram(nn.Module):
             noise, rest = rest[0], rest[1:]
             mask, (weight, bias) = (rest[0], rest[1:]) if self.masked else (None, rest)
         cols, size = columns(self.conv, images, padded=self.strip)
-        a = _lrn_input(self.lrn, _conv(cols, weight, bias)).reshape(images.shape[0], weight.shape[0], *size)
+        x = _conv(cols, weight, bias).reshape(images.shape[0], weight.shape[0], *size)
         if self.strip:
-            return a
+            return x
+        a = _lrn_input(self.lrn, x)
         out = a * _lrn_denominator(self.lrn, a)
         if mask is not None:
             out = out * mask
@@ -151,14 +169,12 @@ class GemmReleaseProgram(nn.Module):
 
 
 class GemmWeightGrad(nn.Module):
-    """d/d(weight, bias) of sum(layer(images) * grad), in closed form (`LayerVJP`'s formulas for this chain):
-
-    with x = conv, a = clamp(relu(x), 0, m), d = gamma + alpha window(a^2):
-      g_a = g d^-1/2 - alpha a window(g a d^-3/2)          (2 alpha beta = alpha for beta 1/2)
-      g_conv = g_a [x > 0] [x <= m]
+    """d/d(weight, bias) of sum(layer(images) * grad): the conv's gradient (`conv_grad`) times the columns,
       (d weight | d bias) = sum over the batch of g_conv (O, H W) @ columns^T (H W, K + 1).
     A masked release's gradient arrives masked already (the runtimes multiply it), so no mask input here.
-    `strip=True`: the images are a zero-padded strip of rows and `grad` the strip's rows (the native runner
+    `strip=True`: the images are a zero-padded strip of rows and `grad` the conv's gradient over the strip's
+    rows, which the native runner computes from the release program's output and the server's gradient; the
+    weight and bias inputs are then unused, kept so that both strip programs bind the same inputs (the runner
     sums the strips' gradients, as it sums a batch's samples).
     """
 
@@ -170,14 +186,7 @@ class GemmWeightGrad(nn.Module):
     def forward(self, images: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cols, _ = columns(self.conv, images, padded=self.strip)
-        x = _conv(cols, weight, bias).reshape(grad.shape)
-        a = _lrn_input(self.lrn, x)
-        inv = _lrn_denominator(self.lrn, a)
-        g_a = grad * inv - _times_alpha(self.lrn, a * self.lrn.window_sum(grad * a * (inv * inv * inv)))
-        g = g_a * _indicator_positive(x)
-        m = self.lrn.input_max
-        if m is not None:
-            g = g * (1.0 - _indicator_positive(x - float(m)))
+        g = grad if self.strip else conv_grad(self.lrn, _conv(cols, weight, bias).reshape(grad.shape), grad)
         n, o = grad.shape[:2]
         full = torch.bmm(g.reshape(n, o, -1), cols.transpose(1, 2)).sum(dim=0)  # (O, K + 1)
         kh, kw = self.conv.kernel_size

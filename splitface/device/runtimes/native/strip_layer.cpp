@@ -5,6 +5,7 @@
 
 #include <executorch/devtools/etdump/etdump_flatcc.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -43,8 +44,8 @@ StripProgram load_strip(const std::string& path, const std::vector<SizesType>& o
 double constant(Module& m, const std::string& path, const char* name) {
   auto out = m.execute(name);
   if (!out.ok() || out->size() != 1 || !(out->at(0).isInt() || out->at(0).isDouble())) {
-    throw StripError(path + " carries no " + name + ": a strip release program from before the runner applied the "
-                     "LRN itself; export the strip programs again (splitface-export --app)");
+    throw StripError(path + " carries no " + name + ": a strip release program from before the runner took the LRN "
+                     "over; export the strip programs again (splitface-export --app)");
   }
   return out->at(0).isInt() ? static_cast<double>(out->at(0).toInt()) : out->at(0).toDouble();
 }
@@ -71,11 +72,38 @@ std::unique_ptr<Module> load_module(const std::string& path, bool profile) {
 
 namespace {
 
-// PaperLRN.forward's arithmetic, step by step: compiled without floating-point contraction (CMakeLists.txt), each
-// step rounds as eager PyTorch's does. The squares are summed in window_sum's order (the zero channels that it
-// adds at the edges change no sum), then the input is divided by the correctly rounded square root, as
-// torch.pow(d, 0.5) is. Blocks of pixels keep the window's rows in L1 across the channels that share them.
-__attribute__((always_inline)) inline void lrn_loops(const Lrn& l, const float* a, int O, size_t n, float* out) {
+// The loops below are PaperLRN's and conv_grad's arithmetic step by step, compiled without floating-point
+// contraction (CMakeLists.txt) so that each step rounds as eager PyTorch's does: the squares summed in
+// window_sum's order (the zero channels it adds at the edges change no sum), divided by the correctly rounded
+// square root as torch.pow(d, 0.5) is. They are inlined into each ISA's version (isa_versions.h).
+
+// a = clamp(relu(x), 0, m), m = input_max (0: relu alone).
+__attribute__((always_inline)) inline void clamp_loop(const Lrn& l, const float* x, size_t count, float* a) {
+  if (l.input_max > 0) {
+    for (size_t k = 0; k < count; ++k) a[k] = std::min(std::max(x[k], 0.0f), l.input_max);
+  } else {
+    for (size_t k = 0; k < count; ++k) a[k] = std::max(x[k], 0.0f);
+  }
+}
+
+// dst[o] = the sum of src over channel o's window, in window_sum's order.
+__attribute__((always_inline)) inline void window_loop(int r, const float* src, int O, size_t n, float* dst) {
+  for (int o = 0; o < O; ++o) {
+    int lo = o - r < 0 ? 0 : o - r, hi = o + r >= O ? O - 1 : o + r;
+    float* s = dst + static_cast<size_t>(o) * n;
+    const float* t = src + static_cast<size_t>(lo) * n;
+    for (size_t k = 0; k < n; ++k) s[k] = t[k];
+    for (int j = lo + 1; j <= hi; ++j) {
+      t = src + static_cast<size_t>(j) * n;
+      for (size_t k = 0; k < n; ++k) s[k] += t[k];
+    }
+  }
+}
+
+// The release: blocks of pixels keep the window's rows in L1 across the channels that share them.
+__attribute__((always_inline)) inline void forward_loops(const Lrn& l, const float* x, int O, size_t n, float* out,
+                                                         float* a) {
+  clamp_loop(l, x, static_cast<size_t>(O) * n, a);
   constexpr size_t kBlock = 256;
   for (size_t k0 = 0; k0 < n; k0 += kBlock) {
     size_t m = n - k0 < kBlock ? n - k0 : kBlock;
@@ -88,20 +116,56 @@ __attribute__((always_inline)) inline void lrn_loops(const Lrn& l, const float* 
         t = a + static_cast<size_t>(j) * n + k0;
         for (size_t k = 0; k < m; ++k) s[k] += t[k] * t[k];
       }
-      const float* x = a + static_cast<size_t>(o) * n + k0;
-      for (size_t k = 0; k < m; ++k) s[k] = x[k] / std::sqrt(l.gamma + l.alpha * s[k]);
+      const float* v = a + static_cast<size_t>(o) * n + k0;
+      for (size_t k = 0; k < m; ++k) s[k] = v[k] / std::sqrt(l.gamma + l.alpha * s[k]);
     }
+  }
+}
+
+// The conv's gradient (conv_grad): with inv = d^-1/2, g_a = g inv - alpha a window(g a inv^3), masked by
+// [x > 0] and [x <= m]. a, inv, t: scratch of the strip's size.
+__attribute__((always_inline)) inline void backward_loops(const Lrn& l, const float* x, const float* g, int O,
+                                                          size_t n, float* out, float* a, float* inv, float* t) {
+  size_t count = static_cast<size_t>(O) * n;
+  clamp_loop(l, x, count, a);
+  for (size_t k = 0; k < count; ++k) t[k] = a[k] * a[k];
+  window_loop(l.r, t, O, n, inv);
+  for (size_t k = 0; k < count; ++k) inv[k] = 1.0f / std::sqrt(l.gamma + l.alpha * inv[k]);
+  for (size_t k = 0; k < count; ++k) t[k] = g[k] * a[k] * (inv[k] * inv[k] * inv[k]);
+  window_loop(l.r, t, O, n, out);
+  bool clamped = l.input_max > 0;
+  for (size_t k = 0; k < count; ++k) {
+    float g_a = g[k] * inv[k] - l.alpha * (a[k] * out[k]);
+    out[k] = x[k] > 0.0f && !(clamped && x[k] > l.input_max) ? g_a : 0.0f;
   }
 }
 
 }  // namespace
 
-// The loops once per ISA (isa_versions.h): sqrt and division run 16 lanes wide with AVX-512.
-#define SPLITFACE_LRN(W) lrn_loops(l, a, O, n, out)
-SPLITFACE_ISA_VERSIONS(void, lrn_strip, (const Lrn& l, const float* a, int O, size_t n, float* out), SPLITFACE_LRN)
-#undef SPLITFACE_LRN
+// Each once per ISA: the square roots, divisions and sums run 16 lanes wide with AVX-512.
+#define SPLITFACE_FORWARD(W) forward_loops(l, x, O, n, out, a)
+SPLITFACE_ISA_VERSIONS(void, lrn_forward, (const Lrn& l, const float* x, int O, size_t n, float* out, float* a),
+                       SPLITFACE_FORWARD)
+#undef SPLITFACE_FORWARD
+#define SPLITFACE_BACKWARD(W) backward_loops(l, x, g, O, n, out, a, inv, t)
+SPLITFACE_ISA_VERSIONS(void, lrn_backward,
+                       (const Lrn& l, const float* x, const float* g, int O, size_t n, float* out, float* a,
+                        float* inv, float* t),
+                       SPLITFACE_BACKWARD)
+#undef SPLITFACE_BACKWARD
 
-void Lrn::apply(const float* a, int O, size_t n, float* out) const { lrn_strip(*this, a, O, n, out); }
+void Lrn::forward(const float* x, int O, size_t n, float* out) {
+  a_.resize(static_cast<size_t>(O) * n);
+  lrn_forward(*this, x, O, n, out, a_.data());
+}
+
+void Lrn::backward(const float* x, const float* g, int O, size_t n, float* out) {
+  size_t count = static_cast<size_t>(O) * n;
+  a_.resize(count);
+  inv_.resize(count);
+  t_.resize(count);
+  lrn_backward(*this, x, g, O, n, out, a_.data(), inv_.data(), t_.data());
+}
 
 void accumulate(const std::vector<EValue>& outs, std::vector<std::vector<float>>& sums) {
   sums.resize(outs.size());
@@ -138,14 +202,21 @@ StripLayer::StripLayer(const std::string& release_pte, const std::string& grad_p
   double size = constant(*release.module, release_pte, "lrn_size");
   lrn.alpha = static_cast<float>(constant(*release.module, release_pte, "lrn_alpha"));
   lrn.gamma = static_cast<float>(constant(*release.module, release_pte, "lrn_gamma"));
-  if (size < 1 || size > g.O || !(lrn.gamma > 0) || !(lrn.alpha >= 0)) {
+  lrn.input_max = static_cast<float>(constant(*release.module, release_pte, "lrn_input_max"));
+  if (size < 1 || size > g.O || !(lrn.gamma > 0) || !(lrn.alpha >= 0) || !(lrn.input_max >= 0)) {
     throw StripError(release_pte + ": an LRN of size " + std::to_string(size) + ", alpha " + std::to_string(lrn.alpha) +
-                     ", gamma " + std::to_string(lrn.gamma) + " over " + std::to_string(g.O) + " channels");
+                     ", gamma " + std::to_string(lrn.gamma) + ", input clamp " + std::to_string(lrn.input_max) +
+                     " over " + std::to_string(g.O) + " channels");
   }
   lrn.r = static_cast<int>(size) / 2;
   if (!grad_pte.empty()) {
     grad = load_strip(grad_pte, out_shape, profile);
     if (grad.feature < 0) throw StripError(grad.path + " takes no (1, O, rows, width) gradient strip");
+    auto mark = grad.module->execute("takes_conv_gradient");  // splitface.export.artifacts.STRIP_GRAD_MARK
+    if (!mark.ok() || mark->size() != 1 || !mark->at(0).isInt() || mark->at(0).toInt() != 1) {
+      throw StripError(grad.path + " does not take the conv's gradient: a strip gradient program from before the "
+                       "runner took the LRN's backward over; export the strip programs again (splitface-export --app)");
+    }
     if (grad.shared.size() != release.shared.size()) throw StripError("the release and gradient programs take other weights");
     for (size_t i = 0; i < release.shared.size(); ++i) {
       if (grad.buffers[grad.shared[i]].size() != release.buffers[release.shared[i]].size()) {
@@ -199,7 +270,7 @@ void StripLayer::release_image(const float* image, const std::function<void(int,
     cut(strip, release.buffers[0].data());
     auto outs = run(release);
     released_.resize(static_cast<size_t>(g.O) * g.R * g.W);
-    lrn.apply(outs.at(0).toTensor().const_data_ptr<float>(), g.O, static_cast<size_t>(g.R) * g.W, released_.data());
+    lrn.forward(outs.at(0).toTensor().const_data_ptr<float>(), g.O, static_cast<size_t>(g.R) * g.W, released_.data());
     emit(strip, released_.data());
   }
 }
@@ -210,10 +281,15 @@ void StripLayer::grad_image(const float* image, const float* grad_map, std::vect
   pad(image);
   size_t rows = static_cast<size_t>(g.R) * g.W;
   float* feature = grad.buffers[grad.feature].data();
+  grad_rows_.resize(static_cast<size_t>(g.O) * rows);
   for (int strip = 0; strip < g.H / g.R; ++strip) {
-    cut(strip, grad.buffers[0].data());
+    cut(strip, release.buffers[0].data());
+    auto conv = run(release);  // the conv's output over the strip, which the backward needs
     for (int o = 0; o < g.O; ++o)
-      std::memcpy(feature + o * rows, grad_map + static_cast<size_t>(o) * g.H * g.W + strip * rows, rows * sizeof(float));
+      std::memcpy(&grad_rows_[o * rows], grad_map + static_cast<size_t>(o) * g.H * g.W + strip * rows,
+                  rows * sizeof(float));
+    lrn.backward(conv.at(0).toTensor().const_data_ptr<float>(), grad_rows_.data(), g.O, rows, feature);
+    std::memcpy(grad.buffers[0].data(), release.buffers[0].data(), g.strip_in() * sizeof(float));
     accumulate(run(grad), sums);
   }
 }
