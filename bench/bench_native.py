@@ -179,8 +179,10 @@ def profile_table(profiles: list[dict]) -> str:
                 elif name != "DELEGATE_CALL":
                     kinds.setdefault(name.split(" #")[0], []).append(ms)
             rows = sorted(((sum(v), len(v), k) for k, v in kinds.items()), reverse=True)
+            note = (", over both passes: the weight gradient runs it again for the conv's output"
+                    if program == "release" and prof["label"].startswith("strips") else "")
             lines += [f"{prof['label']}, {'release' if program == 'release' else 'weight gradient'} program "
-                      f"(Method::execute {total:.0f} ms per batch):", "",
+                      f"(Method::execute {total:.0f} ms per batch{note}):", "",
                       "| operator | operators | ms per batch | share |", "|---|---:|---:|---:|"]
             lines += [f"| {k} | {n} | {ms:.1f} | {ms / total:.0%} |" for ms, n, k in rows if ms >= 0.5]
             rest = total - sum(ms for ms, _, _ in rows)
