@@ -1,4 +1,4 @@
-"""The native runner's strip release at several git revisions, side by side in one run.
+"""The native runner's strip release and weight gradient at several git revisions, side by side in one run.
 
 A change to the runner's hot path (the noise, the strips) is measured against the revision before it on one
 machine, with the rounds interleaved so that a change of the machine's load hits every revision alike: figures
@@ -7,7 +7,8 @@ sources (`git archive`) are built with CMake as the runner is, and its strip pro
 `splitface` package (what a strip program computes may change with the runner: since the LRN moved into the
 runner, the release program stops at the LRN's input). Every build is checked against eager PyTorch on the
 noise that it draws under a known key, then each strip height's release with drawn noise is timed: the release's
-compute, the part of it drawing and adding the noise, and the rest (the conv, ReLU and LRN).
+compute, the part of it drawing and adding the noise, and the rest (the conv, ReLU and LRN); and the weight
+gradient of the same batch.
 
     python -m bench.native_revisions --revisions 649b726 HEAD   # writes results/bench_native_revisions.{json,txt}
 """
@@ -71,17 +72,20 @@ def table(saved: dict) -> str:
              f"{saved['input_size']} px, {saved['samples']} images per batch, one thread, side by side in one run: "
              f"{saved['rounds']} rounds of {saved['runs']} runs, each a fresh process after {saved['warmup']} warm-up "
              "run, the revisions taking turns. ms per batch as mean / min; 'conv' is the release's compute less the "
-             f"drawing. Machine: {describe(saved['record'])} (load {saved['load_after'][0]:.1f} after). Not a phone: "
+             "drawing; the weight gradient is the batch's (all its samples). "
+             f"Machine: {describe(saved['record'])} (load {saved['load_after'][0]:.1f} after). Not a phone: "
              "compare the rows with each other.", "",
-             "| strips | revision | release compute | of it drawing noise | conv (the rest) | drawing / conv | release err |",
-             "|---|---|---|---|---|---:|---:|"]
+             "| strips | revision | release compute | of it drawing noise | conv (the rest) | drawing / conv | release err "
+             "| weight gradient compute | gradient err |",
+             "|---|---|---|---|---|---:|---:|---|---:|"]
     for r in saved["rows"]:
         compute, noise = np.array(r["forward_compute_ms"]), np.array(r["forward_noise_ms"])
-        conv = compute - noise
+        conv, grad = compute - noise, np.array(r["backward_compute_ms"])
         name = r["commit"][:7] if r["commit"].startswith(r["revision"]) else f"{r['revision']} ({r['commit'][:7]})"
         lines.append(f"| {r['label']} | {name} | {compute.mean():.0f} / {compute.min():.0f} | "
                      f"{noise.mean():.0f} / {noise.min():.0f} | {conv.mean():.0f} / {conv.min():.0f} | "
-                     f"{noise.mean() / conv.mean():.2f} | {r['release_max_abs_err']:.1e} |")
+                     f"{noise.mean() / conv.mean():.2f} | {r['release_max_abs_err']:.1e} | "
+                     f"{grad.mean():.0f} / {grad.min():.0f} | {r['grad_max_rel_err']:.1e} |")
     return "\n".join(lines) + "\n"
 
 
