@@ -100,23 +100,25 @@ __attribute__((always_inline)) inline void window_loop(int r, const float* src, 
   }
 }
 
-// The release: blocks of pixels keep the window's rows in L1 across the channels that share them.
+// The release, in blocks of pixels: each block's clamped inputs, every channel, in an L1-sized buffer `a`
+// (O x kForwardBlock), from which the channels' windows are summed.
+constexpr size_t kForwardBlock = 128;
+
 __attribute__((always_inline)) inline void forward_loops(const Lrn& l, const float* x, int O, size_t n, float* out,
                                                          float* a) {
-  clamp_loop(l, x, static_cast<size_t>(O) * n, a);
-  constexpr size_t kBlock = 256;
-  for (size_t k0 = 0; k0 < n; k0 += kBlock) {
-    size_t m = n - k0 < kBlock ? n - k0 : kBlock;
+  for (size_t k0 = 0; k0 < n; k0 += kForwardBlock) {
+    size_t m = n - k0 < kForwardBlock ? n - k0 : kForwardBlock;
+    for (int o = 0; o < O; ++o) clamp_loop(l, x + static_cast<size_t>(o) * n + k0, m, a + o * kForwardBlock);
     for (int o = 0; o < O; ++o) {
       int lo = o - l.r < 0 ? 0 : o - l.r, hi = o + l.r >= O ? O - 1 : o + l.r;
       float* s = out + static_cast<size_t>(o) * n + k0;
-      const float* t = a + static_cast<size_t>(lo) * n + k0;
+      const float* t = a + lo * kForwardBlock;
       for (size_t k = 0; k < m; ++k) s[k] = t[k] * t[k];
       for (int j = lo + 1; j <= hi; ++j) {
-        t = a + static_cast<size_t>(j) * n + k0;
+        t = a + j * kForwardBlock;
         for (size_t k = 0; k < m; ++k) s[k] += t[k] * t[k];
       }
-      const float* v = a + static_cast<size_t>(o) * n + k0;
+      const float* v = a + o * kForwardBlock;
       for (size_t k = 0; k < m; ++k) s[k] = v[k] / std::sqrt(l.gamma + l.alpha * s[k]);
     }
   }
@@ -155,7 +157,7 @@ SPLITFACE_ISA_VERSIONS(void, lrn_backward,
 #undef SPLITFACE_BACKWARD
 
 void Lrn::forward(const float* x, int O, size_t n, float* out) {
-  a_.resize(static_cast<size_t>(O) * n);
+  a_.resize(static_cast<size_t>(O) * kForwardBlock);
   lrn_forward(*this, x, O, n, out, a_.data());
 }
 
