@@ -26,9 +26,9 @@ def conv1(model: str, clamp: float | None) -> nn.Module:
 
 @pytest.mark.parametrize("clamp, alpha", [(None, 1.0), (1.0, 0.5)])
 def test_strip_programs_put_together_are_the_layer(clamp, alpha):
-    """Each strip padded with the conv's halo as the native runner cuts it: the release program's conv outputs,
-    through ReLU, the clamp and the LRN with the constants that the program carries (the runner's part), stacked
-    are the layer's output; the gradient program on each strip's conv gradient (`conv_grad`, the runner's part),
+    """Each strip padded with the conv's halo as the native runner cuts it: the release program's LRN inputs,
+    through the LRN with the constants that the program carries (the runner's part), stacked are the layer's
+    output; the gradient program on each strip's conv gradient (`conv_grad`, the runner's part),
     summed, is the image's weight gradient (alpha 1 skips its multiply; 0.5 keeps it)."""
     layer, rows = conv1("iresnet_small", clamp), 4
     for lrn in (m for m in layer.modules() if isinstance(m, PaperLRN)):
@@ -42,14 +42,14 @@ def test_strip_programs_put_together_are_the_layer(clamp, alpha):
     assert strip_example(layer, rows, 20).shape == (1, 3, rows + 2, 22)
     padded = torch.nn.functional.pad(images, (1, 1, 1, 1))
     strips = [padded[:, :, t:t + rows + 2] for t in range(0, 12, rows)]
-    convs = [GemmReleaseProgram(layer, strip=True)(s, *weights) for s in strips]
+    outs = [GemmReleaseProgram(layer, strip=True)(s, *weights) for s in strips]  # (the LRN's input, the conv's)
     constants = strip_constants(layer)
     assert constants["lrn_input_max"] == (clamp or 0.0)
     lrn = PaperLRN(shape[1], constants["lrn_size"], constants["lrn_alpha"], 0.5, constants["lrn_gamma"],
                    constants["lrn_input_max"] or None)
-    assert (lrn(torch.relu(torch.cat(convs, dim=2))) - want).abs().max() < 1e-5
+    assert (lrn(torch.cat([a for a, _ in outs], dim=2)) - want).abs().max() < 1e-5
     parts = [GemmWeightGrad(layer, strip=True)(s, conv_grad(lrn, x, grad[:, :, t:t + rows]), *weights)
-             for s, x, t in zip(strips, convs, range(0, 12, rows))]
+             for s, (_, x), t in zip(strips, outs, range(0, 12, rows))]
     for a, b in zip((sum(p) for p in zip(*parts)), want_grads, strict=True):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
     with pytest.raises(ValueError, match="no mask"):

@@ -107,12 +107,13 @@ STRIP_GRAD_MARK = "takes_conv_gradient"
 def export_strip_ptes(layer: nn.Module, rows: int, width: int) -> tuple[bytes, bytes]:
     """release_strip.pte and vjp_strip.pte: the im2col programs over one padded strip of `rows` image rows
     (batch 1, no noise input), which the native runner (splitface/device/runtimes/native) runs strip by strip.
-    The release program ends at the conv's output and carries the constants of what the runner computes after
-    it (`strip_constants`); the gradient program takes the conv's gradient, and says so (`STRIP_GRAD_MARK`)."""
+    The release program ends at the LRN's input (and the conv's output) and carries the constants of what the
+    runner computes after it (`strip_constants`); the gradient program takes the conv's gradient, and says so
+    (`STRIP_GRAD_MARK`)."""
     strip = strip_example(layer, rows, width)
     weights = weights_of(layer)
     with torch.no_grad():
-        grad = torch.zeros_like(GemmReleaseProgram(layer, strip=True)(strip, *weights))
+        grad = torch.zeros_like(GemmReleaseProgram(layer, strip=True)(strip, *weights)[1])
     release = lower_to_xnnpack(GemmReleaseProgram(layer, strip=True).eval(), (strip, *weights),
                                strip_constants(layer))
     return release, lower_to_xnnpack(GemmWeightGrad(layer, strip=True).eval(), (strip, grad, *weights),

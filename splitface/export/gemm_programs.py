@@ -11,11 +11,12 @@ matrix, and keep every large tensor in ops XNNPACK runs:
 - `GemmWeightGrad`: (images, grad, weight, bias) -> (d weight, d bias) of sum(release * grad), the
   closed form: columns^T times the gradient through the LRN and the ReLU, one bmm for both.
 - `strip=True` on either: the native runner's form, over a strip of a few image rows that it cuts with
-  the conv's halo (`strip_example`), and only the GEMMs: the release program ends at the conv's output, and
-  the gradient program starts from the conv's gradient. The runner does the rest in C++ while the strip is in
-  cache (ReLU and clamp, the LRN and its backward, `conv_grad`; the constants are the release program's
-  constant methods, `strip_constants`), and draws and adds the noise: a few passes where XNNPACK runs
-  each elementwise op as its own (the LRN alone was about fifteen, its backward about thirty).
+  the conv's halo (`strip_example`), and only the GEMMs and the clamp: the release program ends at the LRN's
+  input (and returns the conv's output beside it), and the gradient program starts from the conv's gradient.
+  The runner does the rest in C++ while the strip is in cache (the LRN and its backward, `conv_grad`; the
+  constants are the release program's constant methods, `strip_constants`), and draws and adds the noise: a
+  few passes where XNNPACK runs each elementwise op as its own (the LRN alone was about fifteen, its backward
+  about thirty).
 
 The LRN's d^-beta is rsqrt for the paper's beta = 1/2 (XNNPACK's pow takes only the power 2); its
 derivative masks are [r > 0] = clamp(ceil(r), 0, 1) for r = relu(x) >= 0, exactly, and [r > m] the
@@ -140,8 +141,9 @@ class GemmReleaseProgram(nn.Module):
     """layer(images) [* mask] + noise with weight and bias as inputs, every large op XNNPACK-delegable.
 
     `strip=True` is the native runner's form: the input is a strip of rows already zero-padded with the
-    conv's halo, there is neither noise nor mask, and the output is the conv's: the runner applies ReLU, the
-    clamp and the LRN (`strip_constants`) and adds the noise it draws while the strip is still in cache.
+    conv's halo, there is neither noise nor mask, and the outputs are the LRN's input a = clamp(relu(conv))
+    and the conv's output itself (which the gradient's masks read; XNNPACK has written it anyway). The runner
+    applies the LRN (`strip_constants`) and adds the noise it draws while the strip is still in cache.
     """
 
     def __init__(self, layer: nn.Module, masked: bool = False, strip: bool = False):
@@ -151,7 +153,7 @@ class GemmReleaseProgram(nn.Module):
         self.conv, self.lrn = _parts(layer)
         self.masked, self.strip = masked, strip
 
-    def forward(self, images: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+    def forward(self, images: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.strip:
             noise, mask, (weight, bias) = None, None, rest
         else:
@@ -159,9 +161,9 @@ class GemmReleaseProgram(nn.Module):
             mask, (weight, bias) = (rest[0], rest[1:]) if self.masked else (None, rest)
         cols, size = columns(self.conv, images, padded=self.strip)
         x = _conv(cols, weight, bias).reshape(images.shape[0], weight.shape[0], *size)
-        if self.strip:
-            return x
         a = _lrn_input(self.lrn, x)
+        if self.strip:
+            return a, x
         out = a * _lrn_denominator(self.lrn, a)
         if mask is not None:
             out = out * mask

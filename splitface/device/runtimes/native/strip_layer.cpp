@@ -5,7 +5,6 @@
 
 #include <executorch/devtools/etdump/etdump_flatcc.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -77,15 +76,6 @@ namespace {
 // window_sum's order (the zero channels it adds at the edges change no sum), divided by the correctly rounded
 // square root as torch.pow(d, 0.5) is. They are inlined into each ISA's version (isa_versions.h).
 
-// a = clamp(relu(x), 0, m), m = input_max (0: relu alone).
-__attribute__((always_inline)) inline void clamp_loop(const Lrn& l, const float* x, size_t count, float* a) {
-  if (l.input_max > 0) {
-    for (size_t k = 0; k < count; ++k) a[k] = std::min(std::max(x[k], 0.0f), l.input_max);
-  } else {
-    for (size_t k = 0; k < count; ++k) a[k] = std::max(x[k], 0.0f);
-  }
-}
-
 // dst[o] = the sum of src over channel o's window, in window_sum's order.
 __attribute__((always_inline)) inline void window_loop(int r, const float* src, int O, size_t n, float* dst) {
   for (int o = 0; o < O; ++o) {
@@ -100,36 +90,33 @@ __attribute__((always_inline)) inline void window_loop(int r, const float* src, 
   }
 }
 
-// The release, in blocks of pixels: each block's clamped inputs, every channel, in an L1-sized buffer `a`
-// (O x kForwardBlock), from which the channels' windows are summed.
-constexpr size_t kForwardBlock = 128;
-
-__attribute__((always_inline)) inline void forward_loops(const Lrn& l, const float* x, int O, size_t n, float* out,
-                                                         float* a) {
-  for (size_t k0 = 0; k0 < n; k0 += kForwardBlock) {
-    size_t m = n - k0 < kForwardBlock ? n - k0 : kForwardBlock;
-    for (int o = 0; o < O; ++o) clamp_loop(l, x + static_cast<size_t>(o) * n + k0, m, a + o * kForwardBlock);
+// The release from the LRN's input a: blocks of pixels keep the window's rows in L1 across the channels that
+// share them.
+__attribute__((always_inline)) inline void forward_loops(const Lrn& l, const float* a, int O, size_t n, float* out) {
+  constexpr size_t kBlock = 256;
+  for (size_t k0 = 0; k0 < n; k0 += kBlock) {
+    size_t m = n - k0 < kBlock ? n - k0 : kBlock;
     for (int o = 0; o < O; ++o) {
       int lo = o - l.r < 0 ? 0 : o - l.r, hi = o + l.r >= O ? O - 1 : o + l.r;
       float* s = out + static_cast<size_t>(o) * n + k0;
-      const float* t = a + lo * kForwardBlock;
+      const float* t = a + static_cast<size_t>(lo) * n + k0;
       for (size_t k = 0; k < m; ++k) s[k] = t[k] * t[k];
       for (int j = lo + 1; j <= hi; ++j) {
-        t = a + j * kForwardBlock;
+        t = a + static_cast<size_t>(j) * n + k0;
         for (size_t k = 0; k < m; ++k) s[k] += t[k] * t[k];
       }
-      const float* v = a + o * kForwardBlock;
+      const float* v = a + static_cast<size_t>(o) * n + k0;
       for (size_t k = 0; k < m; ++k) s[k] = v[k] / std::sqrt(l.gamma + l.alpha * s[k]);
     }
   }
 }
 
-// The conv's gradient (conv_grad): with inv = d^-1/2, g_a = g inv - alpha a window(g a inv^3), masked by
-// [x > 0] and [x <= m]. a, inv, t: scratch of the strip's size.
-__attribute__((always_inline)) inline void backward_loops(const Lrn& l, const float* x, const float* g, int O,
-                                                          size_t n, float* out, float* a, float* inv, float* t) {
+// The conv's gradient (conv_grad) from the conv's output x, the LRN's input a and the release's gradient g: with
+// inv = d^-1/2, g_a = g inv - alpha a window(g a inv^3), masked by [x > 0] and [x <= m]. inv, t: scratch of the
+// strip's size.
+__attribute__((always_inline)) inline void backward_loops(const Lrn& l, const float* x, const float* a, const float* g,
+                                                          int O, size_t n, float* out, float* inv, float* t) {
   size_t count = static_cast<size_t>(O) * n;
-  clamp_loop(l, x, count, a);
   for (size_t k = 0; k < count; ++k) t[k] = a[k] * a[k];
   window_loop(l.r, t, O, n, inv);
   for (size_t k = 0; k < count; ++k) inv[k] = 1.0f / std::sqrt(l.gamma + l.alpha * inv[k]);
@@ -145,28 +132,24 @@ __attribute__((always_inline)) inline void backward_loops(const Lrn& l, const fl
 }  // namespace
 
 // Each once per ISA: the square roots, divisions and sums run 16 lanes wide with AVX-512.
-#define SPLITFACE_FORWARD(W) forward_loops(l, x, O, n, out, a)
-SPLITFACE_ISA_VERSIONS(void, lrn_forward, (const Lrn& l, const float* x, int O, size_t n, float* out, float* a),
+#define SPLITFACE_FORWARD(W) forward_loops(l, a, O, n, out)
+SPLITFACE_ISA_VERSIONS(void, lrn_forward, (const Lrn& l, const float* a, int O, size_t n, float* out),
                        SPLITFACE_FORWARD)
 #undef SPLITFACE_FORWARD
-#define SPLITFACE_BACKWARD(W) backward_loops(l, x, g, O, n, out, a, inv, t)
+#define SPLITFACE_BACKWARD(W) backward_loops(l, x, a, g, O, n, out, inv, t)
 SPLITFACE_ISA_VERSIONS(void, lrn_backward,
-                       (const Lrn& l, const float* x, const float* g, int O, size_t n, float* out, float* a,
+                       (const Lrn& l, const float* x, const float* a, const float* g, int O, size_t n, float* out,
                         float* inv, float* t),
                        SPLITFACE_BACKWARD)
 #undef SPLITFACE_BACKWARD
 
-void Lrn::forward(const float* x, int O, size_t n, float* out) {
-  a_.resize(static_cast<size_t>(O) * kForwardBlock);
-  lrn_forward(*this, x, O, n, out, a_.data());
-}
+void Lrn::forward(const float* a, int O, size_t n, float* out) const { lrn_forward(*this, a, O, n, out); }
 
-void Lrn::backward(const float* x, const float* g, int O, size_t n, float* out) {
+void Lrn::backward(const float* x, const float* a, const float* g, int O, size_t n, float* out) {
   size_t count = static_cast<size_t>(O) * n;
-  a_.resize(count);
   inv_.resize(count);
   t_.resize(count);
-  lrn_backward(*this, x, g, O, n, out, a_.data(), inv_.data(), t_.data());
+  lrn_backward(*this, x, a, g, O, n, out, inv_.data(), t_.data());
 }
 
 void accumulate(const std::vector<EValue>& outs, std::vector<std::vector<float>>& sums) {
@@ -270,7 +253,7 @@ void StripLayer::release_image(const float* image, const std::function<void(int,
   pad(image);
   for (int strip = 0; strip < g.H / g.R; ++strip) {
     cut(strip, release.buffers[0].data());
-    auto outs = run(release);
+    auto outs = run(release);  // the LRN's input, and the conv's output
     released_.resize(static_cast<size_t>(g.O) * g.R * g.W);
     lrn.forward(outs.at(0).toTensor().const_data_ptr<float>(), g.O, static_cast<size_t>(g.R) * g.W, released_.data());
     emit(strip, released_.data());
@@ -286,11 +269,12 @@ void StripLayer::grad_image(const float* image, const float* grad_map, std::vect
   grad_rows_.resize(static_cast<size_t>(g.O) * rows);
   for (int strip = 0; strip < g.H / g.R; ++strip) {
     cut(strip, release.buffers[0].data());
-    auto conv = run(release);  // the conv's output over the strip, which the backward needs
+    auto outs = run(release);  // the LRN's input and the conv's output over the strip, which the backward needs
     for (int o = 0; o < g.O; ++o)
       std::memcpy(&grad_rows_[o * rows], grad_map + static_cast<size_t>(o) * g.H * g.W + strip * rows,
                   rows * sizeof(float));
-    lrn.backward(conv.at(0).toTensor().const_data_ptr<float>(), grad_rows_.data(), g.O, rows, feature);
+    lrn.backward(outs.at(1).toTensor().const_data_ptr<float>(), outs.at(0).toTensor().const_data_ptr<float>(),
+                 grad_rows_.data(), g.O, rows, feature);
     std::memcpy(grad.buffers[0].data(), release.buffers[0].data(), g.strip_in() * sizeof(float));
     accumulate(run(grad), sums);
   }
