@@ -23,6 +23,7 @@ import msgpack
 import torch
 
 from bench.bench_native import device_layer, export_for_batch, inputs
+from bench.machine import cmake_flags, describe, record
 from splitface.device.runtimes.native import jni_library
 from splitface.device.runtimes.manifest import RELEASE_GEMM_PTE, VJP_GEMM_PTE
 from splitface.export.artifacts import write_strip_ptes
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
            "grad": t["grad"].numpy().astype("<f4").tobytes(), "warmup": args.warmup, "runs": args.runs,
            "threads": args.threads}
     java = java_classes(work / "jvm")
-    load = os.getloadavg()
+    jvm = subprocess.run(["java", "-version"], capture_output=True, text=True).stderr.splitlines()[0]
+    machine = record(cmake_flags(Path(library).parent, "splitface_jni"))
     reports = {}
     for trainer, extra in extras.items():
         path = work / "job.msgpack"
@@ -90,8 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     after = os.getloadavg()
     threads = "one thread" if args.threads == 1 else "ExecuTorch's pool (one thread per core)"
     lines = [f"{args.model} conv1 + ReLU + LRN, {args.input_size} px, batch {args.samples}, {threads}; each trainer "
-             f"in its own JVM, {args.runs} runs after {args.warmup} warm-up; load {load[0]:.1f} before, "
-             f"{after[0]:.1f} after; ms per batch, mean / min",
+             f"in its own JVM ({jvm}), {args.runs} runs after {args.warmup} warm-up; ms per batch, mean / min. "
+             f"Machine (the build flags libsplitface_jni's): {describe(machine)}; load {after[0]:.1f} after.",
              "",
              "| trainer | release | weight gradient | per sample | JVM peak RSS |",
              "|---|---:|---:|---:|---:|"]
