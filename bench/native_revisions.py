@@ -73,7 +73,8 @@ def table(saved: dict) -> str:
              f"{saved['rounds']} rounds of {saved['runs']} runs, each a fresh process after {saved['warmup']} warm-up "
              "run, the revisions taking turns. ms per batch as mean / min; 'conv' is the release's compute less the "
              "drawing; the weight gradient is the batch's (all its samples). "
-             f"Machine: {describe(saved['record'])} (load {saved['load_after'][0]:.1f} after). Not a phone: "
+             f"Machine (the build flags are the last revision's build's): {describe(saved['record'])} "
+             f"(load {saved['load_after'][0]:.1f} after). Not a phone: "
              "compare the rows with each other.", "",
              "| strips | revision | release compute | of it drawing noise | conv (the rest) | drawing / conv | release err "
              "| weight gradient compute | gradient err |",

@@ -39,7 +39,7 @@ from splitface.device.runtimes.native_runtime import NativeRuntime
 from splitface.device.runtimes.manifest import RELEASE_GEMM_PTE, VJP_GEMM_PTE, Manifest
 from splitface.export.artifacts import (example_inputs, export_gemm_ptes, export_strip_ptes, lower_to_xnnpack,
                                        manifest_of)
-from splitface.export.gemm_programs import GemmReleaseProgram, GemmWeightGrad, strip_example
+from splitface.export.gemm_programs import GemmReleaseProgram, GemmWeightGrad, strip_constants, strip_example
 from splitface.device.runtimes.parity import GRAD_RTOL, RELEASE_ATOL, reference
 from splitface.export.exporter import EXPORTER
 
@@ -277,6 +277,17 @@ def check_noise_dump(noise_isa, binary: Path, dump: Path, label: str) -> None:
     assert keystream == NoiseStream(noise_isa.KEY).random_bytes(noise_isa.KEYSTREAM_BYTES), label
 
 
+class FirstOutput(torch.nn.Module):
+    """A program's first output alone: a strip release program of one output, as no current export writes."""
+
+    def __init__(self, program: torch.nn.Module):
+        super().__init__()
+        self.program = program
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.program(*args)[0]
+
+
 @pytest.mark.slow
 def test_strip_runner_refuses_bad_inputs_by_name(native):
     binary, layer, programs, root = native
@@ -291,16 +302,20 @@ def test_strip_runner_refuses_bad_inputs_by_name(native):
     with pytest.raises(RuntimeError, match="--noise-key needs --noise-std or --noise-discrete"):
         run_native(binary, work, SAMPLES, (programs["strips"] / "release.pte", STRIP_RELEASE), strips=True,
                    noise_key=root / "noise.key", runs=1, warmup=0)
-    # strip programs as exported before the runner took the LRN and its backward over: without their constant methods
+    # strip programs of other formats: without their constant methods, or with another release (one output: the LRN
+    # inside, as before the runner took it over, or the conv's output alone, as one revision had it)
     strip, weights = strip_example(layer, ROWS, SIZE), [p.detach() for p in layer.parameters()]
-    old_release, old_grad = root / "strip-before-lrn.pte", root / "vjp-before-lrn.pte"
-    if not old_grad.exists():
-        old_release.write_bytes(lower_to_xnnpack(GemmReleaseProgram(layer, strip=True).eval(), (strip, *weights)))
-        grad = torch.zeros(1, weights[0].shape[0], ROWS, SIZE)
-        old_grad.write_bytes(lower_to_xnnpack(GemmWeightGrad(layer, strip=True).eval(), (strip, grad, *weights)))
-    with pytest.raises(RuntimeError, match="carries no lrn_size: .* export the strip programs again"):
-        run_native(binary, work, SAMPLES, (old_release, STRIP_RELEASE), strips=True, runs=1, warmup=0)
-    with pytest.raises(RuntimeError, match="does not take the conv's gradient: .* export the strip programs again"):
+    old_release, old_grad, one_output = root / "strip-old.pte", root / "vjp-old.pte", root / "strip-one-output.pte"
+    old_release.write_bytes(lower_to_xnnpack(GemmReleaseProgram(layer, strip=True).eval(), (strip, *weights)))
+    grad = torch.zeros(1, weights[0].shape[0], ROWS, SIZE)
+    old_grad.write_bytes(lower_to_xnnpack(GemmWeightGrad(layer, strip=True).eval(), (strip, grad, *weights)))
+    one_output.write_bytes(lower_to_xnnpack(FirstOutput(GemmReleaseProgram(layer, strip=True)).eval(),
+                                            (strip, *weights), strip_constants(layer)))
+    for program, why in ((old_release, "carries no lrn_size"),
+                         (one_output, "does not return the LRN's input and the conv's output")):
+        with pytest.raises(RuntimeError, match=why + ".*: a strip release program of another format; delete it"):
+            run_native(binary, work, SAMPLES, (program, STRIP_RELEASE), strips=True, runs=1, warmup=0)
+    with pytest.raises(RuntimeError, match="does not take the conv's gradient: .* of another format; delete it"):
         run_native(binary, work, SAMPLES, (programs["strips"] / "release.pte", STRIP_RELEASE), (old_grad, STRIP_GRAD),
                    strips=True, runs=1, warmup=0)
     for exact, why in ((("1/0", 0.1, 10), "takes sigma\\^2 in steps\\^2 as P or P/Q"),

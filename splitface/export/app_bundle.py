@@ -29,7 +29,8 @@ from splitface.device.runtimes.manifest import RELEASE_STRIP_PTE, VJP_STRIP_PTE
 from splitface.export.artifacts import write_strip_ptes
 from splitface.export.java_layer import java_layer_job
 
-FORMAT, VERSION = "splitface-app", 2  # 2: the strip release program stops at the LRN's input (the runner applies it)
+# 2: the strip programs hold only the conv's GEMMs and the clamp; the strip layer does the LRN and its backward
+FORMAT, VERSION = "splitface-app", 2
 MANIFEST, LAYER, JOB, SCHEDULE = "bundle.msgpack", "layer.msgpack", "job.msgpack", "schedule.msgpack"
 URL_PLACEHOLDER = "wss://EDGE-SERVER.invalid:8765"  # AppBundle refuses to connect to it: the app asks for the URL
 ENCODINGS = ("f32", "f16", "i8")

@@ -122,7 +122,8 @@ def export_strip_ptes(layer: nn.Module, rows: int, width: int) -> tuple[bytes, b
 
 def write_strip_ptes(layer: nn.Module, rows: int, width: int, out: Path) -> tuple[Path, Path]:
     """release_strip.pte and vjp_strip.pte for strips of `rows` rows in `out`, exported unless both are there
-    already (the programs take the weights as inputs, so only the layer's shape and clamp are in them)."""
+    already (the programs take the weights as inputs, so only the layer's shape, its clamp and the LRN's constants
+    are in them; the native backend keeps them in a folder named for their format, `manifest.STRIP_FORMAT`)."""
     release, vjp = out / RELEASE_STRIP_PTE, out / VJP_STRIP_PTE
     if not (release.exists() and vjp.exists()):
         out.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ from torch import nn
 
 from splitface.device.privacy.discrete import DiscreteGaussianMechanism
 from splitface.device.runtimes.base import require_gemm, training_args
-from splitface.device.runtimes.manifest import RELEASE_STRIP_PTE, VJP_STRIP_PTE
+from splitface.device.runtimes.manifest import RELEASE_STRIP_PTE, STRIP_FORMAT, VJP_STRIP_PTE
 from splitface.device.runtimes.native import StripServer, build_cached
 
 STRIP_ROWS = 4  # the release's fastest strip in bench/bench_native.py (docs/device.md, "The native runner")
@@ -69,8 +69,8 @@ class NativeRuntime:
         if refusal is not None:
             raise ValueError(f"the native backend cannot run {artifacts}: {refusal}")
         self.manifest, self.batch_size, self.trainable = manifest, manifest.batch_size, manifest.trainable
-        release, vjp = strip_programs(layer, rows, manifest.input_shape[-1], artifacts / f"native-strips-{rows}",
-                                      exporter)
+        folder = artifacts / f"native-strips-{rows}-v{STRIP_FORMAT}"  # another format's programs: exported anew
+        release, vjp = strip_programs(layer, rows, manifest.input_shape[-1], folder, exporter)
         self._names = [f"w{i}" for i in range(len(manifest.weight_names))]
         self._start = (build_cached(), release, vjp, self._names, "1" if threads == 1 else "all")
         self._server = StripServer(*self._start)

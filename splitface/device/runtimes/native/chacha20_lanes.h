@@ -7,7 +7,7 @@
 //   16 bytes) at W = 4.
 // A 16-lane state on AVX2 needs 32 ymm registers, twice what there is: GCC spilled it to the stack on every round
 // and drawing ran 4-7x slower than on AVX-512 (docs/device.md). Callers write each ISA's function once as a
-// template over W and pick it with SPLITFACE_ISA_VERSIONS below; the output of 16 blocks (kChachaLanes) is the
+// template over W and pick it with SPLITFACE_ISA_VERSIONS (isa_versions.h); the output of 16 blocks (kChachaLanes) is the
 // same whatever W computed it.
 // Included only by .cpp files built with -Wno-psabi (the vector types are up to 64 bytes wide by design).
 #pragma once

@@ -20,7 +20,8 @@
 //
 // --strips: the strip programs (GemmReleaseProgram/GemmWeightGrad with strip=True) take a few rows of one
 // image with the conv's zero halo; the runner cuts each image into such strips, so that every intermediate
-// of the programs fits in the core's cache, and copies each strip's rows of the server's gradient in. The
+// of the programs fits in the core's cache; between the programs it applies the LRN to each strip and, for the
+// weight gradient, makes the conv's gradient from each strip's rows of the server's gradient (strip_layer.h). The
 // images' height comes from the file's size, the strip's rows and width from the program's output.
 // --noise-std S: the runner draws the release's noise itself, N(0, S^2) per value from ChaCha20 under a fresh
 // key from the OS CSPRNG per release (gaussian_noise.h); with --strips it is added to each strip's output

@@ -39,12 +39,16 @@ StripProgram load_strip(const std::string& path, const std::vector<SizesType>& o
   return p;
 }
 
+// What a program of another format (one from before the runner took the LRN and its backward over) needs.
+const std::string kExportAgain =
+    "delete it and export the strip programs again (splitface.export.artifacts.write_strip_ptes; an app's folder: "
+    "splitface-export --app)";
+
 // A number that a program carries as a constant method (exported with constant_methods).
 double constant(Module& m, const std::string& path, const char* name) {
   auto out = m.execute(name);
   if (!out.ok() || out->size() != 1 || !(out->at(0).isInt() || out->at(0).isDouble())) {
-    throw StripError(path + " carries no " + name + ": a strip release program from before the runner took the LRN "
-                     "over; export the strip programs again (splitface-export --app)");
+    throw StripError(path + " carries no " + name + ": a strip release program of another format; " + kExportAgain);
   }
   return out->at(0).isInt() ? static_cast<double>(out->at(0).toInt()) : out->at(0).toDouble();
 }
@@ -77,7 +81,8 @@ namespace {
 // square root as torch.pow(d, 0.5) is. They are inlined into each ISA's version (isa_versions.h).
 
 // dst[o] = the sum of src over channel o's window, in window_sum's order.
-__attribute__((always_inline)) inline void window_loop(int r, const float* src, int O, size_t n, float* dst) {
+__attribute__((always_inline)) inline void window_loop(int r, const float* __restrict src, int O, size_t n,
+                                                       float* __restrict dst) {
   for (int o = 0; o < O; ++o) {
     int lo = o - r < 0 ? 0 : o - r, hi = o + r >= O ? O - 1 : o + r;
     float* s = dst + static_cast<size_t>(o) * n;
@@ -92,13 +97,16 @@ __attribute__((always_inline)) inline void window_loop(int r, const float* src, 
 
 // The release from the LRN's input a: blocks of pixels keep the window's rows in L1 across the channels that
 // share them.
-__attribute__((always_inline)) inline void forward_loops(const Lrn& l, const float* a, int O, size_t n, float* out) {
+__attribute__((always_inline)) inline void forward_loops(const Lrn& l, const float* __restrict a, int O, size_t n,
+                                                         float* __restrict out) {
+  const int r = l.r;  // locals: stores through `out` cannot change them, so the compiler need not reload them
+  const float alpha = l.alpha, gamma = l.gamma;
   constexpr size_t kBlock = 256;
   for (size_t k0 = 0; k0 < n; k0 += kBlock) {
     size_t m = n - k0 < kBlock ? n - k0 : kBlock;
     for (int o = 0; o < O; ++o) {
-      int lo = o - l.r < 0 ? 0 : o - l.r, hi = o + l.r >= O ? O - 1 : o + l.r;
-      float* s = out + static_cast<size_t>(o) * n + k0;
+      int lo = o - r < 0 ? 0 : o - r, hi = o + r >= O ? O - 1 : o + r;
+      float* __restrict s = out + static_cast<size_t>(o) * n + k0;
       const float* t = a + static_cast<size_t>(lo) * n + k0;
       for (size_t k = 0; k < m; ++k) s[k] = t[k] * t[k];
       for (int j = lo + 1; j <= hi; ++j) {
@@ -106,7 +114,7 @@ __attribute__((always_inline)) inline void forward_loops(const Lrn& l, const flo
         for (size_t k = 0; k < m; ++k) s[k] += t[k] * t[k];
       }
       const float* v = a + static_cast<size_t>(o) * n + k0;
-      for (size_t k = 0; k < m; ++k) s[k] = v[k] / std::sqrt(l.gamma + l.alpha * s[k]);
+      for (size_t k = 0; k < m; ++k) s[k] = v[k] / std::sqrt(gamma + alpha * s[k]);
     }
   }
 }
@@ -114,18 +122,21 @@ __attribute__((always_inline)) inline void forward_loops(const Lrn& l, const flo
 // The conv's gradient (conv_grad) from the conv's output x, the LRN's input a and the release's gradient g: with
 // inv = d^-1/2, g_a = g inv - alpha a window(g a inv^3), masked by [x > 0] and [x <= m]. inv, t: scratch of the
 // strip's size.
-__attribute__((always_inline)) inline void backward_loops(const Lrn& l, const float* x, const float* a, const float* g,
-                                                          int O, size_t n, float* out, float* inv, float* t) {
+__attribute__((always_inline)) inline void backward_loops(const Lrn& l, const float* __restrict x,
+                                                          const float* __restrict a, const float* __restrict g, int O,
+                                                          size_t n, float* __restrict out, float* __restrict inv,
+                                                          float* __restrict t) {
+  const float alpha = l.alpha, gamma = l.gamma, m = l.input_max;  // locals, as in forward_loops
+  const bool clamped = m > 0;
   size_t count = static_cast<size_t>(O) * n;
   for (size_t k = 0; k < count; ++k) t[k] = a[k] * a[k];
   window_loop(l.r, t, O, n, inv);
-  for (size_t k = 0; k < count; ++k) inv[k] = 1.0f / std::sqrt(l.gamma + l.alpha * inv[k]);
+  for (size_t k = 0; k < count; ++k) inv[k] = 1.0f / std::sqrt(gamma + alpha * inv[k]);
   for (size_t k = 0; k < count; ++k) t[k] = g[k] * a[k] * (inv[k] * inv[k] * inv[k]);
   window_loop(l.r, t, O, n, out);
-  bool clamped = l.input_max > 0;
   for (size_t k = 0; k < count; ++k) {
-    float g_a = g[k] * inv[k] - l.alpha * (a[k] * out[k]);
-    out[k] = x[k] > 0.0f && !(clamped && x[k] > l.input_max) ? g_a : 0.0f;
+    float g_a = g[k] * inv[k] - alpha * (a[k] * out[k]);
+    out[k] = x[k] > 0.0f && !(clamped && x[k] > m) ? g_a : 0.0f;
   }
 }
 
@@ -180,6 +191,18 @@ StripLayer::StripLayer(const std::string& release_pte, const std::string& grad_p
     g.kh = in->sizes()[2] - g.R + 1;
     g.kw = in->sizes()[3] - g.W + 1;
     if (g.kh < 1 || g.kw < 1 || g.kh % 2 == 0 || g.kw % 2 == 0) throw StripError("the strip's halo is not a 'same' conv's");
+    // The LRN's input and the conv's output (gemm_programs.GemmReleaseProgram(strip=True)), both float strips.
+    bool pair = meta->num_outputs() == 2;
+    for (size_t i = 0; pair && i < 2; ++i) {
+      auto o = meta->output_tensor_meta(i);
+      pair = o.ok() && o->scalar_type() == ScalarType::Float &&
+             std::vector<SizesType>(o->sizes().begin(), o->sizes().end()) ==
+                 std::vector<SizesType>{1, g.O, g.R, g.W};
+    }
+    if (!pair) {
+      throw StripError(release_pte + " does not return the LRN's input and the conv's output as two (1, O, rows, width) "
+                       "float strips: a strip release program of another format; " + kExportAgain);
+    }
   }
   std::vector<SizesType> out_shape = {1, g.O, g.R, g.W};
   release = load_strip(release_pte, out_shape, profile);
@@ -199,8 +222,8 @@ StripLayer::StripLayer(const std::string& release_pte, const std::string& grad_p
     if (grad.feature < 0) throw StripError(grad.path + " takes no (1, O, rows, width) gradient strip");
     auto mark = grad.module->execute("takes_conv_gradient");  // splitface.export.artifacts.STRIP_GRAD_MARK
     if (!mark.ok() || mark->size() != 1 || !mark->at(0).isInt() || mark->at(0).toInt() != 1) {
-      throw StripError(grad.path + " does not take the conv's gradient: a strip gradient program from before the "
-                       "runner took the LRN's backward over; export the strip programs again (splitface-export --app)");
+      throw StripError(grad.path + " does not take the conv's gradient: a strip gradient program of another format; " +
+                       kExportAgain);
     }
     if (grad.shared.size() != release.shared.size()) throw StripError("the release and gradient programs take other weights");
     for (size_t i = 0; i < release.shared.size(); ++i) {

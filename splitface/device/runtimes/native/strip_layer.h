@@ -30,8 +30,9 @@ struct Geometry {
 };
 
 // One strip program's forward method, loaded, with a buffer per input: input 0 the padded strip
-// (1, C, R + kh - 1, W + kw - 1); `feature` the input of the strip output's shape (1, O, R, W), the server's
-// gradient strip, if any; the others are shared by every strip (the weights, in `shared` order).
+// (1, C, R + kh - 1, W + kw - 1); `feature` the input of the strip output's shape (1, O, R, W), the conv's
+// gradient over the strip (the gradient program's; `Lrn::backward` makes it from the server's), if any; the
+// others are shared by every strip (the weights, in `shared` order).
 struct StripProgram {
   std::string path;
   std::unique_ptr<executorch::extension::Module> module;

@@ -18,7 +18,8 @@ import java.util.Map;
  */
 public final class AppBundle {
     public static final String FORMAT = "splitface-app";
-    public static final int VERSION = 2;  // 2: the strip release program stops at the LRN's input (the strip layer applies it)
+    // 2: the strip programs hold only the conv's GEMMs and the clamp; the strip layer does the LRN and its backward
+    public static final int VERSION = 2;
     public static final String MANIFEST = "bundle.msgpack", LAYER = "layer.msgpack", JOB = "job.msgpack",
             SCHEDULE = "schedule.msgpack", RELEASE = "release_strip.pte", VJP = "vjp_strip.pte";
     /** export's URL_PLACEHOLDER: a job exported without --url; the app must be given the server's. */
