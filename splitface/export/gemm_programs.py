@@ -129,9 +129,9 @@ def conv_grad(lrn: PaperLRN, x: torch.Tensor, grad: torch.Tensor) -> torch.Tenso
 
 
 def strip_constants(layer: nn.Module) -> dict[str, int | float]:
-    """The constants of what the native runner computes between the strip programs (strip_layer.cpp: ReLU,
-    the clamp, the LRN with beta 1/2 and their backward), which the strip release program carries as constant
-    methods: the LRN's size, alpha and gamma, and its input clamp m (0: none)."""
+    """The constants of what the native runner computes between the strip programs (strip_layer.cpp: the LRN
+    with beta 1/2, and the backward through it, the clamp and ReLU), which the strip release program carries as
+    constant methods: the LRN's size, alpha and gamma, and its input clamp m (0: none)."""
     _, lrn = _parts(layer)
     return {"lrn_size": int(lrn.size), "lrn_alpha": float(lrn.alpha), "lrn_gamma": float(lrn.gamma),
             "lrn_input_max": 0.0 if lrn.input_max is None else float(lrn.input_max)}
