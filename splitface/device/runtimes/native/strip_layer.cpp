@@ -81,8 +81,7 @@ namespace {
 // square root as torch.pow(d, 0.5) is. They are inlined into each ISA's version (isa_versions.h).
 
 // dst[o] = the sum of src over channel o's window, in window_sum's order.
-__attribute__((always_inline)) inline void window_loop(int r, const float* __restrict src, int O, size_t n,
-                                                       float* __restrict dst) {
+__attribute__((always_inline)) inline void window_loop(int r, const float* src, int O, size_t n, float* dst) {
   for (int o = 0; o < O; ++o) {
     int lo = o - r < 0 ? 0 : o - r, hi = o + r >= O ? O - 1 : o + r;
     float* s = dst + static_cast<size_t>(o) * n;
@@ -97,16 +96,13 @@ __attribute__((always_inline)) inline void window_loop(int r, const float* __res
 
 // The release from the LRN's input a: blocks of pixels keep the window's rows in L1 across the channels that
 // share them.
-__attribute__((always_inline)) inline void forward_loops(const Lrn& l, const float* __restrict a, int O, size_t n,
-                                                         float* __restrict out) {
-  const int r = l.r;  // locals: stores through `out` cannot change them, so the compiler need not reload them
-  const float alpha = l.alpha, gamma = l.gamma;
+__attribute__((always_inline)) inline void forward_loops(const Lrn& l, const float* a, int O, size_t n, float* out) {
   constexpr size_t kBlock = 256;
   for (size_t k0 = 0; k0 < n; k0 += kBlock) {
     size_t m = n - k0 < kBlock ? n - k0 : kBlock;
     for (int o = 0; o < O; ++o) {
-      int lo = o - r < 0 ? 0 : o - r, hi = o + r >= O ? O - 1 : o + r;
-      float* __restrict s = out + static_cast<size_t>(o) * n + k0;
+      int lo = o - l.r < 0 ? 0 : o - l.r, hi = o + l.r >= O ? O - 1 : o + l.r;
+      float* s = out + static_cast<size_t>(o) * n + k0;
       const float* t = a + static_cast<size_t>(lo) * n + k0;
       for (size_t k = 0; k < m; ++k) s[k] = t[k] * t[k];
       for (int j = lo + 1; j <= hi; ++j) {
@@ -114,7 +110,7 @@ __attribute__((always_inline)) inline void forward_loops(const Lrn& l, const flo
         for (size_t k = 0; k < m; ++k) s[k] += t[k] * t[k];
       }
       const float* v = a + static_cast<size_t>(o) * n + k0;
-      for (size_t k = 0; k < m; ++k) s[k] = v[k] / std::sqrt(gamma + alpha * s[k]);
+      for (size_t k = 0; k < m; ++k) s[k] = v[k] / std::sqrt(l.gamma + l.alpha * s[k]);
     }
   }
 }
@@ -122,21 +118,18 @@ __attribute__((always_inline)) inline void forward_loops(const Lrn& l, const flo
 // The conv's gradient (conv_grad) from the conv's output x, the LRN's input a and the release's gradient g: with
 // inv = d^-1/2, g_a = g inv - alpha a window(g a inv^3), masked by [x > 0] and [x <= m]. inv, t: scratch of the
 // strip's size.
-__attribute__((always_inline)) inline void backward_loops(const Lrn& l, const float* __restrict x,
-                                                          const float* __restrict a, const float* __restrict g, int O,
-                                                          size_t n, float* __restrict out, float* __restrict inv,
-                                                          float* __restrict t) {
-  const float alpha = l.alpha, gamma = l.gamma, m = l.input_max;  // locals, as in forward_loops
-  const bool clamped = m > 0;
+__attribute__((always_inline)) inline void backward_loops(const Lrn& l, const float* x, const float* a, const float* g,
+                                                          int O, size_t n, float* out, float* inv, float* t) {
   size_t count = static_cast<size_t>(O) * n;
   for (size_t k = 0; k < count; ++k) t[k] = a[k] * a[k];
   window_loop(l.r, t, O, n, inv);
-  for (size_t k = 0; k < count; ++k) inv[k] = 1.0f / std::sqrt(gamma + alpha * inv[k]);
+  for (size_t k = 0; k < count; ++k) inv[k] = 1.0f / std::sqrt(l.gamma + l.alpha * inv[k]);
   for (size_t k = 0; k < count; ++k) t[k] = g[k] * a[k] * (inv[k] * inv[k] * inv[k]);
   window_loop(l.r, t, O, n, out);
+  bool clamped = l.input_max > 0;
   for (size_t k = 0; k < count; ++k) {
-    float g_a = g[k] * inv[k] - alpha * (a[k] * out[k]);
-    out[k] = x[k] > 0.0f && !(clamped && x[k] > m) ? g_a : 0.0f;
+    float g_a = g[k] * inv[k] - l.alpha * (a[k] * out[k]);
+    out[k] = x[k] > 0.0f && !(clamped && x[k] > l.input_max) ? g_a : 0.0f;
   }
 }
 
