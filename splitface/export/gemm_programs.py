@@ -129,7 +129,7 @@ def conv_grad(lrn: PaperLRN, x: torch.Tensor, grad: torch.Tensor) -> torch.Tenso
 
 
 def strip_constants(layer: nn.Module) -> dict[str, int | float]:
-    """The constants of what the native runner computes between the strip programs (strip_layer.cpp: the LRN
+    """The constants of what the native runner computes between the strip programs (lrn.cpp: the LRN
     with beta 1/2, and the backward through it, the clamp and ReLU), which the strip release program carries as
     constant methods: the LRN's size, alpha and gamma, and its input clamp m (0: none)."""
     _, lrn = _parts(layer)

@@ -16,7 +16,7 @@ RELEASE_GEMM_PTE, VJP_GEMM_PTE = "release_gemm.pte", "vjp_gemm.pte"
 RELEASE_STRIP_PTE, VJP_STRIP_PTE = "release_strip.pte", "vjp_strip.pte"  # the native runner's strip programs
 # The strip programs' format, in the name of the folder that the native backend keeps them in, so that programs of
 # an earlier format are exported anew rather than refused. 2: only the conv's GEMMs and the clamp; the runner does
-# the LRN and its backward (splitface/device/runtimes/native/strip_layer.h).
+# the LRN and its backward (splitface/device/runtimes/native/lrn.h).
 STRIP_FORMAT = 2
 NO_GEMM = "not exported (export with --gemm)"
 

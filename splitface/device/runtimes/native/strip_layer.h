@@ -5,6 +5,8 @@
 // which streams images and maps from files) and the JNI library (splitface_jni.cpp, Java arrays).
 #pragma once
 
+#include "lrn.h"
+
 #include <executorch/extension/module/module.h>
 #include <executorch/extension/tensor/tensor.h>
 
@@ -44,25 +46,6 @@ struct StripProgram {
 
 // A program's forward method loaded (memory-mapped; with an ETDump event tracer when `profile`).
 std::unique_ptr<executorch::extension::Module> load_module(const std::string& path, bool profile);
-
-// What the native runner computes between the strip programs, on one strip (O channels of n values each): the
-// paper's LRN (PaperLRN.forward, beta 1/2) of its input a = clamp(relu(x), 0, input_max) (0: no clamp), x the
-// conv's output: out = a / sqrt(gamma + alpha s), s the sum of a^2 over the channel window [o - r, o + r]
-// clamped at the edges; and the backward of that chain to x. The strip release program returns a and x and
-// carries these constants as its constant methods (splitface.export.gemm_programs.strip_constants); the
-// gradient program starts from the conv's gradient.
-class Lrn {
- public:
-  int r = 0;
-  float alpha = 1, gamma = 2, input_max = 0;
-  // The release of the strip: out = LRN(a).
-  void forward(const float* a, int O, size_t n, float* out) const;
-  // The conv's gradient: out = d/dx sum(LRN(clamp(relu(x))) * g) (gemm_programs.conv_grad), a the clamped x.
-  void backward(const float* x, const float* a, const float* g, int O, size_t n, float* out);
-
- private:
-  std::vector<float> inv_, t_;
-};
 
 // Adds a program's outputs into `sums` (the loss is a sum over samples and strips, so are the gradients).
 void accumulate(const std::vector<executorch::runtime::EValue>& outs, std::vector<std::vector<float>>& sums);
