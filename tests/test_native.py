@@ -39,7 +39,8 @@ from splitface.device.runtimes.native_runtime import NativeRuntime
 from splitface.device.runtimes.manifest import RELEASE_GEMM_PTE, VJP_GEMM_PTE, Manifest
 from splitface.export.artifacts import (example_inputs, export_gemm_ptes, export_strip_ptes, lower_to_xnnpack,
                                        manifest_of)
-from splitface.export.gemm_programs import GemmReleaseProgram, GemmWeightGrad, strip_constants, strip_example
+from splitface.export.gemm_programs import (GemmReleaseProgram, GemmWeightGrad, conv_grad, strip_constants,
+                                            strip_example)
 from splitface.device.runtimes.parity import GRAD_RTOL, RELEASE_ATOL, reference
 from splitface.export.exporter import EXPORTER
 
@@ -245,6 +246,65 @@ def test_arm64_noise_is_neon_and_draws_the_reference_normals_under_qemu(tmp_path
                           str(noise_isa.NATIVE / "gaussian_noise.cpp")], capture_output=True, text=True, check=True)
     assert asm.stdout.count(".4s") > 100  # the lanes as NEON vectors of 4 x 32 bits, not scalar code
     check_noise_dump(noise_isa, binary, tmp_path / "z", "arm64")
+
+
+@pytest.mark.slow  # five small g++ builds (one of them for arm64), each run once (the arm64 one under qemu-user)
+def test_every_vector_path_computes_the_same_lrn_bits_as_eager(tmp_path):
+    """The runner's LRN and its backward (lrn.cpp) are multiversioned per ISA like the noise (isa_versions.h),
+    and the runner's own tests run only the version this CPU picks. Built alone for every path this CPU can run
+    (AVX-512, AVX2, the baseline, and the shipped multiversions) and for arm64 (NEON, under qemu-user), with the
+    options CMake gives lrn.cpp, on one strip: every path gives the same bits, forward and backward. The steps
+    are elementwise IEEE operations (products, sums in one window order, correctly rounded sqrt and division),
+    uncontracted (-ffp-contract=off), so a vector width cannot change a result; without that option the AVX2 and
+    AVX-512 versions fuse multiplies into adds and differ from the baseline in the last bits. And they are
+    PaperLRN's forward and `conv_grad`. 16 channels (the real layer's) put every channel-window edge case in;
+    805 pixels per channel are three of the forward's blocks of 256 and a part of one, and no multiple of any
+    vector width."""
+    from bench import lrn_isa
+    from bench.machine import cpu
+    layer = vgg_layer()
+    real = strip_constants(layer)
+    assert real == {"lrn_size": 5, "lrn_alpha": 1.0, "lrn_gamma": 2.0, "lrn_input_max": 1.0}  # the paper's, DP clamp
+    channels = next(m for m in layer.modules() if isinstance(m, PaperLRN)).channels
+    g = torch.Generator().manual_seed(7)
+    shape = (1, channels, 23, 35)
+    x, grad = 1.5 * torch.randn(shape, generator=g), torch.randn(shape, generator=g)  # x above the clamp, below 0
+    x[0, :, 0, :5] = 0.0   # the ReLU mask's edge, and pixels whose whole window is zero
+    x[0, :, 1, :5] = 1.0   # the clamp's edge (x <= m keeps the gradient)
+    paths = lrn_isa.runnable(cpu()["isa"])
+    assert [p[0] for p in paths][-1] == "shipped build (multiversions)" and len(paths) >= 2
+    binaries = {label: lrn_isa.build(march, width, tmp_path / f"lrn-{i}")
+                for i, (label, march, width, _) in enumerate(paths)}
+    binaries["arm64"] = lrn_isa.build(None, None, tmp_path / "lrn-arm64", cxx=lrn_isa.ARM64_CXX)
+    assert elf_machine(binaries["arm64"]) == native_module.EM_AARCH64
+    asm = subprocess.run([lrn_isa.ARM64_CXX, *lrn_isa.compile_options(), "-S", "-o", "-",
+                          str(lrn_isa.NATIVE / "lrn.cpp")], capture_output=True, text=True, check=True).stdout
+    assert "fsqrt\tv" in asm and "fmla" not in asm and "fmadd" not in asm  # NEON vectors, nothing fused
+    for name, constants in (("the real programs' (DP clamp)", real), ("no clamp", {**real, "lrn_input_max": 0.0}),
+                            ("alpha's multiply, a narrower window", {**real, "lrn_alpha": 0.5, "lrn_gamma": 1.5,
+                                                                       "lrn_size": 3})):
+        m = constants["lrn_input_max"] or None
+        lrn = PaperLRN(channels, constants["lrn_size"], constants["lrn_alpha"], 0.5, constants["lrn_gamma"], m)
+        a = torch.relu(x) if m is None else torch.clamp(x, 0.0, m)  # the release program's output beside x
+        outs = {label: lrn_isa.run(binary, x[0].numpy(), a[0].numpy(), grad[0].numpy(), constants, tmp_path / "io")
+                for label, binary in binaries.items()}
+        (first, (forward, backward)), *others = outs.items()
+        for label, (f, b) in others:
+            assert f.tobytes() == forward.tobytes() and b.tobytes() == backward.tobytes(), (name, label, first)
+        # Eager PyTorch within the parity tests' tolerances (splitface.device.runtimes.parity): the release (the
+        # LRN's output plus noise) to RELEASE_ATOL, the conv's gradient to GRAD_RTOL of its largest value, as the
+        # weight gradients made from it are held. The runner's strip tests hold its LRN to these through the
+        # programs; here they hold every path's. Measured: the backward equals conv_grad exactly; the forward
+        # differs from PaperLRN by up to two ulps (1.2e-7) in a few values per thousand, where torch.sqrt's
+        # vectorised CPU kernel (torch 2.13) is one ulp off the correctly rounded root; the forward is exactly the
+        # same steps in numpy's float32 below.
+        assert np.abs(forward - lrn(a)[0].numpy()).max() <= RELEASE_ATOL, name
+        want = conv_grad(lrn, x, grad)[0].numpy()
+        assert np.abs(backward - want).max() <= GRAD_RTOL * np.abs(want).max(), name
+        squares, r = a[0].numpy() ** 2, constants["lrn_size"] // 2
+        window = np.stack([functools.reduce(np.add, squares[max(o - r, 0):o + r + 1]) for o in range(channels)])
+        d = np.float32(constants["lrn_gamma"]) + np.float32(constants["lrn_alpha"]) * window
+        assert forward.tobytes() == (a[0].numpy() / np.sqrt(d)).tobytes(), name
 
 
 @pytest.mark.slow  # the two runner builds
