@@ -11,7 +11,9 @@ namespace {
 // The loops below are PaperLRN's and conv_grad's arithmetic step by step, compiled without floating-point
 // contraction (CMakeLists.txt) so that each step rounds as eager PyTorch's does: the squares summed in
 // window_sum's order (the zero channels it adds at the edges change no sum), divided by the correctly rounded
-// square root as torch.pow(d, 0.5) is. They are inlined into each ISA's version (isa_versions.h).
+// square root (torch.pow(d, 0.5) is torch.sqrt, whose vectorised CPU kernel is one ulp off it in a few values per
+// thousand: there the release differs from eager PyTorch by an ulp or two). They are inlined into each ISA's version
+// (isa_versions.h); tests/test_native.py holds every version to the same bits (bench/lrn_isa.py).
 
 // dst[o] = the sum of src over channel o's window, in window_sum's order.
 __attribute__((always_inline)) inline void window_loop(int r, const float* src, int O, size_t n, float* dst) {
