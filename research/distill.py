@@ -358,6 +358,43 @@ def distill(spec: ModelSpec, split: str, mechanism: Mechanism, lfw_root: str | P
     return meta
 
 
+def load_student(path: Path, split: str, mechanism: Mechanism) -> Student:
+    """A distilled backbone file as a Student in eval mode: each part loaded with its release stages, as a run
+    loads them (the projection to the teacher's space is not saved: a 128-d student needs none)."""
+    spec = ModelSpec.from_dict(torch.load(path, map_location="cpu", weights_only=True)["spec"])
+    student = Student(spec, split, mechanism, 128).eval()
+    for part in (student.device_part, student.server_part):
+        load_into(part, path, spec)
+    return student
+
+
+@torch.no_grad()
+def teacher_fit(student: Student, lfw_root: str | Path | None, cache_dir: Path | None, public_set: str = "lfw158",
+                sample: int = 1000, limit: int | None = None, view1_limit: int | None = None) -> dict:
+    """How closely the student reproduces the teacher (the distillation's cosine loss, on clean images, in eval
+    mode) on `sample` of its own public faces and on View 1's DevTest images, which it never saw. A student far
+    closer on the first than on the second is short of data more than of capacity."""
+    student.eval()
+    if not isinstance(student.project, nn.Identity):
+        raise ValueError("the student's embedding is not the teacher's size, and its projection is not saved")
+    faces, _ = public_faces(lfw_root, limit, public_set)
+    cache = TeacherCache(cache_dir)
+    mean = torch.from_numpy(cache.embed(faces.paths, progress=False)).mean(0)
+    chosen = np.sort(np.random.default_rng(0).permutation(len(faces))[:sample])
+    seen = FaceSet([faces.paths[i] for i in chosen], faces.labels[chosen], faces.class_names)
+    noise = torch.Generator().manual_seed(EVALUATION_SEED)
+    device = next(student.parameters()).device
+
+    def loss(images: FaceSet) -> float:
+        targets = torch.from_numpy(cache.embed(images.paths, progress=False)) - mean
+        x = to_input(images.load(student.spec.input_size, CROP))
+        s = torch.cat([student(x[i:i + 256].to(device), noise).cpu() for i in range(0, len(x), 256)])
+        return round(float((1 - F.cosine_similarity(s, targets, dim=1)).mean()), 4)
+    unseen = view1_pairs(lfw_root, "test", view1_limit).faces
+    return {"public_cosine_loss": loss(seen), "public_images": len(seen),
+            "view1_cosine_loss": loss(unseen), "view1_images": len(unseen)}
+
+
 @torch.no_grad()
 def evaluate_student(student: Student, lfw_root: str | Path | None, limit: int | None = None) -> dict:
     """View 1 (DevTest pairs) of the student's embedding of each image as a device would release it."""
@@ -486,6 +523,18 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="torch device of the student (default: cuda if available, else cpu)")
     add_threads_arg(d)
+    f = sub.add_parser("fit", help="how closely a distilled file reproduces the teacher on its public faces and on "
+                                   "View 1's test images (its cosine loss on each)")
+    f.add_argument("start", type=Path, help="a distilled backbone file")
+    add_data_root_arg(f, required=True, help="LFW root (with View 1's pairs files)")
+    add_model_args(f, model="iresnet_small")   # --split and the release (the file's spec is used for the rest)
+    add_privacy_args(f)
+    f.add_argument("--cache", type=Path, default=default_cache(), help="teacher embeddings")
+    f.add_argument("--public-set", choices=PUBLIC_SETS, default="lfw158")
+    f.add_argument("--sample", type=int, default=1000, help="public faces to measure on (a seeded choice)")
+    f.add_argument("--limit", type=int, default=None, help="only the first N public images (smoke tests)")
+    f.add_argument("--view1-limit", type=int, default=None, help="only this many View 1 pairs (smoke tests)")
+    add_threads_arg(f)
     c = sub.add_parser("classify", help="train the whole backbone as a classifier on a public set and save it")
     add_model_args(c)
     add_data_args(c)
@@ -498,6 +547,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "classify":
         meta = pretrain(model_spec(args), load_data(args), args.out, args.epochs, args.lr, args.batch_size, args.seed)
         print(json.dumps({k: v for k, v in meta.items() if k != "history"}), "final:", meta["history"][-1])
+        return
+    if args.command == "fit":
+        student = load_student(args.start, args.split, release_mechanism(args))
+        print(json.dumps(teacher_fit(student, args.data, args.cache, args.public_set, args.sample, args.limit,
+                                     args.view1_limit), indent=2))
         return
     meta = distill(model_spec(args), args.split, release_mechanism(args), args.data, args.out, recipe_of(args),
                    args.cache, args.init, args.limit, not args.no_progress,

@@ -17,11 +17,12 @@ from PIL import Image
 
 from splitface.common.data import FaceSet, dev_people, find_lfw_root
 from splitface.common.models import PRESETS, build_backbone, split_backbone
-from splitface.common.models.weights import load_into
+from splitface.common.models.weights import load_into, save_backbone
 from splitface.device.privacy.mechanisms import NoNoise, PerImageGaussian
 from research.audit.cli import headline
 from research.audit.recognizer import DlibResNet
-from research.distill import (CROP, LFW158_MIN_IMAGES, TEACHER_SIZE, Recipe, TeacherCache, checkpoint_key, distill, distilled_start, public_faces)
+from research.distill import (CROP, LFW158_MIN_IMAGES, TEACHER_SIZE, Recipe, TeacherCache, checkpoint_key, distill,
+                             distilled_start, load_student, public_faces, teacher_fit)
 from splitface.server.checkpoint import load_checkpoint
 from research.evaluation.verification import view1_pairs
 from research.federated.population import PUBLIC_MIN_IMAGES, private_people
@@ -139,6 +140,33 @@ def _distill_twice(tmp_path, lfw, cache) -> None:
     assert not out.with_suffix(".partial.pt").exists()
     a, b = (torch.load(p, weights_only=True)["state"] for p in (tmp_path / "whole.pt", out))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    # the teacher's fit: the trained student is closer to the teacher on its public faces than its seeded start
+    seeded = tmp_path / "seeded.pt"
+    torch.manual_seed(TINY.seed)
+    save_backbone(seeded, SPEC, build_backbone(SPEC))
+    fits = [teacher_fit(load_student(f, "conv1", NoNoise()), lfw, cache, limit=LIMIT, sample=LIMIT, view1_limit=10)
+            for f in (seeded, tmp_path / "whole.pt")]
+    assert fits[1]["public_cosine_loss"] < fits[0]["public_cosine_loss"], fits
+
+
+def test_the_fit_command_measures_a_file_on_its_public_faces_and_on_view1(tmp_path, lfw, cache):
+    """`splitface-research pretrain fit FILE`: the cosine loss against the teacher on a seeded choice of the public
+    faces and on View 1's DevTest images (each image of the pairs once)."""
+    start = tmp_path / "start.pt"
+    save_backbone(start, SPEC, build_backbone(SPEC))
+    fit = teacher_fit(load_student(start, "conv1", NoNoise()), lfw, cache, limit=LIMIT, sample=16, view1_limit=10)
+    unseen = view1_pairs(lfw, "test", 10).faces
+    assert fit["public_images"] == 16 and fit["view1_images"] == len(unseen) == len(set(unseen.paths))
+    assert 0 <= fit["public_cosine_loss"] <= 2 and 0 <= fit["view1_cosine_loss"] <= 2
+    run = subprocess.run([sys.executable, "-m", "research", "pretrain", "fit", str(start), "--data", str(lfw),
+                          "--cache", str(cache), "--sample", "16", "--limit", str(LIMIT), "--view1-limit", "10",
+                          "--threads", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    # the same images and weights in another process (one thread: the convolutions' sums in another order, about
+    # 1e-6 relative on each cosine), each figure rounded to 4 decimals: at most one rounding step apart
+    assert json.loads(run.stdout) == pytest.approx(fit, abs=1e-4 + 1e-6)
 
 
 @pytest.mark.slow
