@@ -51,6 +51,7 @@ from splitface.common.models.weights import load_into, save_backbone
 from splitface.common.options import (add_data_args, add_data_root_arg, add_model_args, add_threads_arg, add_training_args,
                                       apply_threads, load_data, model_spec)
 from splitface.device.privacy.options import add_privacy_args, release_mechanism
+from splitface.device.privacy.described import from_description
 from splitface.device.privacy.mechanisms import Mechanism, NoNoise
 
 from research.audit.recognizer import DlibResNet, dlib_models_dir, load_vectors, save_vectors
@@ -358,10 +359,11 @@ def distill(spec: ModelSpec, split: str, mechanism: Mechanism, lfw_root: str | P
     return meta
 
 
-def load_student(path: Path, split: str, mechanism: Mechanism) -> Student:
-    """A distilled backbone file as a Student in eval mode: each part loaded with its release stages, as a run
-    loads them (the projection to the teacher's space is not saved: a 128-d student needs none)."""
-    spec = ModelSpec.from_dict(torch.load(path, map_location="cpu", weights_only=True)["spec"])
+def load_student(path: Path, split: str, mechanism: Mechanism, spec: ModelSpec | None = None) -> Student:
+    """A distilled backbone file as a Student of `spec` (default: the file's own) in eval mode: each part loaded
+    with its release stages, as a run loads them, which refuses a file of another model (the projection to the
+    teacher's space is not saved: a 128-d student needs none)."""
+    spec = spec or ModelSpec.from_dict(torch.load(path, map_location="cpu", weights_only=True)["spec"])
     student = Student(spec, split, mechanism, 128).eval()
     for part in (student.device_part, student.server_part):
         load_into(part, path, spec)
@@ -371,9 +373,9 @@ def load_student(path: Path, split: str, mechanism: Mechanism) -> Student:
 @torch.no_grad()
 def teacher_fit(student: Student, lfw_root: str | Path | None, cache_dir: Path | None, public_set: str = "lfw158",
                 sample: int = 1000, limit: int | None = None, view1_limit: int | None = None) -> dict:
-    """How closely the student reproduces the teacher (the distillation's cosine loss, on clean images, in eval
-    mode) on `sample` of its own public faces and on View 1's DevTest images, which it never saw. A student far
-    closer on the first than on the second is short of data more than of capacity."""
+    """How closely the student reproduces the teacher (the distillation's cosine loss, on un-augmented images with
+    its release's noise, in eval mode) on `sample` of its own public faces and on View 1's DevTest images, which it
+    never saw. A student far closer on the first than on the second is short of data more than of capacity."""
     student.eval()
     if not isinstance(student.project, nn.Identity):
         raise ValueError("the student's embedding is not the teacher's size, and its projection is not saved")
@@ -382,10 +384,10 @@ def teacher_fit(student: Student, lfw_root: str | Path | None, cache_dir: Path |
     mean = torch.from_numpy(cache.embed(faces.paths, progress=False)).mean(0)
     chosen = np.sort(np.random.default_rng(0).permutation(len(faces))[:sample])
     seen = FaceSet([faces.paths[i] for i in chosen], faces.labels[chosen], faces.class_names)
-    noise = torch.Generator().manual_seed(EVALUATION_SEED)
     device = next(student.parameters()).device
 
-    def loss(images: FaceSet) -> float:
+    def loss(images: FaceSet) -> float:   # each set with the evaluator's noise from its start
+        noise = torch.Generator().manual_seed(EVALUATION_SEED)
         targets = torch.from_numpy(cache.embed(images.paths, progress=False)) - mean
         x = to_input(images.load(student.spec.input_size, CROP))
         s = torch.cat([student(x[i:i + 256].to(device), noise).cpu() for i in range(0, len(x), 256)])
@@ -500,6 +502,21 @@ def estimate_minutes(images: int, missing: int, recipe: Recipe, spec: ModelSpec)
     return (teacher + student) / 60
 
 
+def fit_release(args: argparse.Namespace, p: argparse.ArgumentParser) -> tuple[str, Mechanism]:
+    """The cut and the release noise that `fit` measures a file with: the ones its distillation recorded (given
+    others, an error), or for a file that records none, the options' (conv1 and no noise by default)."""
+    given = release_mechanism(args)
+    recorded = torch.load(args.start, map_location="cpu", weights_only=True).get("meta", {}).get("student")
+    if recorded is None:
+        return args.split or DEFAULT_SPLIT, given
+    named = given.describe() != NoNoise().describe()
+    if (args.split and args.split != recorded["split"]) or (
+            named and given.describe() != recorded["release_mechanism"]):
+        p.error(f"{args.start.name} was distilled cut at {recorded['split']} with the release noise "
+                f"{recorded['release_mechanism']}; fit measures it so (leave out --split and the noise options)")
+    return recorded["split"], from_description(recorded["release_mechanism"])
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="splitface-research pretrain", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -527,8 +544,9 @@ def main(argv: list[str] | None = None) -> None:
                                    "View 1's test images (its cosine loss on each)")
     f.add_argument("start", type=Path, help="a distilled backbone file")
     add_data_root_arg(f, required=True, help="LFW root (with View 1's pairs files)")
-    add_model_args(f, model="iresnet_small")   # --split and the release (the file's spec is used for the rest)
-    add_privacy_args(f)
+    f.add_argument("--split", default=None, help="a file that does not record its cut (not distilled here): where to "
+                                                  "cut it (default: conv1)")
+    add_privacy_args(f)   # the same, for its noise: a distilled file's own are taken, and others refused
     f.add_argument("--cache", type=Path, default=default_cache(), help="teacher embeddings")
     f.add_argument("--public-set", choices=PUBLIC_SETS, default="lfw158")
     f.add_argument("--sample", type=int, default=1000, help="public faces to measure on (a seeded choice)")
@@ -549,7 +567,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({k: v for k, v in meta.items() if k != "history"}), "final:", meta["history"][-1])
         return
     if args.command == "fit":
-        student = load_student(args.start, args.split, release_mechanism(args))
+        split, mechanism = fit_release(args, p)
+        student = load_student(args.start, split, mechanism)
         print(json.dumps(teacher_fit(student, args.data, args.cache, args.public_set, args.sample, args.limit,
                                      args.view1_limit), indent=2))
         return

@@ -44,8 +44,8 @@ from splitface.common.options import add_data_root_arg, add_model_arg, add_model
 from splitface.device.privacy.mechanisms import Mechanism, NoNoise
 from splitface.device.privacy.options import add_privacy_args, release_mechanism
 from research.demo import parser as demo_parser, run_recorded, start_recipes
-from research.distill import (CROP, EVALUATION_SEED, NOISE_AWARE_RECIPE, PLAIN_RECIPE, Recipe, TeacherCache, default_cache,
-                             distilled_start, load_student)
+from research.distill import (CROP, EVALUATION_SEED, NOISE_AWARE_RECIPE, PLAIN_RECIPE, Recipe, TeacherCache,
+                             default_cache, distilled_start, load_student)
 from research.evaluation.verification import verification_report, view1_pairs
 from research.results import write_summary
 
@@ -81,7 +81,7 @@ def student_embedder(path: Path, spec: ModelSpec, split: str, mechanism: Mechani
     under the evaluator's seed), as research/distill.py's View 1 score takes it."""
     import torch
 
-    student = load_student(path, split, mechanism)   # each part with its release stages, as the run loads them
+    student = load_student(path, split, mechanism, spec)   # each part with its release stages, as a run loads them
     noise = torch.Generator().manual_seed(EVALUATION_SEED)
 
     def embed(faces: FaceSet) -> np.ndarray:

@@ -141,7 +141,8 @@ def _distill_twice(tmp_path, lfw, cache) -> None:
     a, b = (torch.load(p, weights_only=True)["state"] for p in (tmp_path / "whole.pt", out))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
-    # the teacher's fit: the trained student is closer to the teacher on its public faces than its seeded start
+    # the teacher's fit: the trained student is closer to the teacher on its public faces than its seeded start (one
+    # thread, so the same figures each run; the training loss fell by more than a fifth, asserted above)
     seeded = tmp_path / "seeded.pt"
     torch.manual_seed(TINY.seed)
     save_backbone(seeded, SPEC, build_backbone(SPEC))
@@ -167,6 +168,14 @@ def test_the_fit_command_measures_a_file_on_its_public_faces_and_on_view1(tmp_pa
     # the same images and weights in another process (one thread: the convolutions' sums in another order, about
     # 1e-6 relative on each cosine), each figure rounded to 4 decimals: at most one rounding step apart
     assert json.loads(run.stdout) == pytest.approx(fit, abs=1e-4 + 1e-6)
+    # a file that records its cut and noise is measured with them: other options are refused, not silently used
+    recorded = tmp_path / "recorded.pt"
+    save_backbone(recorded, SPEC, build_backbone(SPEC), {"student": {"split": "conv1",
+                                                                     "release_mechanism": NoNoise().describe()}})
+    refused = subprocess.run([sys.executable, "-m", "research", "pretrain", "fit", str(recorded), "--data", str(lfw),
+                              "--split", "layer1", "--limit", str(LIMIT), "--view1-limit", "10"],
+                             capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert refused.returncode == 2 and "distilled cut at conv1" in refused.stderr, refused.stderr
 
 
 @pytest.mark.slow
