@@ -55,7 +55,7 @@ from splitface.device.privacy.described import from_description
 from splitface.device.privacy.mechanisms import Mechanism, NoNoise
 
 from research.audit.recognizer import DlibResNet, dlib_models_dir, load_vectors, save_vectors
-from research.evaluation.verification import evaluate_embedder, view1_pairs
+from research.evaluation.verification import embed_in_batches, evaluate_embedder, view1_pairs
 from research.federated.population import PUBLIC_MIN_IMAGES, private_people
 from research.pretrain import pretrain
 from research.ressfl import release_stage_state
@@ -389,9 +389,9 @@ def teacher_fit(student: Student, lfw_root: str | Path | None, cache_dir: Path |
     def loss(images: FaceSet) -> float:   # each set with the evaluator's noise from its start
         noise = torch.Generator().manual_seed(EVALUATION_SEED)
         targets = torch.from_numpy(cache.embed(images.paths, progress=False)) - mean
-        x = to_input(images.load(student.spec.input_size, CROP))
-        s = torch.cat([student(x[i:i + 256].to(device), noise).cpu() for i in range(0, len(x), 256)])
-        return round(float((1 - F.cosine_similarity(s, targets, dim=1)).mean()), 4)
+        s = embed_in_batches(lambda x: student(torch.from_numpy(x).to(device), noise).cpu().numpy(),
+                             images.load(student.spec.input_size, CROP))
+        return round(float((1 - F.cosine_similarity(torch.from_numpy(s), targets, dim=1)).mean()), 4)
     unseen = view1_pairs(lfw_root, "test", view1_limit).faces
     return {"public_cosine_loss": loss(seen), "public_images": len(seen),
             "view1_cosine_loss": loss(unseen), "view1_images": len(unseen)}
