@@ -51,6 +51,12 @@ def parser() -> argparse.ArgumentParser:
                    help="with --init distilled and a release with noise or a transform: the epochs of its noise-aware "
                         "start's distillation from the plain student (part of that start's identity: another number, "
                         "another file; docs/pretrain.md)")
+    p.add_argument("--student-views", type=int, default=PLAIN_RECIPE.views,
+                   help="with --init distilled: the plain student learns by function matching on this many views of "
+                        "each public face, each with the teacher's own embedding of it (research/views.py); 0: the "
+                        "clean image's embedding, the first recipe (part of its identity, as --student-epochs)")
+    p.add_argument("--noise-aware-views", type=int, default=NOISE_AWARE_RECIPE.views,
+                   help="with --init distilled: the same for the noise-aware start (part of its identity)")
     p.add_argument("--server-init", type=Path, default=None,
                    help="start only the server's tail from this saved backbone (the devices' weights are set apart)")
     add_tail_args(p)
@@ -84,6 +90,9 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("student_epochs", "noise_aware_epochs"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be 1 or more, not {getattr(args, flag)}")
+    for flag in ("student_views", "noise_aware_views"):
+        if getattr(args, flag) < 0:
+            p.error(f"--{flag.replace('_', '-')} must be 0 or more, not {getattr(args, flag)}")
     run_dir = args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -196,9 +205,9 @@ def initial_weights(args: argparse.Namespace, extra: list[str]) -> Path | None:
 
 def start_recipes(args: argparse.Namespace) -> tuple[Recipe, Recipe]:
     """The recipes of the distilled start that --init distilled names: (the plain student's, the noise-aware
-    start's), their epochs from --student-epochs and --noise-aware-epochs."""
-    return (replace(PLAIN_RECIPE, epochs=args.student_epochs),
-            replace(NOISE_AWARE_RECIPE, epochs=args.noise_aware_epochs))
+    start's), their epochs and views from --student-epochs, --noise-aware-epochs and the two --*-views."""
+    return (replace(PLAIN_RECIPE, epochs=args.student_epochs, views=args.student_views),
+            replace(NOISE_AWARE_RECIPE, epochs=args.noise_aware_epochs, views=args.noise_aware_views))
 
 
 def _privacy_options(extra: list[str]) -> argparse.Namespace:
@@ -353,16 +362,16 @@ def release_of(results: dict, by_weights: bool = True) -> tuple:
             privacy["layer_training"])
 
 
-def noise_aware_origin(weights: str | None) -> tuple[str, int] | None:
-    """(the plain student's file name, the epochs) a noise-aware distilled start was made from, from its manifest;
-    None for any other weights or a file not on this machine."""
+def noise_aware_origin(weights: str | None) -> tuple[str, int, int] | None:
+    """(the plain student's file name, the epochs, the views) a noise-aware distilled start was made from, from
+    its manifest; None for any other weights or a file not on this machine."""
     if not weights or not Path(weights).exists():
         return None
     meta = torch.load(weights, map_location="cpu", weights_only=True).get("meta", {})
     init = meta.get("student", {}).get("init")
     if not init or init == "seeded" or "recipe" not in meta:
         return None
-    return Path(init).name, int(meta["recipe"]["epochs"])
+    return Path(init).name, int(meta["recipe"]["epochs"]), int(meta["recipe"].get("views", 0))
 
 
 def audited_point(results: dict, frontiers: tuple[Path, ...] = FRONTIERS) -> tuple[Path, dict] | None:
@@ -373,7 +382,7 @@ def audited_point(results: dict, frontiers: tuple[Path, ...] = FRONTIERS) -> tup
     or resumed) does not repeat bit for bit, so such a start built anywhere but where the audit ran has another
     name. A run from one that matches no name matches a run audited from another build of the same recipe: the
     same plain student's name (that key is reproducible: recipe and public faces) in the frontier's undefended run,
-    and the same noise-aware epochs recorded in the audited run's flags. `audit_line` says so."""
+    and the same noise-aware epochs and views recorded in the audited run's flags. `audit_line` says so."""
     def find(by_weights: bool, same_start: Callable[[Path, Path], bool]) -> tuple[Path, dict] | None:
         for frontier in frontiers:
             summary = frontier / "summary.json"
@@ -391,14 +400,16 @@ def audited_point(results: dict, frontiers: tuple[Path, ...] = FRONTIERS) -> tup
     origin = noise_aware_origin(results["config"].get("device_weights")) if exact is None else None
     if origin is None:
         return exact
-    plain, epochs = origin
+    plain, epochs, views = origin
 
     def another_build(frontier: Path, run: Path) -> bool:
         undefended = frontier / "runs" / "none" / "results.json"
         flags = json.loads((run / "demo_args.json").read_text()) if (run / "demo_args.json").exists() else []
         plain_there = json.loads(undefended.read_text())["config"].get("device_weights") if undefended.exists() else None
-        return (plain_there is not None and Path(plain_there).name == plain and "--noise-aware-epochs" in flags
-                and flags[flags.index("--noise-aware-epochs") + 1] == str(epochs))
+        def flag(name: str, default: str | None) -> str | None:
+            return flags[flags.index(name) + 1] if name in flags else default
+        return (plain_there is not None and Path(plain_there).name == plain
+                and flag("--noise-aware-epochs", None) == str(epochs) and flag("--noise-aware-views", "0") == str(views))
 
     return find(False, another_build)
 

@@ -59,6 +59,7 @@ from research.evaluation.verification import embed_in_batches, evaluate_embedder
 from research.federated.population import PUBLIC_MIN_IMAGES, private_people
 from research.pretrain import pretrain
 from research.ressfl import release_stage_state
+from research.views import VIEWS_VERSION, ViewSet
 
 # The teacher sees the 160 px centre crop at its own chip size (150 px); the students see it at their input size.
 TEACHER_SIZE, CROP = 150, 160
@@ -140,7 +141,8 @@ class TeacherCache:
         """`size`: the teacher sees the centre crop at this size (upsampled to its 150 px work size)."""
         weights = file_hash(dlib_models_dir() / "dlib_face_recognition_resnet_model_v1.dat")[:12]
         self.size = size
-        self.fingerprint = f"dlib-resnet-v1-{weights}-chip150-pad0.25-in{size}c{CROP}"
+        self.fingerprint_of_network = f"dlib-resnet-v1-{weights}-chip150-pad0.25"
+        self.fingerprint = f"{self.fingerprint_of_network}-in{size}c{CROP}"
         self.file = Path(cache_dir) / f"teacher-{self.fingerprint}.npz" if cache_dir else None
         self.known = load_vectors(self.file)
         self.computed = 0
@@ -183,6 +185,13 @@ class Recipe:
     shift: int = 4              # augmentation: random translation up to this many pixels (reflect padding)
     flip: bool = True           # augmentation: random horizontal flip
     seed: int = 0
+    views: int = 0              # function matching: K views of each face, each with the teacher's own embedding
+                                # (research/views.py; replaces shift and flip); 0: the clean image's embedding
+
+
+# Recipe fields added after starts were cached, at the value that leaves the recipe as it was: left out of the key
+# at that value, so those starts keep their names
+LATER_RECIPE_FIELDS = {"views": 0}
 
 
 class Student(nn.Module):
@@ -246,7 +255,8 @@ def checkpoint_key(spec: ModelSpec, split: str, mechanism: Mechanism, recipe: Re
     """What makes two distillations the same: model, cut, release noise, recipe, public set and starting point."""
     # (the spec less keys added later at their defaults: a start built before one keeps its name, which the
     # recorded runs hold)
-    desc = {"spec": spec.compact_dict(), "split": split, "mechanism": mechanism.describe(), "recipe": asdict(recipe),
+    kept = {k: v for k, v in asdict(recipe).items() if LATER_RECIPE_FIELDS.get(k, object()) != v}
+    desc = {"spec": spec.compact_dict(), "split": split, "mechanism": mechanism.describe(), "recipe": kept,
             "faces": manifest["content_sha256"], "init": file_hash(init) if init is not None else None}
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -264,21 +274,30 @@ def distill(spec: ModelSpec, split: str, mechanism: Mechanism, lfw_root: str | P
     faces, manifest = public_faces(lfw_root, limit, public_set)
     cache = TeacherCache(cache_dir)
     keys = [file_hash(f) for f in faces.paths]
-    missing = sum(k not in cache.known for k in dict.fromkeys(keys))
+    views = ViewSet(faces.paths, keys, recipe.views, recipe.seed, spec.input_size, cache_dir,
+                    cache.fingerprint_of_network) if recipe.views else None
+    missing = views.missing() if views else sum(k not in cache.known for k in dict.fromkeys(keys))
     if progress:
-        print(f"distilling {Path(out).name}: {len(faces)} public faces ({missing} not yet embedded by the teacher), "
+        print(f"distilling {Path(out).name}: {len(faces)} public faces"
+              f"{f' x {recipe.views} views' if views else ''} ({missing} not yet embedded by the teacher), "
               f"{recipe.epochs} epochs; roughly {estimate_minutes(len(faces), missing, recipe, spec):.0f} min on a "
               f"2-core machine", flush=True)
-    teacher = torch.from_numpy(cache.embed(faces.paths, progress))
-    # dlib's embeddings share a large common component (two strangers' cosine is about 0.9); the targets are the
-    # teacher's directions about its mean over the public faces, which a student ending in batch norm can reach
-    teacher = teacher - teacher.mean(0)
+    if views:   # (N, K, ...) images and their targets; epoch e shows image i its view (e + i) mod K
+        images, targets = views.build(progress)
+        teacher = torch.from_numpy(targets)
+        teacher = teacher - teacher.reshape(-1, teacher.shape[-1]).mean(0)
+    else:
+        teacher = torch.from_numpy(cache.embed(faces.paths, progress))
+        # dlib's embeddings share a large common component (two strangers' cosine is about 0.9); the targets are
+        # the teacher's directions about its mean over the public faces, which a student ending in batch norm can
+        # reach
+        teacher = teacher - teacher.mean(0)
+        images = faces.load(spec.input_size, CROP, progress)
     teacher_s = time.time() - started
-    images = faces.load(spec.input_size, CROP, progress)
     key = checkpoint_key(spec, split, mechanism, recipe, manifest, init)
 
     torch.manual_seed(recipe.seed)
-    student = Student(spec, split, mechanism, teacher.shape[1], init).to(device)
+    student = Student(spec, split, mechanism, teacher.shape[-1], init).to(device)
     teacher = teacher.to(device)
     params = [p for p in dict.fromkeys(student.parameters()) if p.requires_grad]
     steps_per_epoch = -(-len(images) // recipe.batch_size)
@@ -314,9 +333,13 @@ def distill(spec: ModelSpec, split: str, mechanism: Mechanism, lfw_root: str | P
             idx = order[i:i + recipe.batch_size]
             if len(idx) < 2:   # batch norm needs two images
                 continue
-            x = augment(to_input(images[idx]), recipe, augment_rng).to(device)
+            if views:
+                view = (epoch + idx) % recipe.views
+                x, target = to_input(images[idx, view]).to(device), teacher[torch.from_numpy(idx), torch.from_numpy(view)]
+            else:
+                x, target = augment(to_input(images[idx]), recipe, augment_rng).to(device), teacher[idx]
             s = student(x, noise)
-            loss, parts = distillation_loss(s, student.project(s), teacher[idx], recipe.relational)
+            loss, parts = distillation_loss(s, student.project(s), target, recipe.relational)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -340,13 +363,19 @@ def distill(spec: ModelSpec, split: str, mechanism: Mechanism, lfw_root: str | P
             return {"key": key, "history": history, "partial": str(partial)}
     bar.close()
 
-    meta = {"method": "embedding distillation (cosine regression + relational)", "key": key,
-            "teacher": {"name": "dlib ResNet v1 (face-recognition-models)", "input": f"{TEACHER_SIZE} px from the "
-                        f"{CROP} px centre crop, aligned by dlib's 5-point landmarks", "trained_on": "dlib's public "
-                        "training set (about 3 million faces; its author's)", "cache": cache.fingerprint,
-                        "computed_now": cache.computed, "seconds": round(teacher_s, 1)},
+    method = "embedding distillation (cosine regression + relational)"
+    if views:
+        method += f"; function matching on {recipe.views} views a face (research/views.py v{VIEWS_VERSION})"
+    meta = {"method": method, "key": key,
+            "teacher": {"name": "dlib ResNet v1 (face-recognition-models)", "input": (
+                            f"the student's own views at {spec.input_size} px, upsampled to 150 px" if views else
+                            f"{TEACHER_SIZE} px from the {CROP} px centre crop") + ", aligned by dlib's 5-point "
+                        "landmarks", "trained_on": "dlib's public training set (about 3 million faces; its author's)",
+                        "cache": views.file.name if views and views.file else cache.fingerprint,
+                        "computed_now": views.computed if views else cache.computed, "seconds": round(teacher_s, 1)},
             "student": {"spec": spec.to_dict(), "split": split, "release_mechanism": mechanism.describe(),
-                        "input": f"{spec.input_size} px from the {CROP} px centre crop",
+                        "input": f"{spec.input_size} px " + (f"views ({recipe.views} a face)" if views else
+                                                             f"from the {CROP} px centre crop"),
                         "init": str(init) if init is not None else "seeded"},
             "public_faces": manifest, "recipe": asdict(recipe), "history": history,
             # a resumed run: this leg's time and its earlier legs' epochs
@@ -497,7 +526,7 @@ def estimate_minutes(images: int, missing: int, recipe: Recipe, spec: ModelSpec)
     """A stated, rough time on this project's machines (2 cores), from rates measured there: the teacher 0.008 s an
     image (decoding, dlib's alignment, the network ported to PyTorch), and STUDENT_RATE (other models: unknown,
     scaled by input area only)."""
-    teacher = missing * 0.008
+    teacher = missing * 0.008   # an image or a view
     student = recipe.epochs * images / STUDENT_RATE.get(spec.release, STUDENT_RATE["none"]) * (spec.input_size / 64) ** 2
     return (teacher + student) / 60
 

@@ -163,16 +163,17 @@ def test_the_main_job_from_its_own_build_of_the_start_prints_the_audit_of_the_sa
     """A user's build of the noise-aware start is named otherwise than the audited one (its key hashes the plain
     student's bytes, which a student trained again does not repeat): made from the plain student of the same name
     (a reproducible key) for the same epochs, the main job still prints the audit of that recipe and says it was
-    another build's; from another plain student or for other epochs it finds none."""
+    another build's; from another plain student, for other epochs or on other views it finds none."""
     from research.demo import audit_line, parser
 
     results = json.loads((ROOT / "results" / "main_job" / "distilled" / "results.json").read_text())
     frontier, row = audited_point(results)
     plain = json.loads((frontier / "runs" / "none" / "results.json").read_text())["config"]["device_weights"]
 
-    def rebuilt(init: str, epochs: int) -> dict:
+    def rebuilt(init: str, epochs: int, views: int | None = None) -> dict:
         start = tmp_path / f"iresnet18-w16-64px-{len(list(tmp_path.iterdir())):016d}.pt"
-        torch.save({"meta": {"student": {"init": init}, "recipe": {"epochs": epochs}}}, start)
+        recipe = {"epochs": epochs} if views is None else {"epochs": epochs, "views": views}   # older files: none
+        torch.save({"meta": {"student": {"init": init}, "recipe": recipe}}, start)
         run = json.loads(json.dumps(results))
         run["config"]["device_weights"] = str(start)
         return run
@@ -183,8 +184,10 @@ def test_the_main_job_from_its_own_build_of_the_start_prints_the_audit_of_the_sa
     line = audit_line(same, ours)
     assert f"{row['model_identity_r1']:.3f} from its models of releases" in line
     assert "another build of this noise-aware start" in line and f"{Path(same['config']['device_weights']).name} here" in line
+    assert audited_point(rebuilt(plain, ours.noise_aware_epochs, views=ours.noise_aware_views)) == (frontier, row)
     for other in (rebuilt("/elsewhere/iresnet18-w16-64px-0123456789abcdef.pt", ours.noise_aware_epochs),
-                  rebuilt(plain, ours.noise_aware_epochs + 1), rebuilt("seeded", ours.noise_aware_epochs)):
+                  rebuilt(plain, ours.noise_aware_epochs + 1), rebuilt("seeded", ours.noise_aware_epochs),
+                  rebuilt(plain, ours.noise_aware_epochs, views=ours.noise_aware_views + 8)):
         assert audited_point(other) is None
         assert audit_line(other, ours).startswith("privacy: this release setting has not been audited")
 
@@ -223,8 +226,9 @@ def test_the_noise_aware_start_is_named_in_every_run_that_used_one():
 
 
 def test_the_start_flags_name_the_recipes_and_their_defaults_the_recorded_starts():
-    """--student-epochs and --noise-aware-epochs set only the epochs of the two recipes; left out, they name the
-    recipes that the recorded runs' starts were built with (the same cache keys, the same files)."""
+    """--student-epochs, --noise-aware-epochs and the two --*-views set only the epochs and the views of the two
+    recipes; left out, they name the recipes that the recorded runs' starts were built with (the same cache keys,
+    the same files)."""
     from dataclasses import replace
 
     from research.demo import parser, start_recipes
@@ -233,6 +237,8 @@ def test_the_start_flags_name_the_recipes_and_their_defaults_the_recorded_starts
     assert start_recipes(parser().parse_known_args([])[0]) == (PLAIN_RECIPE, NOISE_AWARE_RECIPE)
     args = parser().parse_known_args(["--student-epochs", "60", "--noise-aware-epochs", "30"])[0]
     assert start_recipes(args) == (replace(PLAIN_RECIPE, epochs=60), replace(NOISE_AWARE_RECIPE, epochs=30))
+    args = parser().parse_known_args(["--student-views", "8", "--noise-aware-views", "4"])[0]
+    assert start_recipes(args) == (replace(PLAIN_RECIPE, views=8), replace(NOISE_AWARE_RECIPE, views=4))
 
 
 @pytest.mark.parametrize("flag", ["--student-epochs", "--noise-aware-epochs"])

@@ -1,0 +1,76 @@
+"""Function matching (research/views.py) on real public LFW faces: the views follow their seeded recipes, the
+first is the students' clean test crop, the teacher's target for a view is its embedding of those very pixels and
+is cached, the distillation on the views trains, and a recipe without views keeps the cached starts' names."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from research.audit.recognizer import DlibResNet
+from research.distill import CROP, Recipe, TeacherCache, checkpoint_key, distill, file_hash, plain_spec, public_faces
+from research.views import CROP_SIDE, MIX_WEIGHT, SHIFT, ViewSet, render, view_recipes
+from splitface.common.models import PRESETS
+from splitface.device.privacy.mechanisms import NoNoise
+from tests.test_dlib_resnet import TOLERANCE
+
+SPEC = PRESETS["iresnet_small"]
+LIMIT = 32
+CLEAN = {"side": 160, "dx": 0, "dy": 0, "flip": False, "b": 1.0, "c": 1.0, "s": 1.0, "grey": False}
+
+
+def test_views_follow_their_seeded_recipes_and_the_first_is_the_clean_test_crop(lfw):
+    faces, _ = public_faces(lfw, 12)
+    recipes = view_recipes(len(faces), 6, seed=0)
+    assert recipes == view_recipes(len(faces), 6, seed=0) != view_recipes(len(faces), 6, seed=1)
+    for i, row in enumerate(recipes):
+        assert len(row) == 6 and row[0] == CLEAN
+        for r in row[1:]:
+            assert CROP_SIDE[0] <= r["side"] <= CROP_SIDE[1] and max(abs(r["dx"]), abs(r["dy"])) <= SHIFT
+            assert "mix" not in r or (r["mix"] != i and 0 <= r["mix"] < len(faces)
+                                      and MIX_WEIGHT[0] <= r["w"] <= MIX_WEIGHT[1])
+    assert any("mix" in r for row in recipes for r in row) and any(r["flip"] for row in recipes for r in row)
+
+    views = np.stack([render(faces.paths, recipes, 64, i) for i in range(len(faces))])
+    assert views.shape == (12, 6, 3, 64, 64) and views.dtype == np.uint8
+    assert np.array_equal(views[:, 0], faces.load(64, CROP))   # what the students see at test time, bit for bit
+    assert not np.array_equal(views[:, 1], views[:, 0])
+    mirrored = render(faces.paths, [[{**CLEAN, "flip": True}]], 64, 0)[0]
+    assert np.array_equal(mirrored, views[0, 0][:, :, ::-1])
+    grey = render(faces.paths, [[{**CLEAN, "grey": True}]], 64, 0)[0]
+    assert np.array_equal(grey[0], grey[1]) and np.array_equal(grey[1], grey[2])
+
+
+def test_a_recipe_without_views_keeps_the_cached_starts_names(lfw):
+    """`views` came after the starts that recorded runs name (run.sh's plain student among them): at 0 it is left
+    out of the key, so those files keep their names; set, it names another file."""
+    _, manifest = public_faces(lfw)
+    plain = plain_spec(SPEC)
+    assert checkpoint_key(plain, "conv1", NoNoise(), Recipe(epochs=60), manifest, None) == "b1307629db41978d"
+    assert checkpoint_key(plain, "conv1", NoNoise(), Recipe(epochs=60, views=8), manifest, None) != "b1307629db41978d"
+
+
+@pytest.mark.slow
+def test_function_matching_distils_on_the_views_with_the_teachers_embedding_of_each(tmp_path, lfw):
+    recipe = Recipe(epochs=4, batch_size=16, lr=0.1, views=3)
+    first = distill(SPEC, "conv1", NoNoise(), lfw, tmp_path / "fm.pt", recipe, tmp_path, limit=LIMIT, progress=False,
+                    evaluate=False)
+    assert first["teacher"]["computed_now"] == 3 * LIMIT and "function matching" in first["method"]
+    losses = [h["cosine"] for h in first["history"]]
+    assert losses[-1] < 0.8 * losses[0], losses   # from a seeded net (cosine loss ~1) towards the teacher
+
+    again = distill(SPEC, "conv1", NoNoise(), lfw, tmp_path / "again.pt", recipe, tmp_path, limit=LIMIT,
+                    progress=False, evaluate=False)
+    assert again["teacher"]["computed_now"] == 0   # the teacher never ran again
+
+    faces, _ = public_faces(lfw, LIMIT)
+    views = ViewSet(faces.paths, [file_hash(p) for p in faces.paths], 3, recipe.seed, SPEC.input_size, tmp_path,
+                    TeacherCache(None).fingerprint_of_network)
+    images, targets = views.build(progress=False)
+    assert views.computed == 0 and images.shape == (LIMIT, 3, 3, 64, 64) and targets.shape == (LIMIT, 3, 128)
+    # each target is the teacher's embedding of the view's own pixels (embedded in batches of 64 there, of 3 here: the
+    # same sums in another order, within test_dlib_resnet's tolerance)
+    mixed = next(i for i, row in enumerate(views.recipes) if "mix" in row[1] or "mix" in row[2])
+    chosen = images[[0, mixed, mixed], [0, 1, 2]]
+    direct = DlibResNet(150).embed(chosen.astype(np.float32) / 255)
+    cached = targets[[0, mixed, mixed], [0, 1, 2]]
+    assert np.all(np.linalg.norm(cached - direct, axis=1) <= TOLERANCE * np.linalg.norm(direct, axis=1))
