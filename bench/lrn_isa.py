@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.machine import run_harness
 from splitface.device.runtimes.native import ARM64_CXX, launcher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,10 +68,9 @@ def run(binary: Path, x: np.ndarray, a: np.ndarray, g: np.ndarray, constants: di
     inputs, outputs = work / "in.f32", work / "out.f32"
     np.concatenate([np.ascontiguousarray(t, dtype=np.float32).ravel() for t in (x, a, g)]).tofile(inputs)
     O = x.shape[0]
-    subprocess.run([*launcher(binary), str(inputs), str(outputs), str(O), str(x.size // O),
-                    str(constants["lrn_size"]), repr(float(constants["lrn_alpha"])),
-                    repr(float(constants["lrn_gamma"])), repr(float(constants["lrn_input_max"]))],
-                   check=True, capture_output=True)
+    run_harness([*launcher(binary), str(inputs), str(outputs), str(O), str(x.size // O),
+                 str(constants["lrn_size"]), repr(float(constants["lrn_alpha"])),
+                 repr(float(constants["lrn_gamma"])), repr(float(constants["lrn_input_max"]))])
     out = np.fromfile(outputs, dtype=np.float32)
     if out.size != 2 * x.size:
         raise RuntimeError(f"{binary} wrote {out.size} floats, expected {2 * x.size}")

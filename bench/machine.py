@@ -31,6 +31,15 @@ def cpu() -> dict:
             "isa": [f for f in ISA_FLAGS if f in flags]}
 
 
+def run_harness(argv: list[str]) -> str:
+    """A benchmark harness's stdout; a harness that fails raises with its own stderr (which check=True with
+    captured output would drop)."""
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, argv))} exited with {done.returncode}: {done.stderr.strip()}")
+    return done.stdout
+
+
 def compiler(cxx: str = "c++") -> str:
     """The C++ compiler's first version line (what built the native code), or why there is none."""
     if shutil.which(cxx) is None:

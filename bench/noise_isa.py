@@ -9,7 +9,11 @@ each path has its own width (AVX-512 16, AVX2 8, SSE2 4). This builds the same s
 build (function multiversions: what this CPU picks at load time), and times them in turn, rounds interleaved so
 that a change of load hits them all:
 - in cache: 65,536 values, the minimum of many repetitions (the kernel's own speed, ns per value);
-- the release: VGG-Face conv1's output at 224 px, batch 8 (25,690,112 values), the minimum of a few.
+- the release: VGG-Face conv1's output at 224 px, batch 8 (25,690,112 values), the minimum of a few, and of it
+  the ChaCha20 keystream alone (the 4 bytes a value that the draw consumes, made in registers at the path's
+  width as the draw makes it, folded by XOR instead of turned into normals; the rows of a forced width only);
+- for scale, OpenSSL's ChaCha20 and AES-128-CTR (`openssl speed`, its hand-written assembly for this CPU) on
+  the same number of bytes: how far a faster keystream could take the draw.
 Every path's normals equal the float64 reference (tests/test_native.py checks it); rows this CPU cannot run
 are left out and named.
 
@@ -25,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.machine import cpu, describe, record
+from bench.machine import cpu, describe, record, run_harness
 from research.results import write_record
 from splitface.device.runtimes.native import ARM64_CXX, launcher
 
@@ -63,7 +67,21 @@ def build(march: str | None, width: int | None, out: Path, cxx: str = CXX) -> Pa
 
 def run(binary: Path, values: int, repetitions: int, dump: Path | None = None) -> dict:
     argv = [*launcher(binary), KEY.hex(), str(values), str(repetitions), *([str(dump)] if dump else [])]
-    return json.loads(subprocess.run(argv, check=True, capture_output=True, text=True).stdout)
+    return json.loads(run_harness(argv))
+
+
+def openssl_ms(cipher: str, nbytes: int) -> dict | None:
+    """OpenSSL's speed for `cipher` on this CPU (16 KiB buffers, one core), as the ms that `nbytes` would take;
+    None without an openssl command."""
+    try:
+        version = subprocess.run(["openssl", "version"], capture_output=True, text=True, check=True).stdout.strip()
+        out = subprocess.run(["openssl", "speed", "-seconds", "2", "-bytes", "16384", "-evp", cipher],
+                             capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    kbytes_per_s = float(out.strip().splitlines()[-1].split()[-1].rstrip("k"))   # "AES-128-CTR  8046174.17k"
+    return {"cipher": cipher, "openssl": version, "gb_per_s": round(kbytes_per_s / 1e6, 3),
+            "release_ms": round(nbytes / (kbytes_per_s * 1e3) * 1e3, 2)}
 
 
 def read_dump(path: Path, values: int) -> tuple[np.ndarray, bytes]:
@@ -83,13 +101,21 @@ def table(saved: dict) -> str:
     lines = [f"Native noise generator (ChaCha20 + Box-Muller, float32), one thread, side by side in one run, "
              f"{saved['rounds']} rounds interleaved; minimum over runs. Machine: {describe(saved['machine'])} "
              f"(load {saved['load_after'][0]:.1f} after).", "",
-             "| path | -march | lanes | in cache: ns/value | release of 25.7M values: ms | vs the first row |",
-             "|---|---|---:|---:|---:|---:|"]
+             "| path | -march | lanes | in cache: ns/value | release of 25.7M values: ms | of it, the ChaCha20 "
+             "keystream alone: ms | vs the first row |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for r in saved["rows"]:
+        keystream = f"{r['keystream_ms']:.1f} ({r['keystream_ms'] / r['release_ms']:.0%})" if "keystream_ms" in r else "-"
         lines.append(f"| {r['path']} | {r['march'] or 'none (multiversions)'} | {r['lanes'] or 'picked'} | "
-                     f"{r['ns_per_value']:.2f} | {r['release_ms']:.1f} | {r['release_ms'] / base['release_ms']:.2f}x |")
+                     f"{r['ns_per_value']:.2f} | {r['release_ms']:.1f} | {keystream} | "
+                     f"{r['release_ms'] / base['release_ms']:.2f}x |")
     if saved["not_run"]:
         lines += ["", "Not run on this CPU: " + ", ".join(saved["not_run"]) + "."]
+    if saved.get("openssl"):
+        lines += ["", f"For scale, {saved['openssl'][0]['openssl']} (`openssl speed -evp`, one core, 16 KiB buffers) on "
+                  f"the release's {4 * RELEASE_VALUES / 1e6:.0f} MB of keystream: " + "; ".join(
+                      f"{o['cipher']} {o['gb_per_s']:.2f} GB/s, {o['release_ms']:.1f} ms" for o in saved["openssl"])
+                  + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -102,15 +128,21 @@ def main(argv: list[str] | None = None) -> None:
     paths = runnable(cpu()["isa"])
     work = Path(tempfile.mkdtemp(prefix="bench-noise-isa-"))
     binaries = [build(march, width, work / f"noise-{i}") for i, (_, march, width, _) in enumerate(paths)]
-    best: list[dict] = [{"ns_per_value": float("inf"), "release_ms": float("inf")} for _ in paths]
+    best: list[dict] = [{"ns_per_value": float("inf"), "release_ms": float("inf"), "keystream_ms": float("inf")}
+                        for _ in paths]
     for _ in range(args.rounds):
         for b, binary in zip(best, binaries):
             b["ns_per_value"] = min(b["ns_per_value"], run(binary, 65_536, 300)["ns_per_value"])
-            b["release_ms"] = min(b["release_ms"], run(binary, RELEASE_VALUES, 2)["ms_min"])
+            release = run(binary, RELEASE_VALUES, 2)
+            b["release_ms"] = min(b["release_ms"], release["ms_min"])
+            if release["keystream_ms_min"] >= 0:
+                b["keystream_ms"] = min(b["keystream_ms"], release["keystream_ms_min"])
+    openssl = [o for c in ("chacha20", "aes-128-ctr") if (o := openssl_ms(c, 4 * RELEASE_VALUES))]
     saved = {"machine": machine, "rounds": args.rounds, "load_after": record()["load_avg"],
-             "rows": [{"path": label, "march": march, "lanes": width, **b}
+             "rows": [{"path": label, "march": march, "lanes": width,
+                       **{k: v for k, v in b.items() if v != float("inf")}}
                       for (label, march, width, _), b in zip(paths, best)],
-             "not_run": [p[0] for p in PATHS if p not in paths]}
+             "not_run": [p[0] for p in PATHS if p not in paths], "openssl": openssl}
     write_record(args.out, saved, table(saved))
 
 
