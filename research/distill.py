@@ -401,15 +401,17 @@ def load_student(path: Path, split: str, mechanism: Mechanism, spec: ModelSpec |
 
 @torch.no_grad()
 def teacher_fit(student: Student, lfw_root: str | Path | None, cache_dir: Path | None, public_set: str = "lfw158",
-                sample: int = 1000, limit: int | None = None, view1_limit: int | None = None) -> dict:
+                sample: int = 1000, limit: int | None = None, view1_limit: int | None = None,
+                teacher_size: int = TEACHER_SIZE) -> dict:
     """How closely the student reproduces the teacher (the distillation's cosine loss, on un-augmented images with
     its release's noise, in eval mode) on `sample` of its own public faces and on View 1's DevTest images, which it
-    never saw. A student far closer on the first than on the second is short of data more than of capacity."""
+    never saw. A student far closer on the first than on the second is short of data more than of capacity.
+    `teacher_size`: the teacher's input, as the student was distilled (`fit_teacher_size`)."""
     student.eval()
     if not isinstance(student.project, nn.Identity):
         raise ValueError("the student's embedding is not the teacher's size, and its projection is not saved")
     faces, _ = public_faces(lfw_root, limit, public_set)
-    cache = TeacherCache(cache_dir)
+    cache = TeacherCache(cache_dir, teacher_size)
     mean = torch.from_numpy(cache.embed(faces.paths, progress=False)).mean(0)
     chosen = np.sort(np.random.default_rng(0).permutation(len(faces))[:sample])
     seen = FaceSet([faces.paths[i] for i in chosen], faces.labels[chosen], faces.class_names)
@@ -422,8 +424,16 @@ def teacher_fit(student: Student, lfw_root: str | Path | None, cache_dir: Path |
                              images.load(student.spec.input_size, CROP))
         return round(float((1 - F.cosine_similarity(torch.from_numpy(s), targets, dim=1)).mean()), 4)
     unseen = view1_pairs(lfw_root, "test", view1_limit).faces
-    return {"public_cosine_loss": loss(seen), "public_images": len(seen),
+    return {"teacher_input": teacher_size, "public_cosine_loss": loss(seen), "public_sample": len(seen),
             "view1_cosine_loss": loss(unseen), "view1_images": len(unseen)}
+
+
+def fit_teacher_size(path: Path) -> int:
+    """The teacher's input a distilled file learned from: the student's own (its views at its input size, research/
+    views.py) for function matching, else the 150 px centre crop."""
+    meta = torch.load(path, map_location="cpu", weights_only=True).get("meta", {})
+    views = meta.get("recipe", {}).get("views", 0)
+    return int(meta["student"]["spec"]["input_size"]) if views else TEACHER_SIZE
 
 
 @torch.no_grad()
@@ -599,7 +609,7 @@ def main(argv: list[str] | None = None) -> None:
         split, mechanism = fit_release(args, p)
         student = load_student(args.start, split, mechanism)
         print(json.dumps(teacher_fit(student, args.data, args.cache, args.public_set, args.sample, args.limit,
-                                     args.view1_limit), indent=2))
+                                     args.view1_limit, fit_teacher_size(args.start)), indent=2))
         return
     meta = distill(model_spec(args), args.split, release_mechanism(args), args.data, args.out, recipe_of(args),
                    args.cache, args.init, args.limit, not args.no_progress,

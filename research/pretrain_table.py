@@ -129,6 +129,8 @@ def student_row(path: Path, probe: dict) -> dict:
         init = path.parent / Path(student["init"]).name
         plain = torch.load(init, map_location="cpu", weights_only=True)["meta"]["recipe"]["epochs"]
         start = f"distilled, noise-aware (from the plain student of {plain} epochs)"
+    if meta["recipe"].get("views"):   # (files built before the option record none)
+        start += f", function matching on {meta['recipe']['views']} views"
     return {"role": "student", "model": f"{spec['family']}-{spec['depth']} width {spec['width']}", "start": start,
             "release": release_name(spec, student["split"], student["release_mechanism"]),
             "input": student["input"], **meta["view1"], "file": path.name, "epochs": meta["recipe"]["epochs"],
@@ -171,6 +173,9 @@ def finetune_row(name: str, demo_args: list[str], args: argparse.Namespace) -> d
         start += f" (student: {demo_args[demo_args.index('--student-epochs') + 1]} epochs)"
     if "--noise-aware-epochs" in demo_args:
         start += f" (noise-aware start: {demo_args[demo_args.index('--noise-aware-epochs') + 1]} epochs)"
+    for flag, stage in (("--student-views", "student"), ("--noise-aware-views", "noise-aware start")):
+        if flag in demo_args:
+            start += f" ({stage}: function matching on {demo_args[demo_args.index(flag) + 1]} views)"
     if "--imprint-epochs" in demo_args:
         start += f", head imprinted over {demo_args[demo_args.index('--imprint-epochs') + 1]} epoch"
     if "--lr" in demo_args:

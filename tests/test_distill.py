@@ -158,7 +158,8 @@ def test_the_fit_command_measures_a_file_on_its_public_faces_and_on_view1(tmp_pa
     save_backbone(start, SPEC, build_backbone(SPEC))
     fit = teacher_fit(load_student(start, "conv1", NoNoise()), lfw, cache, limit=LIMIT, sample=16, view1_limit=10)
     unseen = view1_pairs(lfw, "test", 10).faces
-    assert fit["public_images"] == 16 and fit["view1_images"] == len(unseen) == len(set(unseen.paths))
+    assert fit["public_sample"] == 16 and fit["view1_images"] == len(unseen) == len(set(unseen.paths))
+    assert fit["teacher_input"] == TEACHER_SIZE   # a file distilled without views: the teacher at 150 px
     assert 0 <= fit["public_cosine_loss"] <= 2 and 0 <= fit["view1_cosine_loss"] <= 2
     run = subprocess.run([sys.executable, "-m", "research", "pretrain", "fit", str(start), "--data", str(lfw),
                           "--cache", str(cache), "--sample", "16", "--limit", str(LIMIT), "--view1-limit", "10",

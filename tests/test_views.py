@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from research.audit.recognizer import DlibResNet
-from research.distill import CROP, Recipe, TeacherCache, checkpoint_key, distill, file_hash, plain_spec, public_faces
+from research.distill import (CROP, Recipe, TeacherCache, checkpoint_key, distill, file_hash, fit_teacher_size,
+                              plain_spec, public_faces)
 from research.views import CROP_SIDE, MIX_WEIGHT, SHIFT, ViewSet, render, view_recipes
 from splitface.common.models import PRESETS
 from splitface.device.privacy.mechanisms import NoNoise
@@ -61,6 +62,8 @@ def test_function_matching_distils_on_the_views_with_the_teachers_embedding_of_e
     again = distill(SPEC, "conv1", NoNoise(), lfw, tmp_path / "again.pt", recipe, tmp_path, limit=LIMIT,
                     progress=False, evaluate=False)
     assert again["teacher"]["computed_now"] == 0   # the teacher never ran again
+    # `pretrain fit` measures it against the teacher as it learned from it: on its own 64 px pixels
+    assert fit_teacher_size(tmp_path / "fm.pt") == SPEC.input_size
 
     faces, _ = public_faces(lfw, LIMIT)
     views = ViewSet(faces.paths, [file_hash(p) for p in faces.paths], 3, recipe.seed, SPEC.input_size, tmp_path,

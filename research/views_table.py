@@ -1,0 +1,84 @@
+"""Function matching against the first recipe, side by side on one machine (results/pretrain-views/).
+
+research/views.py distils on K views of each public face with the teacher's embedding of each view; the first
+recipe regresses a shifted, flipped image onto the teacher's embedding of the clean one. Rows, for both recipes:
+- student: run.sh's plain student (its --student-epochs) and run.sh's noise-aware start made from it (its
+  release, server stage and --noise-aware-epochs; function matching in both stages, or in neither), each on
+  View 1, frozen on LFW-158 (research/pretrain_table.py's probe) and against the teacher (`pretrain fit`: the
+  cosine loss on its own public faces and on View 1's images, which it never saw);
+- split-finetune: run.sh itself from each start, at seeds 0, 1 and 2.
+
+The teacher's row is dlib at the students' input. Reduced configuration (2 CPU cores): iresnet_small at 64 px.
+Resumable: starts come from the cache (built on first use: about 70 minutes each plain student, 20 each
+noise-aware start, on 2 cores), recorded runs are read back (--force makes them again).
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from splitface.common.data import load_lfw
+from splitface.common.models import DEFAULT_SPLIT
+from splitface.common.options import add_data_root_arg, add_model_args, model_spec
+from splitface.device.privacy.mechanisms import NoNoise
+from splitface.device.privacy.options import add_privacy_args, release_mechanism
+from research.demo import parser as demo_parser, start_recipes
+from research.distill import default_cache, distilled_start, fit_teacher_size, load_student, teacher_fit
+from research.pretrain_table import (ROOT, SEEDS, finetune_row, frozen_probe, run_sh_array, seed_means,
+                                     student_embedder, student_row, table, teacher_row)
+from research.results import write_summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_data_root_arg(p, required=True, help="LFW root (with View 1's pairs files)")
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "pretrain-views")
+    p.add_argument("--views", type=int, default=8, help="views of each public face for function matching")
+    p.add_argument("--cache", type=Path, default=default_cache(), help="teacher embeddings and distilled starts")
+    p.add_argument("--force", action="store_true", help="train and evaluate every fine-tuning run again")
+    args = p.parse_args(argv)
+    args.model = "iresnet_small"
+    args.out.mkdir(parents=True, exist_ok=True)
+    start, release, wire = run_sh_array("DEFAULT_START"), run_sh_array("DEFAULT_RELEASE"), run_sh_array("DEFAULT_WIRE")
+    stage = run_sh_array("DEFAULT_SERVER_STAGE")
+    views = ["--student-views", str(args.views), "--noise-aware-views", str(args.views)]
+    options = argparse.ArgumentParser(add_help=False)
+    add_privacy_args(options)
+    add_model_args(options, args.model)
+    known, _ = options.parse_known_args(["--model", args.model, *release, *stage])
+    data = load_lfw(args.data, min_images=10, seed=0)   # the main job's LFW-158 split (demo's defaults)
+
+    rows = [teacher_row(args.data, 64, args.cache, data)]
+    compared = {}
+    for name, flags in (("first-recipe", []), (f"views{args.views}", views)):
+        recipes = start_recipes(demo_parser().parse_known_args([*start, *flags])[0])
+        for spec, split, mechanism in ((model_spec(options.parse_known_args(["--model", args.model])[0]),
+                                        DEFAULT_SPLIT, NoNoise()),
+                                       (model_spec(known), known.split, release_mechanism(known))):
+            path = distilled_start(spec, split, mechanism, args.data, args.cache, recipes=recipes)
+            probe = frozen_probe(student_embedder(path, spec, split, mechanism), data)
+            fit = teacher_fit(load_student(path, split, mechanism, spec), args.data, args.cache,
+                              teacher_size=fit_teacher_size(path))
+            rows.append({**student_row(path, probe), "recipe": name, **fit})
+        run = f"runsh-{name}"
+        compared[run] = ("the first recipe (clean targets)" if not flags else
+                         f"function matching on {args.views} views in both distillations")
+        for seed in SEEDS:
+            demo_args = [*start, *release, *stage, *wire, *flags, *(["--seed", str(seed)] if seed else [])]
+            rows.append({**finetune_row(run if not seed else f"{run}-seed{seed}", demo_args, args), "recipe": name})
+    text = ("Reduced configuration: iresnet_small (width 16) at 64 px; LFW View 1 DevTest pairs (1,000); fine-tuning "
+            "on LFW-158 as run.sh does (2 devices, 3 epochs). Both recipes distilled on this machine, run.sh's "
+            "epochs.\n\n" + table(rows) + "\n" + fits(rows) + seed_means(rows, compared))
+    write_summary(args.out, rows, text)
+
+
+def fits(rows: list[dict]) -> str:
+    """A line per start: its cosine loss against the teacher on its own public faces and on View 1's images."""
+    return "".join(f"- {r['recipe']}, {r['release']}: teacher fit (cosine loss, the teacher at "
+                   f"{r['teacher_input']} px) {r['public_cosine_loss']:.3f} on "
+                   f"{r['public_sample']} of its public faces, {r['view1_cosine_loss']:.3f} on View 1's "
+                   f"{r['view1_images']} images\n" for r in rows if r["role"] == "student") + "\n"
+
+
+if __name__ == "__main__":
+    main()
