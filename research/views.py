@@ -6,7 +6,8 @@ good teacher is patient and consistent") find that a student learns the teacher'
 exactly the same input, and that aggressive views (crops, mixup) are then free data: the teacher labels
 each one. Here each public face gets K views (view 0 is the clean centre crop that the students see at test
 time; the others are random crops of 140-180 px around the centre, shifted by up to 12 px, flipped, with
-brightness, contrast and saturation changed, sometimes grey, and half of them mixed with another public face),
+brightness, contrast and saturation changed, sometimes grey, and half of them mixed with another public face,
+which keeps its own colours),
 rendered at the student's input size, and the teacher embeds those very pixels (upsampled to its work size, as
 the audit's recognizer sees 64 px images). The teacher's embeddings are cached under a hash of each view's
 recipe and the bytes of its images, so a second run skips the teacher.
@@ -95,8 +96,9 @@ class ViewSet:
                  cache_dir: Path | None, teacher_fingerprint: str):
         self.recipes = view_recipes(len(paths), views, seed)
         self.paths, self.size = paths, size
-        self.keys = [[hashlib.sha256(json.dumps({"v": VIEWS_VERSION, "size": size, "image": image_hashes[i],
-                                                 "mix": image_hashes[r["mix"]] if "mix" in r else None, **r},
+        # the other face by its bytes, not its place in this public set (another set shares the cache file)
+        self.keys = [[hashlib.sha256(json.dumps({**r, "v": VIEWS_VERSION, "size": size, "image": image_hashes[i],
+                                                 "mix": image_hashes[r["mix"]] if "mix" in r else None},
                                                 sort_keys=True).encode()).hexdigest()
                       for r in row] for i, row in enumerate(self.recipes)]
         self.file = Path(cache_dir) / f"teacher-views-{teacher_fingerprint}.npz" if cache_dir else None

@@ -41,6 +41,20 @@ def test_views_follow_their_seeded_recipes_and_the_first_is_the_clean_test_crop(
     assert np.array_equal(grey[0], grey[1]) and np.array_equal(grey[1], grey[2])
 
 
+def test_a_views_cache_key_names_the_mixed_in_face_by_its_bytes(tmp_path, lfw):
+    """Two public sets share the teacher's views cache: a view mixed with another face is keyed by that face's
+    bytes, so the same recipe over other images is another key, and the same images another set's same key."""
+    faces, _ = public_faces(lfw, 12)
+    hashes = [file_hash(p) for p in faces.paths]
+    ours = ViewSet(faces.paths, hashes, 4, 0, 64, tmp_path, "t")
+    i, j = next((i, j) for i, row in enumerate(ours.recipes) for j, r in enumerate(row) if "mix" in r)
+    other = list(hashes)
+    other[ours.recipes[i][j]["mix"]] = "0" * 64   # another image at the mixed-in face's place
+    theirs = ViewSet(faces.paths, other, 4, 0, 64, tmp_path, "t")
+    assert theirs.keys[i][j] != ours.keys[i][j] and theirs.keys[i][0] == ours.keys[i][0]
+    assert ViewSet(faces.paths, hashes, 4, 0, 64, tmp_path, "t").keys == ours.keys
+
+
 def test_a_recipe_without_views_keeps_the_cached_starts_names(lfw):
     """`views` came after the starts that recorded runs name (run.sh's plain student among them): at 0 it is left
     out of the key, so those files keep their names; set, it names another file."""
