@@ -14,6 +14,9 @@ the identity when the embedding sizes agree (a linear map otherwise, dropped aft
 relational term (Park et al., CVPR'19) asks for the teacher's geometry between faces as well as its
 coordinates.
 
+Function matching (`Recipe.views`, research/views.py): s and t are then the student's and the teacher's
+embeddings of the same augmented view, one of K per face.
+
 Noise-aware starts: with a release transform and a mechanism (the same options the devices take), the
 student's device part makes each release as a device would (transform, clipping, noise) before the
 server's tail reads it, so the tail has learned to read noisy releases before any private data arrives.
