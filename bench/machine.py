@@ -74,9 +74,11 @@ def revision() -> str:
 
 
 def record(build_flags: str | list[str] | None = None, cxx: str = "c++") -> dict:
-    """The record a benchmark stores with its figures; call it again at the end for the load after."""
+    """The record a benchmark stores with its figures; call it again at the end for the load after. OpenMP's wait
+    policy decides whether torch's idle threads spin (splitface/__init__.py makes it passive)."""
     return {"cpu": cpu(), "compiler": compiler(cxx), "build_flags": build_flags, "load_avg": list(os.getloadavg()),
-            "platform": platform.platform(), "revision": revision()}
+            "platform": platform.platform(), "revision": revision(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (libgomp spins)")}
 
 
 def describe(rec: dict) -> str:

@@ -5,7 +5,10 @@ cannot pass by the two agreeing on some machine."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -47,3 +50,27 @@ def test_the_device_and_the_server_hand_torch_work_only_to_such_threads():
         for line in path.read_text().splitlines():
             if handoffs.search(line):
                 assert "at_torch_threads" in line, f"{path.relative_to(ROOT)}: {line.strip()}"
+
+
+
+SPIN_COUNT = re.compile(r"GOMP_SPINCOUNT = '(\d+)'")
+
+
+def openmp_spin_count(code: str, **env: str) -> int:
+    """How many turns torch's OpenMP runtime spins before an idle thread sleeps, as it reports at start-up
+    (OMP_DISPLAY_ENV=VERBOSE), in a fresh process that ran `code` and then imported torch; the environment has no
+    OMP_WAIT_POLICY unless `env` gives one."""
+    clean = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | {"OMP_DISPLAY_ENV": "VERBOSE"} | env
+    proc = subprocess.run([sys.executable, "-c", f"{code}\nimport torch"], capture_output=True, text=True, cwd=ROOT,
+                          env=clean, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (turns,) = SPIN_COUNT.findall(proc.stderr)
+    return int(turns)
+
+
+def test_importing_splitface_before_torch_makes_openmps_idle_threads_sleep():
+    """libgomp's default spins (300,000 turns); splitface's import makes it sleep at once (passive), unless the
+    environment chose a policy."""
+    assert openmp_spin_count("") > 0   # what the import changes
+    assert openmp_spin_count("import splitface") == 0
+    assert openmp_spin_count("import splitface", OMP_WAIT_POLICY="ACTIVE") > openmp_spin_count("")
