@@ -38,7 +38,7 @@ def test_reduced_sweep_runs_end_to_end(tmp_path, lfw):
     audit = tmp_path / "audit"
     runs = [str(out / "runs" / r["name"]) for r in rows]
     cmd = [sys.executable, "-m", "research.audit.cli", *runs, "--data", str(lfw), "--out", str(audit),
-           "--public-images", "300", "--decoder-epochs", "1", "--recognizers", "eigenfaces", "--matcher-epochs", "1",
+           "--public-images", "128", "--decoder-epochs", "1", "--recognizers", "eigenfaces", "--matcher-epochs", "1",
            "--cache", str(tmp_path / "cache")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
