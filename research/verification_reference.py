@@ -3,7 +3,10 @@
 
 - dlib's ResNet face recognizer (trained on about 3 million public faces; none of LFW's protocol
   constrains it), the strong reference;
-- eigenfaces fitted on DevTrain images (people disjoint from DevTest's), the weak one.
+- eigenfaces fitted on DevTrain images (people disjoint from DevTest's), the weak one;
+- dlib's network without aligning each face: one fixed chip geometry (its landmarks averaged over the DevTrain
+  images), and none (the crop itself): what per-face alignment is worth to the teacher, since the students
+  distilled from it see their crops unaligned (docs/pretrain.md).
 
 Writes `reference.json` (one row per method) and `table.md` under --out.
 """
@@ -58,13 +61,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eigenfaces-images", type=int, default=3000, help="DevTrain images eigenfaces are fitted on")
     args = p.parse_args(argv)
     public = devtrain_faces(args.data, args.eigenfaces_images)
-    eigenfaces = Eigenfaces(components=64, size=32).fit(to_input(public.load(args.size, args.crop)).numpy())
+    faces = to_input(public.load(args.size, args.crop)).numpy()
+    eigenfaces = Eigenfaces(components=64, size=32).fit(faces)
     rows = [
         row("eigenfaces (64 components, 32 px grey)", eigenfaces.embed, args,
             fitted_on=f"{len(public)} DevTrain images of {len(np.unique(public.labels))} people"),
         row("dlib ResNet (face-recognition-models)", DlibResNet().embed, args,
             fitted_on="dlib's public training set (about 3 million faces)",
             network="dlib's weights run in PyTorch (research/audit/dlib_resnet.py; dlib aligns)"),
+        row("dlib ResNet, one fixed alignment", DlibResNet(alignment="fixed").fix_alignment(faces).embed, args,
+            fitted_on="dlib's public training set; the alignment: dlib's 5 landmarks averaged over "
+                      f"{len(public)} DevTrain images",
+            network="dlib's weights run in PyTorch; every face cut by the same chip geometry"),
+        row("dlib ResNet, not aligned", DlibResNet(alignment="none").embed, args,
+            fitted_on="dlib's public training set",
+            network="dlib's weights run in PyTorch; the crop itself resized to its 150 px input"),
     ]
     write_report(args.out / "reference.json", rows, args.out / "table.md", table(rows), echo=False)
     print(f"wrote {args.out / 'reference.json'} and {args.out / 'table.md'}")

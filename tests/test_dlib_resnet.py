@@ -67,3 +67,28 @@ def test_a_truncated_file_is_refused_clearly(tmp_path, keep):
     cut.write_bytes(data[:keep])
     with pytest.raises(DlibFormatError, match="cut.dat: not dlib's face-recognition ResNet"):
         DlibFaceNet(cut)
+
+
+def test_a_fixed_alignment_cuts_every_face_where_the_averaged_landmarks_say(faces):
+    """Alignment "fixed" (what aligning each face is worth, results/verification/): fitted on one face, its chip
+    of that face is the landmark-aligned one exactly (dlib's landmarks are whole pixels, so their mean over one
+    face is themselves); other faces are cut where that face's landmarks were, not their own."""
+    images, _ = faces
+    aligned, fixed = DlibResNet(), DlibResNet(alignment="fixed")
+    with pytest.raises(RuntimeError, match="fix_alignment"):
+        fixed.chip(images[0])
+    fixed.fix_alignment(images[:1])
+    assert np.array_equal(fixed.chip(images[0]), aligned.chip(images[0]))
+    def marks(image: np.ndarray) -> list[tuple[int, int]]:
+        shape = aligned._landmarks(aligned._work_rgb(image))
+        return [(shape.part(i).x, shape.part(i).y) for i in range(shape.num_parts)]
+    for image in images[1:]:
+        assert np.array_equal(fixed.chip(image), aligned.chip(image)) == (marks(image) == marks(images[0]))
+    unaligned = DlibResNet(alignment="none").chip(images[0])
+    assert unaligned.shape == (150, 150, 3) and not np.array_equal(unaligned, aligned.chip(images[0]))
+    # each way of cutting names its own cache of embeddings
+    assert len({aligned.fingerprint, fixed.fingerprint, DlibResNet(alignment="none").fingerprint}) == 3
+    with pytest.raises(ValueError, match="alignment must be one of"):
+        DlibResNet(alignment="eyes")
+    with pytest.raises(ValueError, match="for alignment='fixed'"):
+        aligned.fix_alignment(images)

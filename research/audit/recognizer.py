@@ -98,9 +98,12 @@ class DlibResNet:
     ported to PyTorch (research/audit/dlib_resnet.py; batched, about 5 ms a face on 2 cores here),
     "dlib" runs dlib's own (one core without BLAS, about 0.15 s a face). The two agree to about 1e-6
     of a descriptor's norm (tests/test_dlib_resnet.py), so they share the fingerprint that names cached
-    embeddings."""
+    embeddings. `alignment` other than "landmarks" is for asking what aligning each face is worth (see
+    fix_alignment); the audit and the teacher align."""
 
-    def __init__(self, work_size: int = 150, engine: str = "torch"):
+    ALIGNMENTS = ("landmarks", "fixed", "none")
+
+    def __init__(self, work_size: int = 150, engine: str = "torch", alignment: str = "landmarks"):
         try:
             import dlib
         except ImportError as exc:
@@ -115,19 +118,52 @@ class DlibResNet:
             self.net = dlib.face_recognition_model_v1(str(weights))
         else:
             raise ValueError(f"engine must be 'torch' or 'dlib', not {engine!r}")
-        self.engine, self.work_size = engine, work_size
+        if alignment not in self.ALIGNMENTS:
+            raise ValueError(f"alignment must be one of {self.ALIGNMENTS}, not {alignment!r}")
+        self.engine, self.work_size, self.alignment = engine, work_size, alignment
+        self.fixed_shape = None   # alignment "fixed": set by fix_alignment
         self.fingerprint = f"w{work_size}-chip150-pad0.25"   # names the on-disk cache: other settings, other file
+        if alignment != "landmarks":
+            self.fingerprint += f"-align-{alignment}"
+
+    def fix_alignment(self, images: np.ndarray) -> "DlibResNet":
+        """Alignment "fixed": one chip geometry for every face, from dlib's 5 landmarks averaged over `images`
+        (other faces than the ones measured). It asks what aligning each face is worth to the teacher: a student
+        sees its face crops unaligned."""
+        if self.alignment != "fixed":
+            raise ValueError("fix_alignment is for alignment='fixed'")
+        shapes = [self._landmarks(self._work_rgb(im)) for im in images]
+        mean = np.array([[(s.part(i).x, s.part(i).y) for i in range(s.num_parts)] for s in shapes], float).mean(0)
+        self.fixed_shape = self._dlib.full_object_detection(self._central_box(),
+                                                            [self._dlib.point(round(x), round(y)) for x, y in mean])
+        return self
 
     def chip(self, image: np.ndarray) -> np.ndarray:
-        """One (3, H, W) image in [0, 1] -> dlib's aligned 150 x 150 x 3 uint8 chip."""
+        """One (3, H, W) image in [0, 1] -> dlib's 150 x 150 x 3 uint8 chip: aligned by its own landmarks, by
+        the fixed geometry, or (alignment "none") the work-size image itself, resized to 150."""
+        if self.alignment == "none":
+            return self._work_rgb(image, 150)
+        rgb = self._work_rgb(image)
+        if self.alignment == "fixed":
+            if self.fixed_shape is None:
+                raise RuntimeError("alignment 'fixed' needs fix_alignment(images) first")
+            return self._dlib.get_face_chip(rgb, self.fixed_shape, 150, 0.25)
+        return self._dlib.get_face_chip(rgb, self._landmarks(rgb), 150, 0.25)
+
+    def _work_rgb(self, image: np.ndarray, size: int | None = None) -> np.ndarray:
+        """(3, H, W) in [0, 1] -> H x W x 3 uint8 at `size` (the work size by default)."""
+        size = size or self.work_size
         x = torch.from_numpy(np.asarray(image, np.float32))[None]
-        if x.shape[-1] != self.work_size:
-            x = torch.nn.functional.interpolate(x, size=(self.work_size, self.work_size), mode="bilinear",
-                                                align_corners=False)
-        rgb = np.ascontiguousarray((x[0].clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy())
+        if x.shape[-1] != size:
+            x = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
+        return np.ascontiguousarray((x[0].clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy())
+
+    def _central_box(self):
         lo, hi = int(0.1 * self.work_size), int(0.9 * self.work_size)
-        shape = self.landmarks(rgb, self._dlib.rectangle(lo, lo, hi, hi))
-        return self._dlib.get_face_chip(rgb, shape, 150, 0.25)
+        return self._dlib.rectangle(lo, lo, hi, hi)
+
+    def _landmarks(self, rgb: np.ndarray):
+        return self.landmarks(rgb, self._central_box())
 
     def embed(self, images: np.ndarray, batch: int = 64) -> np.ndarray:
         out = []
