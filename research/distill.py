@@ -594,6 +594,9 @@ def main(argv: list[str] | None = None) -> None:
     f.add_argument("--sample", type=int, default=1000, help="public faces to measure on (a seeded choice)")
     f.add_argument("--limit", type=int, default=None, help="only the first N public images (smoke tests)")
     f.add_argument("--view1-limit", type=int, default=None, help="only this many View 1 pairs (smoke tests)")
+    f.add_argument("--teacher-input", type=int, default=None,
+                   help="the teacher's input size in px (default: as the file was distilled, 64 for function "
+                        "matching, else 150): files distilled either way are compared against the same targets")
     add_threads_arg(f)
     c = sub.add_parser("classify", help="train the whole backbone as a classifier on a public set and save it")
     add_model_args(c)
@@ -612,7 +615,8 @@ def main(argv: list[str] | None = None) -> None:
         split, mechanism = fit_release(args, p)
         student = load_student(args.start, split, mechanism)
         print(json.dumps(teacher_fit(student, args.data, args.cache, args.public_set, args.sample, args.limit,
-                                     args.view1_limit, fit_teacher_size(args.start)), indent=2))
+                                     args.view1_limit, args.teacher_input or fit_teacher_size(args.start)),
+                         indent=2))
         return
     meta = distill(model_spec(args), args.split, release_mechanism(args), args.data, args.out, recipe_of(args),
                    args.cache, args.init, args.limit, not args.no_progress,

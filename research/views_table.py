@@ -5,7 +5,8 @@ recipe regresses a shifted, flipped image onto the teacher's embedding of the cl
 - student: run.sh's plain student (its --student-epochs) and run.sh's noise-aware start made from it (its
   release, server stage and --noise-aware-epochs; function matching in both stages, or in neither), each on
   View 1, frozen on LFW-158 (research/pretrain_table.py's probe) and against the teacher (`pretrain fit`: the
-  cosine loss on its own public faces and on View 1's images, which it never saw);
+  cosine loss on its own public faces and on View 1's images, which it never saw), both against the targets it
+  learned from and against the same targets for both recipes (the teacher at 150 px and at 64 px);
 - split-finetune: run.sh itself from each start, at seeds 0, 1 and 2.
 
 The teacher's row is dlib at the students' input. Reduced configuration (2 CPU cores): iresnet_small at 64 px.
@@ -23,7 +24,8 @@ from splitface.common.options import add_data_root_arg, add_model_args, model_sp
 from splitface.device.privacy.mechanisms import NoNoise
 from splitface.device.privacy.options import add_privacy_args, release_mechanism
 from research.demo import parser as demo_parser, start_recipes
-from research.distill import default_cache, distilled_start, fit_teacher_size, load_student, teacher_fit
+from research.distill import (TEACHER_SIZE, default_cache, distilled_start, fit_teacher_size, load_student,
+                              teacher_fit)
 from research.pretrain_table import (ROOT, SEEDS, finetune_row, frozen_probe, run_sh_array, seed_means,
                                      student_embedder, student_row, table, teacher_row)
 from research.results import write_summary
@@ -57,9 +59,13 @@ def main(argv: list[str] | None = None) -> None:
                                        (model_spec(known), known.split, release_mechanism(known))):
             path = distilled_start(spec, split, mechanism, args.data, args.cache, recipes=recipes)
             probe = frozen_probe(student_embedder(path, spec, split, mechanism), data)
-            fit = teacher_fit(load_student(path, split, mechanism, spec), args.data, args.cache,
-                              teacher_size=fit_teacher_size(path))
-            rows.append({**student_row(path, probe), "recipe": name, **fit})
+            student = load_student(path, split, mechanism, spec)
+            by_input = {size: teacher_fit(student, args.data, args.cache, teacher_size=size)
+                        for size in sorted({TEACHER_SIZE, spec.input_size})}
+            same = {str(size): {k: f[k] for k in ("public_cosine_loss", "view1_cosine_loss")}
+                    for size, f in by_input.items()}
+            rows.append({**student_row(path, probe), "recipe": name, **by_input[fit_teacher_size(path)],
+                         "fit_by_teacher_input": same})
         run = f"runsh-{name}"
         compared[run] = ("the first recipe (clean targets)" if not flags else
                          f"function matching on {args.views} views in both distillations")
@@ -73,11 +79,17 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def fits(rows: list[dict]) -> str:
-    """A line per start: its cosine loss against the teacher on its own public faces and on View 1's images."""
+    """A line per start: its cosine loss against the teacher on its own public faces and on View 1's images, against
+    the targets it learned from and against each recipe's (the teacher at 150 px and at the student's 64 px, both
+    centred on the clean public faces' mean), so that the two recipes are compared on the same targets."""
+    def same(r: dict) -> str:
+        return "; ".join(f"teacher at {size} px {f['public_cosine_loss']:.3f} / {f['view1_cosine_loss']:.3f}"
+                         for size, f in r.get("fit_by_teacher_input", {}).items())
     return "".join(f"- {r['recipe']}, {r['release']}: teacher fit (cosine loss, the teacher at "
                    f"{r['teacher_input']} px) {r['public_cosine_loss']:.3f} on "
                    f"{r['public_sample']} of its public faces, {r['view1_cosine_loss']:.3f} on View 1's "
-                   f"{r['view1_images']} images\n" for r in rows if r["role"] == "student") + "\n"
+                   f"{r['view1_images']} images. The same targets for both recipes (public / View 1): {same(r)}\n"
+                   for r in rows if r["role"] == "student") + "\n"
 
 
 if __name__ == "__main__":

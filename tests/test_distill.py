@@ -161,9 +161,13 @@ def test_the_fit_command_measures_a_file_on_its_public_faces_and_on_view1(tmp_pa
     assert fit["public_sample"] == 16 and fit["view1_images"] == len(unseen) == len(set(unseen.paths))
     assert fit["teacher_input"] == TEACHER_SIZE   # a file distilled without views: the teacher at 150 px
     assert 0 <= fit["public_cosine_loss"] <= 2 and 0 <= fit["view1_cosine_loss"] <= 2
+    # against the targets function matching learns from (the teacher on the 64 px input): other targets, other loss
+    small = teacher_fit(load_student(start, "conv1", NoNoise()), lfw, cache, limit=LIMIT, sample=16, view1_limit=10,
+                        teacher_size=64)
+    assert small["teacher_input"] == 64 and small["view1_cosine_loss"] != fit["view1_cosine_loss"]
     run = subprocess.run([sys.executable, "-m", "research", "pretrain", "fit", str(start), "--data", str(lfw),
                           "--cache", str(cache), "--sample", "16", "--limit", str(LIMIT), "--view1-limit", "10",
-                          "--threads", "1"],
+                          "--teacher-input", str(TEACHER_SIZE), "--threads", "1"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stdout + run.stderr
     # the same images and weights in another process (one thread: the convolutions' sums in another order, about
