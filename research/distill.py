@@ -537,11 +537,13 @@ STUDENT_RATE = {"none": 112, "dct": 441, "bottleneck": 18}
 
 def estimate_minutes(images: int, missing: int, recipe: Recipe, spec: ModelSpec) -> float:
     """A stated, rough time on this project's machines (2 cores), from rates measured there: the teacher 0.008 s an
-    image (decoding, dlib's alignment, the network ported to PyTorch), and STUDENT_RATE (other models: unknown,
-    scaled by input area only)."""
+    image (decoding, dlib's alignment, the network ported to PyTorch), rendering function matching's views 0.0008 s
+    each (57,224 in about 45 s; every run renders them, cached targets or not), and STUDENT_RATE (other models:
+    unknown, scaled by input area only)."""
     teacher = missing * 0.008   # an image or a view
+    rendering = images * recipe.views * 0.0008
     student = recipe.epochs * images / STUDENT_RATE.get(spec.release, STUDENT_RATE["none"]) * (spec.input_size / 64) ** 2
-    return (teacher + student) / 60
+    return (teacher + rendering + student) / 60
 
 
 def fit_release(args: argparse.Namespace, p: argparse.ArgumentParser) -> tuple[str, Mechanism]:
