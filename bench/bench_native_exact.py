@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     for label, runner, options in cases:
         report = run_native(runner, work, args.samples, (release, STRIP_RELEASE_INPUTS), runs=args.runs, warmup=1,
                             strips=True, **options)
-        rows.append({"case": label, "runner": str(runner), "release_compute_ms": report["forward_compute_ms"],
+        rows.append({"case": label, "runner": f"{runner.parent.name}/{runner.name}",   # the build, not the home dir
+                     "release_compute_ms": report["forward_compute_ms"],
                      "noise_ms": report["forward_noise_ms"]})
     saved = {"input_size": args.input_size, "samples": args.samples, "runs": args.runs, "warmup": 1,
              "exact": {"sigma2_steps": info["sigma2_steps"], "bound_steps": info["bound_steps"]},

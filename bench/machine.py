@@ -9,6 +9,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import splitface
+
 # the flags that choose a code path in the native runner, XNNPACK or oneDNN (x86: /proc/cpuinfo names; arm64: asimd)
 ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
              "amx_tile", "asimd", "asimdhp", "sve")
@@ -75,10 +77,10 @@ def revision() -> str:
 
 def record(build_flags: str | list[str] | None = None, cxx: str = "c++") -> dict:
     """The record a benchmark stores with its figures; call it again at the end for the load after. OpenMP's wait
-    policy decides whether torch's idle threads spin (splitface/__init__.py makes it passive)."""
+    policy, as this process's torch read it, decides whether its idle threads spin (splitface/__init__.py)."""
     return {"cpu": cpu(), "compiler": compiler(cxx), "build_flags": build_flags, "load_avg": list(os.getloadavg()),
             "platform": platform.platform(), "revision": revision(),
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (libgomp spins)")}
+            "omp_wait_policy": splitface.OPENMP_WAIT_POLICY or "libgomp's default (spins)"}
 
 
 def describe(rec: dict) -> str:

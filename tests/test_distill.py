@@ -167,12 +167,18 @@ def test_the_fit_command_measures_a_file_on_its_public_faces_and_on_view1(tmp_pa
     assert small["teacher_input"] == 64 and small["view1_cosine_loss"] != fit["view1_cosine_loss"]
     run = subprocess.run([sys.executable, "-m", "research", "pretrain", "fit", str(start), "--data", str(lfw),
                           "--cache", str(cache), "--sample", "16", "--limit", str(LIMIT), "--view1-limit", "10",
-                          "--teacher-input", str(TEACHER_SIZE), "--threads", "1"],
+                          "--threads", "1"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stdout + run.stderr
     # the same images and weights in another process (one thread: the convolutions' sums in another order, about
     # 1e-6 relative on each cosine), each figure rounded to 4 decimals: at most one rounding step apart
     assert json.loads(run.stdout) == pytest.approx(fit, abs=1e-4 + 1e-6)
+    run = subprocess.run([sys.executable, "-m", "research", "pretrain", "fit", str(start), "--data", str(lfw),
+                          "--cache", str(cache), "--sample", "16", "--limit", str(LIMIT), "--view1-limit", "10",
+                          "--teacher-input", "64", "--threads", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert json.loads(run.stdout) == pytest.approx(small, abs=1e-4 + 1e-6)
     # a file that records its cut and noise is measured with them: other options are refused, not silently used
     recorded = tmp_path / "recorded.pt"
     save_backbone(recorded, SPEC, build_backbone(SPEC), {"student": {"split": "conv1",

@@ -92,3 +92,7 @@ def test_a_fixed_alignment_cuts_every_face_where_the_averaged_landmarks_say(face
         DlibResNet(alignment="eyes")
     with pytest.raises(ValueError, match="for alignment='fixed'"):
         aligned.fix_alignment(images)
+    with pytest.raises(ValueError, match="at least one face"):
+        DlibResNet(alignment="fixed").fix_alignment(images[:0])
+    # another fit, another geometry, another name for its embeddings
+    assert DlibResNet(alignment="fixed").fix_alignment(images[1:2]).fingerprint != fixed.fingerprint

@@ -14,6 +14,8 @@ little either way. Needs the `audit` extra (`pip install -e .[audit]`).
 """
 from __future__ import annotations
 
+import hashlib
+
 import importlib.util
 import os
 from pathlib import Path
@@ -132,15 +134,21 @@ class DlibResNet:
         sees its face crops unaligned."""
         if self.alignment != "fixed":
             raise ValueError("fix_alignment is for alignment='fixed'")
+        if not len(images):
+            raise ValueError("fix_alignment needs at least one face to average the landmarks of")
         shapes = [self._landmarks(self._work_rgb(im)) for im in images]
         mean = np.array([[(s.part(i).x, s.part(i).y) for i in range(s.num_parts)] for s in shapes], float).mean(0)
+        points = [(round(x), round(y)) for x, y in mean]
         self.fixed_shape = self._dlib.full_object_detection(self._central_box(),
-                                                            [self._dlib.point(round(x), round(y)) for x, y in mean])
+                                                            [self._dlib.point(x, y) for x, y in points])
+        # another fit, another geometry: its embeddings under another name
+        self.fingerprint = f"w{self.work_size}-chip150-pad0.25-align-fixed-" + \
+            hashlib.sha256(repr(points).encode()).hexdigest()[:12]
         return self
 
     def chip(self, image: np.ndarray) -> np.ndarray:
         """One (3, H, W) image in [0, 1] -> dlib's 150 x 150 x 3 uint8 chip: aligned by its own landmarks, by
-        the fixed geometry, or (alignment "none") the work-size image itself, resized to 150."""
+        the fixed geometry, or (alignment "none") the image itself, resized to 150."""
         if self.alignment == "none":
             return self._work_rgb(image, 150)
         rgb = self._work_rgb(image)
