@@ -15,7 +15,6 @@ little either way. Needs the `audit` extra (`pip install -e .[audit]`).
 from __future__ import annotations
 
 import hashlib
-
 import importlib.util
 import os
 from pathlib import Path
