@@ -352,9 +352,8 @@ def compare_backends(lfw: str | None, out: Path, users: int = 24, rounds: int = 
     """The same run on the three backends; wall time of the rounds and bit-for-bit equality with in-process."""
     import tempfile
 
-    import ray
-
     from splitface.common.models import build_backbone
+    from splitface.sim.ray_placement import ray_session
     from splitface.server.auth import hash_token
     from research.federated import FederatedRun, in_process, load_population, virtual_clients
     from research.federated.ray_backend import ray_backend
@@ -386,11 +385,8 @@ def compare_backends(lfw: str | None, out: Path, users: int = 24, rounds: int = 
                 "max_abs_diff": max(float((ref[k].double() - v.double()).abs().max()) for k, v in models[name].items())}
 
         timed("in-process", in_process)
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        try:
+        with ray_session(None, num_cpus=2, log_to_driver=False):
             timed("ray", ray_backend)
-        finally:
-            ray.shutdown()
         tokens = {client_device_id(c): f"bench-token-{c}" for c in range(len(clients))}
         with hosted_rounds(spec, {d: hash_token(t) for d, t in tokens.items()}, Path(tmp) / "server") as backend:
             devices = launch_devices(backend.url, spec, [population.of_users(c) for c in clients],

@@ -10,6 +10,7 @@ import torch
 from splitface.common.models import ModelSpec, build_backbone
 from research.federated import FederatedConfig, FederatedRun, load_population
 from research.federated.ray_backend import ray_backend
+from splitface.sim.ray_placement import ray_session
 
 ray = pytest.importorskip("ray", reason="the Ray backend needs the `ray` extra (pip install splitface[ray])")
 
@@ -20,9 +21,8 @@ CONFIG = FederatedConfig(method="dp-fedemb", rounds=2, users_per_client=3, clien
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with ray_session(None, num_cpus=2, log_to_driver=False):   # the clients at the priority the command gives them
+        yield
 
 
 @pytest.mark.slow

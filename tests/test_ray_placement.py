@@ -23,7 +23,7 @@ import torch
 from splitface.sim.cli import main as sim_main
 from splitface.device.trainer import initial_layer
 from splitface.common.models import ModelSpec
-from splitface.sim.ray_placement import cpus_per_actor
+from splitface.sim.ray_placement import cpus_per_actor, ray_session
 from splitface.sim.simulator import batches_per_epoch, merge_results
 from tests.conftest import ROOT, TOKENS, serve_in_thread, small_trainer
 
@@ -37,9 +37,8 @@ PLACEMENT_KEYS = {"placement", "actors", "cpus_per_actor", "nodes", "niceness", 
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with ray_session(None, num_cpus=2, log_to_driver=False):   # the devices at the priority the command gives them
+        yield
 
 
 def sim_argv(lfw: Path, url: str, tokens: Path, results: Path, devices: int, lr: float) -> list[str]:

@@ -57,14 +57,10 @@ def backend_for(args: argparse.Namespace, shared: Shared, config: FederatedConfi
     if args.backend == "in-process":
         yield in_process
     elif args.backend == "ray":
-        import ray
-
         from research.federated.ray_backend import ray_backend
-        ray.init(address=args.ray_address, include_dashboard=False)
-        try:
+        from splitface.sim.ray_placement import ray_session
+        with ray_session(args.ray_address):
             yield ray_backend
-        finally:
-            ray.shutdown()
     else:
         from splitface.server.auth import issue_tokens, load_tokens
         from research.federated.websocket import client_device_id, hosted_rounds, launch_devices

@@ -47,22 +47,23 @@ class DeviceActor:
 
 
 @contextlib.contextmanager
-def ray_session(address: str | None) -> Iterator[None]:
-    """Ray for the placement: the caller's own if it has started it (a test's local instance); else joined at
-    `address` ('auto', or a cluster's HOST:PORT; None starts a local instance on this machine's cores) and shut
-    down afterwards."""
+def ray_session(address: str | None, **init: Any) -> Iterator[None]:
+    """Ray for workers that are devices or clients (this placement, the federated Ray backend, their tests): the
+    caller's own if it has started it; else joined at `address` ('auto', or a cluster's HOST:PORT; None starts a
+    local instance, `init` its options such as num_cpus) and shut down afterwards."""
     try:
         import ray
     except ImportError as exc:
-        raise SystemExit("--placement ray needs Ray: pip install 'splitface[ray]'") from exc
+        raise SystemExit("Ray is not installed: pip install 'splitface[ray]'") from exc
     if ray.is_initialized():
         yield
         return
     # Ray starts its workers at niceness 15 (its own processes stay responsive); here the workers are the devices,
     # which should compete for the CPU as local processes do: on this loaded 2-core machine they ran 3-8x slower
-    # per batch at 15 (results/ray_sim/). A cluster's own setting holds there (RAY_worker_niceness=0 ray start ...).
+    # per batch at 15 (results/ray_sim/), and a test's actors 7x slower beside the other test worker. A cluster's
+    # own setting holds there (RAY_worker_niceness=0 ray start ...).
     ray.init(address=address, include_dashboard=False,
-             **({"_system_config": {"worker_niceness": 0}} if address is None else {}))
+             **({"_system_config": {"worker_niceness": 0}} if address is None else {}), **init)
     try:
         yield
     finally:
