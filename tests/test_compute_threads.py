@@ -75,15 +75,17 @@ def openmp_spin_count(code: str, **env: str) -> int:
 def test_importing_splitface_before_torch_makes_openmps_idle_threads_sleep():
     """libgomp's default spins (300,000 turns); splitface's import makes it sleep at once (passive), unless the
     environment chose a policy."""
-    assert openmp_spin_count("") > 0   # what the import changes
+    default = openmp_spin_count("")
+    assert default > 0   # what the import changes
     assert openmp_spin_count("import splitface") == 0
-    assert openmp_spin_count("import splitface", OMP_WAIT_POLICY="ACTIVE") > openmp_spin_count("")
+    assert openmp_spin_count("import splitface", OMP_WAIT_POLICY="ACTIVE") > default
 
 
 @pytest.mark.slow  # a fresh interpreter per entry point, each loading torch
-@pytest.mark.parametrize("entry", ["research.frontier", "research.distill", "research.federated.__main__",
-                                   "bench.bench_native", "bench.load"])
+@pytest.mark.parametrize("entry", ["research.distill", "bench.load"])
 def test_the_research_and_bench_entry_points_load_torch_with_sleeping_threads(entry):
     """`python -m research.<x>` and `python -m bench.<x>` import their package first, which imports splitface before
-    the module's own `import torch`: these modules import torch ahead of splitface themselves."""
+    the module's own `import torch`: these modules import torch ahead of splitface themselves. One module of each
+    package: it is the package's import that does it (research.frontier, research.federated and bench.bench_native
+    were checked too in session 28, about 9 s of the suite each)."""
     assert openmp_spin_count(f"import {entry}") == 0
