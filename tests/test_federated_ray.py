@@ -12,7 +12,7 @@ from research.federated import FederatedConfig, FederatedRun, load_population
 from research.federated.ray_backend import ray_backend
 from splitface.sim.ray_placement import ray_session
 
-ray = pytest.importorskip("ray", reason="the Ray backend needs the `ray` extra (pip install splitface[ray])")
+pytest.importorskip("ray", reason="the Ray backend needs the `ray` extra (pip install splitface[ray])")
 
 TINY = ModelSpec("iresnet", 16, width=4, depth=18, embedding_size=16, dropout=0.0)
 CONFIG = FederatedConfig(method="dp-fedemb", rounds=2, users_per_client=3, clients_per_round=2.0, local_epochs=1,

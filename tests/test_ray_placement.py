@@ -27,7 +27,7 @@ from splitface.sim.ray_placement import cpus_per_actor, ray_session
 from splitface.sim.simulator import batches_per_epoch, merge_results
 from tests.conftest import ROOT, TOKENS, serve_in_thread, small_trainer
 
-ray = pytest.importorskip("ray", reason="the Ray placement needs the `ray` extra (pip install splitface[ray])")
+pytest.importorskip("ray", reason="the Ray placement needs the `ray` extra (pip install splitface[ray])")
 
 TINY = ModelSpec("iresnet", 16, width=4, depth=18, embedding_size=16, dropout=0.0)
 IDENTITIES = 4

@@ -2,7 +2,7 @@
 
 Each task (any method's) runs `tasks.run_task`, the in-process backend's function, with the same arguments and
 seeds, and the results come back in task order, so the round logic sees exactly what the in-process backend gives it.
-The caller starts Ray (`ray.init(...)`); the Ray workers need this project importable (it is installed in the
+The caller starts Ray (`splitface.sim.ray_placement.ray_session`, or its own `ray.init(...)`); the Ray workers need this project importable (it is installed in the
 environment, or shipped with a runtime_env).
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ def ray_backend(tasks: Sequence[Any]) -> list[Any]:
     if not tasks:
         return []
     if not ray.is_initialized():
-        raise RuntimeError("the Ray backend needs ray.init() first (e.g. ray.init(address='auto') on a cluster)")
+        raise RuntimeError("the Ray backend needs Ray started first (ray_session(None) for a local instance, or "
+                           "ray.init(address='auto') on a cluster)")
     remote = _remote()
     return list(ray.get([remote.remote(task) for task in tasks]))

@@ -9,7 +9,8 @@ Every actor loads its own share from `data`'s paths: on a cluster, every node ne
 this project installed (or importable by the same PYTHONPATH), and a route to the server's URL (a server on
 loopback is reachable from the local Ray instance only). The privacy state files (`state_dir`) and exported
 programs (`artifacts`) are written on the node that runs the device; the results and the devices' final layers
-come back and are written here. The caller starts Ray (`ray.init(...)`), as for the federated Ray backend.
+come back and are written here. The caller starts Ray (`ray_session`, or its own `ray.init(...)`), as for the
+federated Ray backend.
 """
 from __future__ import annotations
 
@@ -49,8 +50,9 @@ class DeviceActor:
 @contextlib.contextmanager
 def ray_session(address: str | None, **init: Any) -> Iterator[None]:
     """Ray for workers that are devices or clients (this placement, the federated Ray backend, their tests): the
-    caller's own if it has started it; else joined at `address` ('auto', or a cluster's HOST:PORT; None starts a
-    local instance, `init` its options such as num_cpus) and shut down afterwards."""
+    caller's own if it has started it (`init` then does nothing); else joined at `address` ('auto', or a cluster's
+    HOST:PORT) or, with None, a new local instance with `init`'s options (num_cpus, log_to_driver, ...), shut down
+    afterwards."""
     try:
         import ray
     except ImportError as exc:
@@ -60,10 +62,12 @@ def ray_session(address: str | None, **init: Any) -> Iterator[None]:
         return
     # Ray starts its workers at niceness 15 (its own processes stay responsive); here the workers are the devices,
     # which should compete for the CPU as local processes do: on this loaded 2-core machine they ran 3-8x slower
-    # per batch at 15 (results/ray_sim/), and a test's actors 7x slower beside the other test worker. A cluster's
-    # own setting holds there (RAY_worker_niceness=0 ray start ...).
-    ray.init(address=address, include_dashboard=False,
-             **({"_system_config": {"worker_niceness": 0}} if address is None else {}), **init)
+    # per batch at 15 (results/ray_sim/), and the tests' actors starved beside the other test worker. A cluster's
+    # own setting holds there (RAY_worker_niceness=0 ray start ...). "local": a new instance even where RAY_ADDRESS
+    # or a `ray start` on this machine would be joined (which refuses a _system_config).
+    local = address is None
+    ray.init(**{"include_dashboard": False, **init, "address": "local" if local else address,
+                **({"_system_config": {"worker_niceness": 0}} if local else {})})
     try:
         yield
     finally:
@@ -84,7 +88,8 @@ def simulate_on_ray(config: SimConfig, data: DataSplit, tokens: dict[str, str], 
     import ray  # optional extra: `pip install splitface[ray]`
 
     if not ray.is_initialized():
-        raise RuntimeError("the Ray placement needs ray.init() first (e.g. ray.init(address='auto') on a cluster)")
+        raise RuntimeError("the Ray placement needs Ray started first (ray_session(None) for a local instance, or "
+                           "ray.init(address='auto') on a cluster)")
     if devices_per_actor < 1:
         raise ValueError(f"devices_per_actor must be at least 1, not {devices_per_actor}")
     here = config.devices_here()
