@@ -2,8 +2,8 @@
 
 Each task (any method's) runs `tasks.run_task`, the in-process backend's function, with the same arguments and
 seeds, and the results come back in task order, so the round logic sees exactly what the in-process backend gives it.
-The caller starts Ray (`splitface.sim.ray_placement.ray_session`, or its own `ray.init(...)`); the Ray workers need this project importable (it is installed in the
-environment, or shipped with a runtime_env).
+The caller starts Ray (`splitface.sim.ray_placement.ray_session`, or its own `ray.init(...)`); the Ray workers need
+this project importable (it is installed in the environment, or shipped with a runtime_env).
 """
 from __future__ import annotations
 
