@@ -29,6 +29,7 @@ import os
 import platform
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -126,16 +127,17 @@ def retime(binary: Path, work: Path, samples: int, config: dict, result: dict, r
 
 
 def measure(binary: Path, work: Path, layer: torch.nn.Module, tensors: dict, want: tuple, config: dict,
-            runs: int, warmup: int) -> dict:
+            runs: int, warmup: int, normals: Callable[[bytes, int], np.ndarray] = reference_normals) -> dict:
     """One configuration: checked against eager PyTorch, then timed. config: programs (a folder), strips,
-    draw (whether the runner draws the noise)."""
+    draw (whether the runner draws the noise). `normals`: the float64 reference of what the runner draws under
+    a key (another revision's runner may draw other normals: bench/native_revisions.py)."""
     samples = len(tensors["images"])
     draw = config["draw"]
     release, grad, run = programs_of(config)
     if draw:  # the check: a known key, whose normals eager PyTorch gets as its noise
         key = os.urandom(32)
         (work / "check.key").write_bytes(key)
-        noise = NOISE_STD * torch.from_numpy(reference_normals(key, tensors["noise"].numel())).float()
+        noise = NOISE_STD * torch.from_numpy(normals(key, tensors["noise"].numel())).float()
         want = reference(layer, tensors["images"], noise.reshape(tensors["noise"].shape), tensors["grad"],
                          [tensors["weight"], tensors["bias"]])
         release_err, grad_err = errors(run_native(binary, work, samples, release, grad, runs=1, warmup=0,

@@ -6,9 +6,9 @@ from two runs on a shared machine differ by more than such a change (docs/device
 sources (`git archive`) are built with CMake as the runner is, and its strip programs are exported by its own
 `splitface` package (what a strip program computes may change with the runner: since the LRN moved into the
 runner, the release program stops at the LRN's input). Every build is checked against eager PyTorch on the
-noise that it draws under a known key, then each strip height's release with drawn noise is timed: the release's
-compute, the part of it drawing and adding the noise, and the rest (the conv, ReLU and LRN); and the weight
-gradient of the same batch.
+noise that it draws under a known key (as its own revision's reference computes that noise), then each strip
+height's release with drawn noise is timed: the release's compute, the part of it drawing and adding the noise,
+and the rest (the conv, ReLU and LRN); and the weight gradient of the same batch.
 
     python -m bench.native_revisions --revisions 649b726 HEAD   # writes results/bench_native_revisions.{json,txt}
 """
@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +48,13 @@ for lrn in (m for m in layer.modules() if isinstance(m, PaperLRN)):
     lrn.input_max = 1.0
 write_strip_ptes(layer, rows, size, out)
 """
+# Run the same way: the revision's own float64 reference of the normals its runner draws under a key (the float
+# noise's cipher changed at issue 30's fourth pass: ChaCha20, then ChaCha8), saved as .npy.
+NORMALS = """
+import sys, numpy as np
+from splitface.device.runtimes.native import reference_normals
+np.save(sys.argv[3], reference_normals(bytes.fromhex(sys.argv[1]), int(sys.argv[2])))
+"""
 
 
 def build_revision(revision: str, work: Path) -> tuple[str, Path, Path]:
@@ -65,6 +73,16 @@ def export_revision(source: Path, model: str, size: int, rows: int, out: Path) -
     subprocess.run([sys.executable, "-c", EXPORT, model, str(size), str(rows), str(out)], check=True, cwd=source,
                    env={**os.environ, "PYTHONPATH": str(source)}, capture_output=True)  # -c puts the cwd first
     return out
+
+
+def revision_normals(source: Path, work: Path) -> Callable[[bytes, int], np.ndarray]:
+    """`reference_normals` as the revision in `source` defines it."""
+    def normals(key: bytes, n: int) -> np.ndarray:
+        out = work / f"normals-{source.name}.npy"
+        subprocess.run([sys.executable, "-c", NORMALS, key.hex(), str(n), str(out)], check=True, cwd=source,
+                       env={**os.environ, "PYTHONPATH": str(source)}, capture_output=True)
+        return np.load(out)
+    return normals
 
 
 def table(saved: dict) -> str:
@@ -115,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         for revision, commit, binary, source in builds:
             programs = export_revision(source, args.model, args.input_size, r, work / f"{commit[:12]}-s{r}")
             config = {"label": f"{r} rows", "strips": True, "draw": True, "programs": programs}
-            rows.append({**measure(binary, work, layer, tensors, want, config, args.runs, args.warmup),
+            rows.append({**measure(binary, work, layer, tensors, want, config, args.runs, args.warmup,
+                                   normals=revision_normals(source, work)),
                          "revision": revision, "commit": commit, "binary": binary, "config": config})
     for _ in range(args.rounds - 1):
         for row in rows:

@@ -2,7 +2,7 @@
 // bench/noise_isa.py for one ISA path, and dumps what it draws for the tests:
 //   noise_isa <key: 64 hex digits> <values> <repetitions> [dump file]
 // prints {"ms_min": .., "ns_per_value": .., "keystream_ms_min": ..}; the last (with SPLITFACE_FORCE_LANES, else -1):
-// the ChaCha20 keystream alone that those values consume (4 bytes a value), made W blocks at a time in registers
+// the ChaCha8 keystream alone that those values consume (4 bytes a value), made W blocks at a time in registers
 // as the draw makes it, and folded by XOR instead of turned into normals; the dump holds the first `values` normals
 // as float32, then the keystream's first 4 groups of 16 blocks (chacha20_blocks, what the exact noise reads) as
 // bytes.
@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "chacha20.h"
-#include "chacha20_lanes.h"
+#include "chacha_lanes.h"
 #include "gaussian_noise.h"
 
 #ifdef SPLITFACE_FORCE_LANES
@@ -23,7 +23,7 @@ static double keystream_ms(const splitface::NoiseKey& key, size_t n, uint32_t& s
   V acc{}, x[16];
   auto t0 = std::chrono::steady_clock::now();
   for (uint64_t block = 0; block < (4 * n + 63) / 64; block += W) {
-    splitface::lanes::chacha20_lanes<W>(key, block, x);
+    splitface::lanes::chacha_lanes<W, splitface::kNoiseRounds>(key, block, x);
     for (int j = 0; j < 16; ++j) acc ^= x[j];
   }
   double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();

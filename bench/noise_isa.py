@@ -1,6 +1,6 @@
 """The native runner's noise generator on each x86 vector path, side by side in one run.
 
-The generator runs ChaCha20 on W lanes at once; its 16-vector state must stay in registers through the rounds
+The generator runs ChaCha8 on W lanes at once; its 16-vector state must stay in registers through the rounds
 (splitface/device/runtimes/native/chacha20_lanes.h). Until this benchmark it used 16 lanes on every path, which fits
 AVX-512's 32 zmm registers but needs 32 of AVX2's 16 ymm ones: GCC spilled the state every round, and an AVX2
 machine drew the release's noise 6-7x slower than the AVX-512 machine that measured the committed figures. Now
@@ -10,10 +10,10 @@ build (function multiversions: what this CPU picks at load time), and times them
 that a change of load hits them all:
 - in cache: 65,536 values, the minimum of many repetitions (the kernel's own speed, ns per value);
 - the release: VGG-Face conv1's output at 224 px, batch 8 (25,690,112 values), the minimum of a few, and of it
-  the ChaCha20 keystream alone (the 4 bytes a value that the draw consumes, made in registers at the path's
+  the ChaCha8 keystream alone (the 4 bytes a value that the draw consumes, made in registers at the path's
   width as the draw makes it, folded by XOR instead of turned into normals; the rows of a forced width only);
 - for scale, OpenSSL's ChaCha20 and AES-128-CTR (`openssl speed`, its hand-written assembly for this CPU) on
-  the same number of bytes: how far a faster keystream could take the draw.
+  the same number of bytes (the generator ran ChaCha20 until issue 30's fourth pass; docs/noise.md).
 Every path's normals equal the float64 reference (tests/test_native.py checks it); rows this CPU cannot run
 are left out and named.
 
@@ -52,7 +52,7 @@ PATHS = [
 ]
 
 
-KEYSTREAM_BYTES = 4 * 64 * 16  # what the harness dumps after the normals: 4 groups of 16 ChaCha20 blocks
+KEYSTREAM_BYTES = 4 * 64 * 16  # what the harness dumps after the normals: 4 groups of 16 ChaCha20 blocks (exact)
 
 
 def build(march: str | None, width: int | None, out: Path, cxx: str = CXX) -> Path:
@@ -98,10 +98,10 @@ def runnable(isa: list[str]) -> list[tuple[str, str | None, int | None, str | No
 
 def table(saved: dict) -> str:
     base = saved["rows"][0]
-    lines = [f"Native noise generator (ChaCha20 + Box-Muller, float32), one thread, side by side in one run, "
+    lines = [f"Native noise generator (ChaCha8 + Box-Muller, float32), one thread, side by side in one run, "
              f"{saved['rounds']} rounds interleaved; minimum over runs. Machine: {describe(saved['machine'])} "
              f"(load {saved['load_after'][0]:.1f} after).", "",
-             "| path | -march | lanes | in cache: ns/value | release of 25.7M values: ms | of it, the ChaCha20 "
+             "| path | -march | lanes | in cache: ns/value | release of 25.7M values: ms | of it, the ChaCha8 "
              "keystream alone: ms | vs the first row |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for r in saved["rows"]:

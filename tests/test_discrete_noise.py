@@ -1,4 +1,5 @@
-"""The noise options: the fast ChaCha20 stream refuses chosen seeds and draws exact uniform integers;
+"""The noise options: the fast ChaCha20 stream refuses chosen seeds and draws exact uniform integers (and the
+numpy ChaCha of any round count, the native float noise's reference, is ChaCha20 and ChaCha8 as published);
 the discrete Gaussian matches its law (variance and tails) and runs in integers after quantisation and
 an exactly checked per-image clip; its DP statement is rho-zCDP in quantised units, converted by
 dp_accounting, between the continuous Gaussian's exact curve and Bun & Steinke's bound."""
@@ -18,7 +19,7 @@ from dp_accounting.privacy_accountant import NeighboringRelation
 from splitface.device.privacy import discrete
 from splitface.common.accountants.ledger import epsilon_of
 from splitface.device.privacy.discrete import (DiscreteGaussian, DiscreteGaussianMechanism, clip_quantise, squared_norms)
-from splitface.device.privacy.fastnoise import NoiseStream, fresh_key, gaussian
+from splitface.device.privacy.fastnoise import NoiseStream, chacha_words, fresh_key, gaussian
 import msgpack
 
 from splitface.protocol.client_session import ClientSession
@@ -36,6 +37,26 @@ def test_stream_refuses_chosen_seeds_and_keys_differ():
     assert NoiseStream(KEY).random_bytes(64) == NoiseStream(KEY).random_bytes(64)  # replayable from its key
     assert NoiseStream(KEY).random_bytes(64) != NoiseStream(KEY, counter=1).random_bytes(64)
     assert NoiseStream(KEY, counter=1).random_bytes(64) == NoiseStream(KEY).random_bytes(128)[64:]  # counter-based
+
+
+def test_chacha_words_is_chacha20_at_20_rounds_and_the_published_chacha8_at_8():
+    """The numpy ChaCha that the native runner's ChaCha8 noise is held to: at 20 rounds it is the `cryptography`
+    package's ChaCha20 (RFC 8439, nonce zero) from any block on; at 8 it gives the published ChaCha8 keystream
+    (draft-strombergson-chacha-test-vectors, TC1: key and IV zero, its first two blocks); the block counter does
+    not wrap at 2^32 (its high half is word 13)."""
+    for first, blocks in ((0, 20), (7, 3)):
+        assert chacha_words(KEY, first, blocks, 20).astype("<u4").tobytes() == \
+            NoiseStream(KEY, counter=first).random_bytes(64 * blocks)
+    tc1 = ("3e00ef2f895f40d67f5bb8e81f09a5a12c840ec3ce9a7f3b181be188ef711a1e"
+           "984ce172b9216f419f445367456d5619314a42a3da86b001387bfdb80e0cfe42"
+           "d2aefa0deaa5c151bf0adb6c01f2a5adc0fd581259f9a2aadcf20f8fd566a26b"
+           "5032ec38bbc5da98ee0c6f568b872a65a08abf251deb21bb4b56e5d8821e68aa")
+    assert chacha_words(bytes(32), 0, 2, 8).astype("<u4").tobytes().hex() == tc1
+    assert not np.array_equal(chacha_words(KEY, 2**32, 1, 8), chacha_words(KEY, 0, 1, 8))  # no 32-bit wrap
+    with pytest.raises(ValueError, match="even"):
+        chacha_words(KEY, 0, 1, 7)
+    with pytest.raises(ValueError, match="32 bytes"):
+        chacha_words(b"short", 0, 1, 8)
 
 
 @pytest.mark.parametrize("bound", [1, 3, 10, 2**33 + 1])

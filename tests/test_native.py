@@ -1,8 +1,9 @@
 """The native device runner (splitface/device/runtimes/native): built with CMake against the executorch wheel's
 C++ runtime, it links no libtorch, and its release and summed weight gradient over chunks of batch-1 and
 batch-2 programs, and over the strips of each image with the strip programs, equal eager PyTorch. The noise
-it draws is ChaCha20's keystream (checked against the `cryptography` package's) through Box-Muller, Gaussian,
-and under a fresh key per release unless a key file is given. Bad inputs stop it with a message naming the
+it draws is ChaCha8's keystream (checked against `fastnoise.chacha_words`, itself checked against the
+`cryptography` package's ChaCha20 and published ChaCha8 vectors) through Box-Muller, Gaussian, and under a fresh
+key per release unless a key file is given. Bad inputs stop it with a message naming the
 file. Without cmake or a C++ compiler the build fails with a message (it is not skipped). The same runner
 cross-built for arm64 (against ExecuTorch's aarch64 wheel, which scripts/setup_arm64.sh unpacks) passes every one of
 these runner tests under qemu-user, and its JNI library exports what the host's does.
@@ -193,9 +194,9 @@ def test_strip_runner_with_drawn_noise_matches_eager(native):
 
 
 @pytest.mark.slow
-def test_native_noise_is_keyed_chacha20_box_muller_and_fresh_per_release(native):
+def test_native_noise_is_keyed_chacha8_box_muller_and_fresh_per_release(native):
     """Zero weights make the release the noise itself: sigma z with z the key's normals, equal to the float64
-    reference from `cryptography`'s ChaCha20 keystream, distributed as N(0, 1); without a key file every
+    reference from the numpy ChaCha8 keystream (`fastnoise.chacha_words`), distributed as N(0, 1); without a key file every
     release draws a fresh key, so two releases of the same images share no noise."""
     _, layer, _, root = native
     work = root / "noise-io"
@@ -221,9 +222,9 @@ def test_native_noise_is_keyed_chacha20_box_muller_and_fresh_per_release(native)
 
 @pytest.mark.slow  # six small g++ builds
 def test_every_vector_path_draws_the_reference_normals(tmp_path):
-    """The noise generator's lane width differs per ISA (16 AVX-512, 8 AVX2, 4 SSE2; chacha20_lanes.h) and the
+    """The noise generator's lane width differs per ISA (16 AVX-512, 8 AVX2, 4 SSE2; chacha_lanes.h) and the
     multiversioned build picks one at load time: every path this CPU can run, the old 16-lane ones included,
-    gives the key's normals, equal to the float64 reference from `cryptography`'s ChaCha20 keystream (within
+    gives the key's normals, equal to the float64 reference from the numpy ChaCha8 keystream (within
     the float32 polynomials' error, as the runner's own test), and the paths differ from each other by at most
     that much (baseline x86-64 has no FMA, so its roundings may differ in the last bits)."""
     from bench import noise_isa
@@ -237,7 +238,7 @@ def test_every_vector_path_draws_the_reference_normals(tmp_path):
 @pytest.mark.slow  # a cross build and a run under qemu-user
 def test_arm64_noise_is_neon_and_draws_the_reference_normals_under_qemu(tmp_path):
     """The same sources built for arm64 by Debian's cross compiler (scripts/setup_arm64.sh installs it and qemu-user)
-    compile to NEON (4 lanes: chacha20_lanes.h) and, run under qemu-aarch64, draw the key's normals and
+    compile to NEON (4 lanes: chacha_lanes.h) and, run under qemu-aarch64, draw the key's normals and
     keystream as on x86 (the whole runner's arm64 build: the `native` fixture's second parameter)."""
     from bench import noise_isa
     binary = noise_isa.build(None, None, tmp_path / "noise-arm64", cxx=noise_isa.ARM64_CXX)
@@ -330,7 +331,7 @@ def test_arm64_build_is_arm64_code_with_the_jni_entry_points_of_the_host_build(b
 
 def check_noise_dump(noise_isa, binary: Path, dump: Path, label: str) -> None:
     """The harness's normals equal the float64 reference (the float32 polynomials' error, as the runner's own
-    test) and its keystream equals `NoiseStream`'s bytes exactly."""
+    test) and its ChaCha20 keystream (the exact option's buffer) equals `NoiseStream`'s bytes exactly."""
     n = 3 * 256 + 37  # whole groups and a part of one
     noise_isa.run(binary, n, 1, dump)
     z, keystream = noise_isa.read_dump(dump, n)
@@ -642,7 +643,7 @@ def test_native_backend_exact_release_is_keyed_and_trains_like_eager(tmp_path):
 
 @pytest.mark.slow  # builds the runner (into the per-user cache) and lowers two strip programs
 def test_native_backend_draws_the_engines_noise_under_the_release_key(tmp_path):
-    """The float option in the runner: a keyed release is eager PyTorch's plus std times the key's ChaCha20 +
+    """The float option in the runner: a keyed release is eager PyTorch's plus std times the key's ChaCha8 +
     Box-Muller normals (the float64 reference), repeated exactly on a replay and different under another key;
     std 0 adds nothing. Through the engine, the release's key is the engine's per-release key, a re-sent release
     is bit-identical and counted once, the accountant's figures are the eager engine's, and the step equals

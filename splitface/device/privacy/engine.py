@@ -129,8 +129,9 @@ class PrivacyEngine:
         return noise_generator(self.secret, RELEASE_KINDS[kind], *numbers, *((f"attempt{attempt}",) if attempt else ()))
 
     def stream_key(self, generator: torch.Generator) -> bytes:
-        """The ChaCha20 key (fastnoise.NoiseStream) of the release whose keyed generator this is: blake2b-256 of
-        the secret (256 bits from the OS CSPRNG) and the generator's seed (itself keyed by release and attempt).
+        """The ChaCha key of the release whose keyed generator this is (for the native runner's ChaCha8 float noise
+        and the exact option's ChaCha20 `fastnoise.NoiseStream`): blake2b-256 of the secret (256 bits from the OS
+        CSPRNG) and the generator's seed (itself keyed by release and attempt).
         A re-sent release gets its key again; the server cannot derive any key without the secret."""
         material = f"{self.secret:x}:{generator.initial_seed()}".encode()
         return hashlib.blake2b(material, digest_size=KEY_BYTES, person=b"splitface-noise").digest()

@@ -90,6 +90,39 @@ class NoiseStream:
         return out
 
 
+def chacha_words(key: bytes, first: int, blocks: int, rounds: int) -> np.ndarray:
+    """Keystream blocks first .. first + blocks - 1 of ChaCha with `rounds` rounds under `key`, as (blocks, 16)
+    uint32 words, in RFC 8439's layout with the nonce zero (the block counter's low and high halves in words 12
+    and 13): at 20 rounds `NoiseStream`'s bytes, at 8 the native runner's float noise (gaussian_noise.h).
+
+    Plain numpy, vectorised over blocks: a reference for the tests and benchmarks, independent of the runner's
+    C++; `cryptography` offers no round count but 20."""
+    if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
+        raise ValueError(f"the key must be {KEY_BYTES} bytes, not {type(key).__name__}")
+    if rounds <= 0 or rounds % 2:
+        raise ValueError(f"ChaCha's rounds come in column + diagonal pairs: a positive even number, not {rounds}")
+    counter = np.arange(first, first + blocks, dtype=np.uint64)
+    state = np.empty((16, blocks), dtype=np.uint32)
+    state[:4] = np.array([0x61707865, 0x3320646E, 0x79622D32, 0x6B206574], dtype=np.uint32)[:, None]
+    state[4:12] = np.frombuffer(bytes(key), dtype="<u4")[:, None]
+    state[12], state[13] = counter & np.uint64(0xFFFFFFFF), counter >> np.uint64(32)
+    state[14:] = 0
+    x = state.copy()
+
+    def quarter(a: int, b: int, c: int, d: int) -> None:
+        for p, q, r, shift in ((a, b, d, 16), (c, d, b, 12), (a, b, d, 8), (c, d, b, 7)):
+            x[p] += x[q]
+            v = x[r] ^ x[p]
+            x[r] = (v << np.uint32(shift)) | (v >> np.uint32(32 - shift))
+
+    for _ in range(rounds // 2):
+        for column in range(4):
+            quarter(column, 4 + column, 8 + column, 12 + column)
+        for diagonal in range(4):
+            quarter(diagonal, 4 + (diagonal + 1) % 4, 8 + (diagonal + 2) % 4, 12 + (diagonal + 3) % 4)
+    return (x + state).T.copy()
+
+
 def gaussian(shape: tuple[int, ...] | torch.Size, stream: NoiseStream) -> torch.Tensor:
     """Standard normal float32 values by Box-Muller on 23-bit uniforms from the stream: fast, vectorised
     (multi-threaded by torch), but a floating-point sampler, not an exact one."""

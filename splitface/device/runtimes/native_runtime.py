@@ -5,7 +5,7 @@ as a phone app would link it.
 One runner process per runtime (`StripServer`) keeps the strip programs (`splitface.export.artifacts.write_strip_ptes`,
 4 image rows per call) loaded and answers a request per batch; the weights are program inputs written with
 every request, so each step's weights are the ones used. The engine's releases are drawn in the runner
-(`keyed_release`): N(0, std^2) per value from ChaCha20 + Box-Muller under the engine's per-release key
+(`keyed_release`): N(0, std^2) per value from ChaCha8 + Box-Muller under the engine's per-release key
 (`PrivacyEngine.stream_key`, given with each request), added to each strip while it is in cache, so that no
 100 MB noise tensor is drawn by torch and passed through a file, and a replayed release under the same key is
 bit-identical (the accountant counts it once). Never a fresh OS key here: that noise would differ on a replay

@@ -14,7 +14,7 @@ build under qemu-user), driven by `run_native` (one batch per process: the bench
 process that keeps the strip programs loaded and answers a request per batch: the `native` backend,
 `splitface/device/runtimes/native_runtime.py`), and measured by `bench/bench_native.py`. Its fast path is the strip programs (`splitface.export.artifacts.export_strip_ptes`): each image cut into
 strips of a few rows so that XNNPACK's passes stay in cache, and the release's noise drawn by the runner
-(ChaCha20 + Box-Muller, `gaussian_noise.h`; `reference_normals` is its float64 reference).
+(ChaCha8 + Box-Muller, `gaussian_noise.h`; `reference_normals` is its float64 reference).
 """
 from __future__ import annotations
 
@@ -149,13 +149,17 @@ def jni_library(arm64: bool = False) -> Path:
     return library
 
 
+NOISE_ROUNDS = 8  # ChaCha8: the runner's float noise (gaussian_noise.h's kNoiseRounds; docs/noise.md says why)
+
+
 def reference_normals(key: bytes, n: int) -> np.ndarray:
     """The first `n` normals the runner draws under `key` (gaussian_noise.h's mapping), in float64 from
-    `fastnoise.NoiseStream`'s ChaCha20 keystream: what the tests hold the native generator to."""
-    from splitface.device.privacy.fastnoise import NoiseStream
+    `fastnoise.chacha_words`'s ChaCha8 keystream: what the tests hold the native generator to."""
+    from splitface.device.privacy.fastnoise import chacha_words
 
     groups = -(-n // 256)
-    words = NoiseStream(key).words32(256 * groups).reshape(groups, 16, 16)  # (group, block = lane, word)
+    words = chacha_words(key, 0, 16 * groups, NOISE_ROUNDS).astype(np.uint64)
+    words = words.reshape(groups, 16, 16)  # (group, block = lane, word)
     u = ((words[:, :, 0::2] >> 8) + 1) / 2.0**24
     theta = 2 * np.pi * (words[:, :, 1::2] >> 8) / 2.0**24
     radius = np.sqrt(-2 * np.log(u))
@@ -187,7 +191,7 @@ def run_native(binary: Path, workdir: Path, samples: int, release: tuple[Path, l
     float32 in the release program's per-sample shape) and "grads" (the summed gradient outputs).
 
     `strips`: the programs are strip programs (`export_strip_ptes`), run strip by strip over each image.
-    `noise_std`: the runner draws the release's noise, N(0, noise_std^2) from ChaCha20 under a fresh key
+    `noise_std`: the runner draws the release's noise, N(0, noise_std^2) from ChaCha8 under a fresh key
     from the OS CSPRNG per release, or under the 32 bytes in `noise_key` (tests only). `exact`: the discrete
     Gaussian option instead, (sigma^2 in steps^2 as "P/Q", step, clip norm in steps) as
     `DiscreteGaussianMechanism.describe` gives them; "release" is then the int8 integers. `etdump`: a path
@@ -249,7 +253,7 @@ class StripServer:
     loaded twice. The release's noise is read from the file the caller wrote (`--noise-in`), never drawn.
     `weights`: the input names of the programs' weights, after the images (and the gradient).
 
-    `noise_std`: the runner draws each release's noise instead, N(0, noise_std^2) per value from ChaCha20 +
+    `noise_std`: the runner draws each release's noise instead, N(0, noise_std^2) per value from ChaCha8 +
     Box-Muller under the key the caller gives with the request (`keyed_release`; a key file in the scratch
     directory, removed by the runner once read); 0 adds none. `exact`: the exact option instead, (sigma^2 in
     steps^2 as "P/Q", step, clip norm in steps) as `run_native` takes it: each release (`exact_release`) is

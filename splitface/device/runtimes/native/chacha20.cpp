@@ -1,9 +1,9 @@
-// See chacha20.h: the W-lane block function (chacha20_lanes.h), its lanes stored back in stream order.
+// See chacha20.h: the W-lane block function at 20 rounds (chacha_lanes.h), its lanes stored back in stream order.
 #include "chacha20.h"
 
 #include <cstring>
 
-#include "chacha20_lanes.h"
+#include "chacha_lanes.h"
 
 namespace splitface {
 
@@ -16,7 +16,7 @@ __attribute__((always_inline)) inline void blocks_w(const NoiseKey& key, uint64_
   uint32_t words[16 * kChachaLanes];
   for (int h = 0; h < kChachaLanes; h += W) {
     typename lanes::Vec<W>::u32 x[16];
-    lanes::chacha20_lanes<W>(key, first + static_cast<uint64_t>(h), x);
+    lanes::chacha_lanes<W, 20>(key, first + static_cast<uint64_t>(h), x);
     for (int l = 0; l < W; ++l) {  // the transpose: block h + l is lane l of each word
       for (int j = 0; j < 16; ++j) words[16 * (h + l) + j] = x[j][l];
     }

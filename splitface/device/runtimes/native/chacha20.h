@@ -1,6 +1,7 @@
 // ChaCha20's keystream (RFC 8439: block counter in word 12, its high half in word 13, nonce words zero), the
-// stream `splitface.device.privacy.fastnoise.NoiseStream(key)` reads, 16 blocks at a time. The vectorised block
-// function itself is in chacha20_lanes.h, for code that consumes the lanes in registers (gaussian_noise.cpp).
+// stream `splitface.device.privacy.fastnoise.NoiseStream(key)` reads, 16 blocks at a time: the exact noise's
+// uniform integers (discrete_gaussian.cpp). The vectorised block function itself is in chacha_lanes.h, for code
+// that consumes the lanes in registers (gaussian_noise.cpp, whose float noise runs it at 8 rounds).
 #pragma once
 
 #include <array>

@@ -1,4 +1,4 @@
-// ChaCha20 + Box-Muller on W lanes at once (W ChaCha blocks side by side, chacha20_lanes.h) with GCC/Clang
+// ChaCha8 + Box-Muller on W lanes at once (W ChaCha blocks side by side, chacha_lanes.h) with GCC/Clang
 // vector extensions: 16 lanes on AVX-512, 8 on AVX2, 4 on SSE2, picked at load time on x86 (function
 // multiversions), 4 on NEON at build time; the lanes go from ChaCha's registers straight into Box-Muller, and the
 // normals straight into the sum with the release. log, sin and cos are Cephes' float polynomials (about 1 ulp on
@@ -14,7 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "chacha20_lanes.h"
+#include "chacha_lanes.h"
 
 namespace splitface {
 namespace {
@@ -84,7 +84,7 @@ __attribute__((always_inline)) inline void group_add_w(const NoiseKey& key, uint
   using f32v = typename lanes::Vec<W>::f32;
   for (int h = 0; h < kLanes; h += W) {
     typename lanes::Vec<W>::u32 x[16];
-    lanes::chacha20_lanes<W>(key, block + static_cast<uint64_t>(h), x);
+    lanes::chacha_lanes<W, kNoiseRounds>(key, block + static_cast<uint64_t>(h), x);
     for (int p = 0; p < 8; ++p) {
       f32v z[2];
       box_muller<W>(x[2 * p], x[2 * p + 1], z[0], z[1]);

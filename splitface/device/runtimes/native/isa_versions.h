@@ -1,5 +1,5 @@
 // SPLITFACE_ISA_VERSIONS: one definition per x86 ISA, picked at load time, for the runner's vector loops (the
-// noise's ChaCha20 lanes, chacha20_lanes.h; the strip layer's LRN, lrn.cpp).
+// noise's ChaCha lanes, chacha_lanes.h; the strip layer's LRN, lrn.cpp).
 #pragma once
 
 // SPLITFACE_ISA_VERSIONS(ret, name, params, call): defines `ret name params` once per ISA, each version's body

@@ -23,7 +23,7 @@
 // of the programs fits in the core's cache; between the programs it applies the LRN to each strip and, for the
 // weight gradient, makes the conv's gradient from each strip's rows of the server's gradient (strip_layer.h). The
 // images' height comes from the file's size, the strip's rows and width from the program's output.
-// --noise-std S: the runner draws the release's noise itself, N(0, S^2) per value from ChaCha20 under a fresh
+// --noise-std S: the runner draws the release's noise itself, N(0, S^2) per value from ChaCha8 under a fresh
 // key from the OS CSPRNG per release (gaussian_noise.h); with --strips it is added to each strip's output
 // while that is in cache, otherwise it fills the program's input named "noise". --noise-key K: a 32-byte key
 // file instead (tests and replays only). Without --noise-std a "noise" input is read from its file.
@@ -45,7 +45,7 @@
 //   splitface_native --serve --strips --dir D --noise-std S --noise-key K ...
 //   splitface_native --serve --strips --dir D --noise-discrete P/Q --quant-step S --clip-steps B --noise-key K ...
 //
-// --serve with drawn noise (the float option, or the exact one): each release's ChaCha20 key is the caller's
+// --serve with drawn noise (the float option, or the exact one): each release's ChaCha key is the caller's
 // (its per-release key), read from the file K the caller wrote for that request and removed once read; never
 // a fresh OS key, so a replayed release under the same key repeats its noise exactly. The exact option writes
 // D/release.i8. The output file is rewritten in place, not truncated, so its pages stay allocated between requests.

@@ -1,5 +1,6 @@
-// ChaCha20 on W lanes at once (W blocks side by side) with GCC/Clang vector extensions, shared by the float noise
-// (gaussian_noise.cpp, which turns the lanes into normals in registers) and the keystream buffer (chacha20.cpp).
+// ChaCha on W lanes at once (W blocks side by side) with GCC/Clang vector extensions, shared by the float noise
+// (gaussian_noise.cpp: ChaCha8, its lanes turned into normals in registers) and the exact noise's keystream buffer
+// (chacha20.cpp: ChaCha20). The rounds are a template parameter; everything else is RFC 8439's block function.
 //
 // The lane width follows the register file, because ChaCha's state is 16 vectors that must stay in registers
 // through the 20 rounds: with W lanes of 32 bits a vector is 4W bytes, and 16 of them fit
@@ -20,8 +21,6 @@
 namespace splitface {
 namespace lanes {
 
-constexpr int kRounds = 20;  // ChaCha20
-
 // W lanes as one value: the compiler maps it onto one AVX-512, AVX2, SSE2 or NEON register.
 template <int W>
 struct Vec {
@@ -41,10 +40,10 @@ __attribute__((always_inline)) inline void quarter(V& a, V& b, V& c, V& d) {
   c += d; b = rotl(b ^ c, 7);
 }
 
-// x[j][l] = word j of keystream block `block + l`, l < W.
-template <int W>
-__attribute__((always_inline)) inline void chacha20_lanes(const NoiseKey& key, uint64_t block,
-                                                          typename Vec<W>::u32 x[16]) {
+// x[j][l] = word j of keystream block `block + l`, l < W, after `Rounds` rounds (20: RFC 8439's ChaCha20).
+template <int W, int Rounds>
+__attribute__((always_inline)) inline void chacha_lanes(const NoiseKey& key, uint64_t block, typename Vec<W>::u32 x[16]) {
+  static_assert(Rounds % 2 == 0, "ChaCha's rounds come in column + diagonal pairs");
   using V = typename Vec<W>::u32;
   const uint32_t in[12] = {0x61707865u, 0x3320646eu, 0x79622d32u, 0x6b206574u,
                            key[0], key[1], key[2], key[3], key[4], key[5], key[6], key[7]};
@@ -59,7 +58,7 @@ __attribute__((always_inline)) inline void chacha20_lanes(const NoiseKey& key, u
   V x4 = V{} + in[4], x5 = V{} + in[5], x6 = V{} + in[6], x7 = V{} + in[7];
   V x8 = V{} + in[8], x9 = V{} + in[9], x10 = V{} + in[10], x11 = V{} + in[11];
   V x12 = lo, x13 = hi, x14 = V{}, x15 = V{};
-  for (int round = 0; round < kRounds / 2; ++round) {  // column + diagonal double rounds
+  for (int round = 0; round < Rounds / 2; ++round) {  // column + diagonal double rounds
     quarter(x0, x4, x8, x12); quarter(x1, x5, x9, x13); quarter(x2, x6, x10, x14); quarter(x3, x7, x11, x15);
     quarter(x0, x5, x10, x15); quarter(x1, x6, x11, x12); quarter(x2, x7, x8, x13); quarter(x3, x4, x9, x14);
   }
