@@ -17,20 +17,26 @@ ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx
 
 
 def cpu() -> dict:
-    """Model name and the ISA flags that the kernel reports (the first processor's)."""
-    model, flags = platform.processor() or platform.machine(), set()
+    """Model name, the x86 family / model / stepping (the name alone is generic on some VMs: "Intel(R) Xeon(R)
+    Processor" covers several generations) and the ISA flags that the kernel reports (the first processor's)."""
+    model, flags, ident = platform.processor() or platform.machine(), set(), {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
             key = key.strip()
             if key in ("model name", "Model") and model in ("", platform.machine(), platform.processor()):
                 model = value.strip()
+            elif key in ("cpu family", "model", "stepping") and key not in ident:
+                ident[key] = value.strip()
             elif key in ("flags", "Features") and not flags:
                 flags = set(value.split())
     except OSError:
         pass
-    return {"model": model, "arch": platform.machine(), "cores": os.cpu_count(),
-            "isa": [f for f in ISA_FLAGS if f in flags]}
+    out = {"model": model, "arch": platform.machine(), "cores": os.cpu_count(),
+           "isa": [f for f in ISA_FLAGS if f in flags]}
+    if len(ident) == 3:
+        out["id"] = f"family {ident['cpu family']} model {ident['model']} stepping {ident['stepping']}"
+    return out
 
 
 def run_harness(argv: list[str]) -> str:
@@ -89,5 +95,7 @@ def describe(rec: dict) -> str:
     flags = f"; build flags {rec['build_flags']}" if rec.get("build_flags") else ""
     rev = rec.get("revision")  # records before it was kept have none
     at = f"; code at {rev[:7]}{'+dirty' if rev.endswith('+dirty') else ''}" if rev and rev[0] != "u" else ""
-    return (f"{c['model']} ({c['arch']}, {c['cores']} cores; {' '.join(c['isa']) or 'no listed vector extensions'}); "
+    ident = f", {c['id']}" if c.get("id") else ""  # records before it was kept have none
+    return (f"{c['model']} ({c['arch']}{ident}, {c['cores']} cores; "
+            f"{' '.join(c['isa']) or 'no listed vector extensions'}); "
             f"{rec['compiler']}{flags}; load {rec['load_avg'][0]:.1f}{at}")
