@@ -8,7 +8,7 @@ VGG-Face conv1 + ReLU + LRN at 224x224, a batch of 8 images, one thread: the im2
   noise drawn by the runner into their noise input;
 - the strip programs (`export_strip_ptes`: a few rows of one image per call, so that every intermediate
   stays in cache; the release program ends at the LRN's input and the runner applies the LRN), the noise
-  drawn by the runner into each strip's rows (ChaCha20 + Box-Muller under a fresh OS-CSPRNG key per
+  drawn by the runner into each strip's rows (ChaCha8 + Box-Muller under a fresh OS-CSPRNG key per
   release), for each of `--strip-rows`;
 - the Python binding running the batch-8 programs (`executorch-xnnpack`, whose process imports PyTorch).
 Every native configuration is checked against eager PyTorch first (splitface/export/verify.py's tolerances); where
@@ -230,7 +230,7 @@ def table(saved: dict) -> str:
              "'with I/O' adds streaming each image's inputs from files and its release out (a phone's camera, "
              "server gradient and socket stand in for the files). Noise 'read': the release program adds noise "
              "read from a file, not drawn (last session's rows); 'drawn': the runner draws N(0, "
-             f"{NOISE_STD}^2) per value (ChaCha20 + Box-Muller, a fresh key from the OS CSPRNG per release), the "
+             f"{NOISE_STD}^2) per value (ChaCha8 + Box-Muller, a fresh key from the OS CSPRNG per release), the "
              "issue's forward goal. Every native configuration was checked against eager PyTorch first (release "
              "max abs error, gradient max relative error).", "",
              "| process | programs | calls per batch | noise | RSS after load | peak after release | peak after "
