@@ -1,7 +1,7 @@
 """The native runner's noise generator on each x86 vector path, side by side in one run.
 
 The generator runs ChaCha8 on W lanes at once; its 16-vector state must stay in registers through the rounds
-(splitface/device/runtimes/native/chacha20_lanes.h). Until this benchmark it used 16 lanes on every path, which fits
+(splitface/device/runtimes/native/chacha_lanes.h). Until this benchmark it used 16 lanes on every path, which fits
 AVX-512's 32 zmm registers but needs 32 of AVX2's 16 ymm ones: GCC spilled the state every round, and an AVX2
 machine drew the release's noise 6-7x slower than the AVX-512 machine that measured the committed figures. Now
 each path has its own width (AVX-512 16, AVX2 8, SSE2 4). This builds the same sources once per path (g++

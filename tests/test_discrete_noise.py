@@ -53,10 +53,14 @@ def test_chacha_words_is_chacha20_at_20_rounds_and_the_published_chacha8_at_8():
            "5032ec38bbc5da98ee0c6f568b872a65a08abf251deb21bb4b56e5d8821e68aa")
     assert chacha_words(bytes(32), 0, 2, 8).astype("<u4").tobytes().hex() == tc1
     assert not np.array_equal(chacha_words(KEY, 2**32, 1, 8), chacha_words(KEY, 0, 1, 8))  # no 32-bit wrap
-    with pytest.raises(ValueError, match="even"):
-        chacha_words(KEY, 0, 1, 7)
-    with pytest.raises(ValueError, match="32 bytes"):
+    for rounds in (7, 0, 8.0):
+        with pytest.raises(ValueError, match="even int"):
+            chacha_words(KEY, 0, 1, rounds)
+    with pytest.raises(ValueError, match="32 bytes, not 5 bytes"):
         chacha_words(b"short", 0, 1, 8)
+    for first, blocks in ((-1, 1), (0, -1), (2**64 - 1, 2)):
+        with pytest.raises(ValueError, match="counter range"):
+            chacha_words(KEY, first, blocks, 8)
 
 
 @pytest.mark.parametrize("bound", [1, 3, 10, 2**33 + 1])

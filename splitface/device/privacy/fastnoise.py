@@ -98,9 +98,12 @@ def chacha_words(key: bytes, first: int, blocks: int, rounds: int) -> np.ndarray
     Plain numpy, vectorised over blocks: a reference for the tests and benchmarks, independent of the runner's
     C++; `cryptography` offers no round count but 20."""
     if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
-        raise ValueError(f"the key must be {KEY_BYTES} bytes, not {type(key).__name__}")
-    if rounds <= 0 or rounds % 2:
-        raise ValueError(f"ChaCha's rounds come in column + diagonal pairs: a positive even number, not {rounds}")
+        got = f"{len(key)} bytes" if isinstance(key, (bytes, bytearray)) else type(key).__name__
+        raise ValueError(f"the key must be {KEY_BYTES} bytes, not {got}")
+    if not isinstance(rounds, int) or rounds <= 0 or rounds % 2:
+        raise ValueError(f"ChaCha's rounds come in column + diagonal pairs: a positive even int, not {rounds!r}")
+    if first < 0 or blocks < 0 or first + blocks > 2**64:
+        raise ValueError(f"blocks {first} .. {first + blocks - 1} are not in ChaCha's 64-bit counter range")
     counter = np.arange(first, first + blocks, dtype=np.uint64)
     state = np.empty((16, blocks), dtype=np.uint32)
     state[:4] = np.array([0x61707865, 0x3320646E, 0x79622D32, 0x6B206574], dtype=np.uint32)[:, None]

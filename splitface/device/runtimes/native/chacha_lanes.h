@@ -3,7 +3,7 @@
 // (chacha20.cpp: ChaCha20). The rounds are a template parameter; everything else is RFC 8439's block function.
 //
 // The lane width follows the register file, because ChaCha's state is 16 vectors that must stay in registers
-// through the 20 rounds: with W lanes of 32 bits a vector is 4W bytes, and 16 of them fit
+// through the rounds: with W lanes of 32 bits a vector is 4W bytes, and 16 of them fit
 //   AVX-512 (32 zmm of 64 bytes) at W = 16, AVX2 (16 ymm of 32 bytes) at W = 8, SSE2 (16 xmm) and NEON (32 q of
 //   16 bytes) at W = 4.
 // A 16-lane state on AVX2 needs 32 ymm registers, twice what there is: GCC spilled it to the stack on every round

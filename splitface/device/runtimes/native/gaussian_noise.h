@@ -10,8 +10,8 @@
 //   r = sqrt(-2 ln U), U = ((w_2k >> 8) + 1) / 2^24 in (0, 1],   theta = 2 pi (w_2k+1 >> 8) / 2^24,
 //   z_2k = r cos theta,   z_2k+1 = r sin theta.
 // The keystream is ChaCha with 8 rounds (ChaCha8; Bernstein 2008) in RFC 8439's layout (block counter in word 12,
-// its high half in word 13, nonce words zero): the same state as ChaCha20 with 12 fewer rounds, the generator
-// of Go's runtime and math/rand/v2 (chacha8rand). The tests hold it to `fastnoise.chacha_words(key, ..., rounds=8)`,
+// its high half in word 13, nonce words zero): the same state as ChaCha20 with 12 fewer rounds, the block function
+// that Go's runtime and math/rand/v2 build their generator on (chacha8rand; this stream is not chacha8rand's). The tests hold it to `fastnoise.chacha_words(key, ..., rounds=8)`,
 // itself held to the `cryptography` package's ChaCha20 at 20 rounds and to published ChaCha8 vectors. Why 8
 // rounds and what it changes: docs/noise.md. The exact option keeps ChaCha20 (chacha20.h).
 //
@@ -27,7 +27,8 @@
 
 namespace splitface {
 
-// ChaCha's rounds for the float noise (fastnoise.NOISE_ROUNDS in Python, which the tests hold equal).
+// ChaCha's rounds for the float noise (splitface.device.runtimes.native.NOISE_ROUNDS in Python: the tests hold the
+// runner's normals to that reference's).
 constexpr int kNoiseRounds = 8;
 
 // Values per group of 16 blocks: the unit that the generator draws whole (a range that cuts a group draws all of it).
