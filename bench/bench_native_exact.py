@@ -1,8 +1,9 @@
 """What the exact noise option costs in the native runner, beside the float option, on one release.
 
 VGG-Face conv1 at 224 px, a batch of 8 (25.7M values), 4-row strip programs, one thread: the runner's release
-with the float noise drawn (`--noise-std`, ChaCha8 + Box-Muller; ChaCha20 before issue 30's fourth pass) and with the exact discrete Gaussian
-(`--noise-discrete`: clip and quantise each image, CKS20 samples in integer arithmetic, int8 out), in one run.
+with the float noise drawn (`--noise-std`, ChaCha8 + Box-Muller; ChaCha20 before issue 30's fourth pass) and with
+the exact discrete Gaussian (`--noise-discrete`: clip and quantise each image, CKS20 samples in integer
+arithmetic, int8 out), in one run.
 The mechanism is `DiscreteGaussianMechanism(clip_norm=10, noise_multiplier=0.16)`: B = 127 steps, sigma about
 20 steps, docs/device.md's figure for numpy's sampler. Prints the runner's release compute and its noise part.
 `--baseline BINARY` also times the exact option with another build of the runner (an older commit's), in the
