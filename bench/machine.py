@@ -39,10 +39,10 @@ def cpu() -> dict:
     return out
 
 
-def run_harness(argv: list[str]) -> str:
+def run_harness(argv: list[str], **run) -> str:
     """A benchmark harness's stdout; a harness that fails raises with its own stderr (which check=True with
-    captured output would drop)."""
-    done = subprocess.run(argv, capture_output=True, text=True)
+    captured output would drop). `run`: subprocess.run's other options (cwd, env)."""
+    done = subprocess.run(argv, capture_output=True, text=True, **run)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(map(str, argv))} exited with {done.returncode}: {done.stderr.strip()}")
     return done.stdout

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.bench_native import ROOT, device_layer, inputs, measure, retime
-from bench.machine import cmake_flags, describe, record
+from bench.machine import cmake_flags, describe, record, run_harness
 from research.results import write_record
 from splitface.device.runtimes.native import build, write_inputs
 from splitface.device.runtimes.parity import reference
@@ -70,8 +70,8 @@ def build_revision(revision: str, work: Path) -> tuple[str, Path, Path]:
 
 def export_revision(source: Path, model: str, size: int, rows: int, out: Path) -> Path:
     """The strip programs that the revision in `source` exports, in `out`."""
-    subprocess.run([sys.executable, "-c", EXPORT, model, str(size), str(rows), str(out)], check=True, cwd=source,
-                   env={**os.environ, "PYTHONPATH": str(source)}, capture_output=True)  # -c puts the cwd first
+    run_harness([sys.executable, "-c", EXPORT, model, str(size), str(rows), str(out)], cwd=source,
+                env={**os.environ, "PYTHONPATH": str(source)})  # -c puts the cwd first
     return out
 
 
@@ -79,8 +79,8 @@ def revision_normals(source: Path, work: Path) -> Callable[[bytes, int], np.ndar
     """`reference_normals` as the revision in `source` defines it."""
     def normals(key: bytes, n: int) -> np.ndarray:
         out = work / f"normals-{source.name}.npy"
-        subprocess.run([sys.executable, "-c", NORMALS, key.hex(), str(n), str(out)], check=True, cwd=source,
-                       env={**os.environ, "PYTHONPATH": str(source)}, capture_output=True)
+        run_harness([sys.executable, "-c", NORMALS, key.hex(), str(n), str(out)], cwd=source,
+                    env={**os.environ, "PYTHONPATH": str(source)})
         return np.load(out)
     return normals
 
