@@ -57,6 +57,15 @@ class ClientResult:
     loss: float  # mean training loss over the round's local steps
 
 
+def _inputs(images: np.ndarray, idx: np.ndarray, flip: bool, rng: np.random.Generator) -> torch.Tensor:
+    """The batch's images as model input, each mirrored left-right with probability 1/2 when `flip`."""
+    x = to_input(images[idx])
+    if flip:
+        mirrored = torch.from_numpy(rng.random(len(idx)) < 0.5)
+        x = torch.where(mirrored[:, None, None, None], x.flip(3), x)
+    return x
+
+
 def _batches(n: int, batch_size: int, rng: np.random.Generator) -> list[np.ndarray]:
     """A shuffled epoch in batches; a trailing batch of one joins the previous one (batch norm needs two)."""
     order = rng.permutation(n)
@@ -118,10 +127,7 @@ def train_client(spec: ModelSpec, backbone_state: Mapping[str, torch.Tensor], im
     losses = []
     for _ in range(config.epochs):
         for idx in _batches(len(images), config.batch_size, rng):
-            x = to_input(images[idx])
-            if config.flip:
-                flip = torch.from_numpy(rng.random(len(idx)) < 0.5)
-                x = torch.where(flip[:, None, None, None], x.flip(3), x)
+            x = _inputs(images, idx, config.flip, rng)
             loss = F.cross_entropy(head(backbone(x)), y[idx])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

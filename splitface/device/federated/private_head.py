@@ -18,7 +18,7 @@ import torch
 
 from splitface.device.trainer import to_input
 from splitface.common.models import ModelSpec, build_backbone
-from splitface.device.federated.local_round import _batches, _module_from_state
+from splitface.device.federated.local_round import _batches, _inputs, _module_from_state
 from splitface.device.federated.consensus import consensus_loss
 from splitface.common.dplc import scaled_rho
 from splitface.device.federated.update import Delta
@@ -86,10 +86,7 @@ def train_private_head(spec: ModelSpec, backbone_state: Mapping[str, torch.Tenso
     losses = []
     for _ in range(config.epochs):
         for idx in _batches(len(images), config.batch_size, rng):
-            x = to_input(images[idx])
-            if config.flip:
-                flip = torch.from_numpy(rng.random(len(idx)) < 0.5)
-                x = torch.where(flip[:, None, None, None], x.flip(3), x)
+            x = _inputs(images, idx, config.flip, rng)
             loss = consensus_loss(backbone(x), weight, y[idx], clusters, config.rho, config.scale, config.margin,
                                   config.kind)
             optimizer.zero_grad(set_to_none=True)
