@@ -65,9 +65,10 @@ def ray_session(address: str | None, **init: Any) -> Iterator[None]:
     # per batch at 15 (results/ray_sim/), and the tests' actors starved beside the other test worker. A cluster's
     # own setting holds there (RAY_worker_niceness=0 ray start ...). "local": a new instance even where RAY_ADDRESS
     # or a `ray start` on this machine would be joined (which refuses a _system_config).
-    local = address is None
-    ray.init(**{"include_dashboard": False, **init, "address": "local" if local else address,
-                **({"_system_config": {"worker_niceness": 0}} if local else {})})
+    options = {"include_dashboard": False, **init, "address": "local" if address is None else address}
+    if address is None:
+        options["_system_config"] = {"worker_niceness": 0}
+    ray.init(**options)
     try:
         yield
     finally:
