@@ -166,24 +166,22 @@ def finetune_row(name: str, demo_args: list[str], args: argparse.Namespace) -> d
     report = json.loads(view1.read_text())
     config, last = results["config"], results["epochs"][-1]
     device = results["devices"][0]
-    start = demo_args[demo_args.index("--init") + 1] if "--init" in demo_args else "scratch"
+
+    def flag(name: str) -> str | None:   # its last value: a later flag overrides run.sh's, as argparse reads them
+        at = [i for i, a in enumerate(demo_args) if a == name]
+        return demo_args[at[-1] + 1] if at else None
+
+    start = flag("--init") or "scratch"
     if start not in ("distilled", "scratch"):
         start = f"distilled ({Path(start).name})"
-    if "--student-epochs" in demo_args:
-        start += f" (student: {demo_args[demo_args.index('--student-epochs') + 1]} epochs)"
-    if "--noise-aware-epochs" in demo_args:
-        start += f" (noise-aware start: {demo_args[demo_args.index('--noise-aware-epochs') + 1]} epochs)"
-    for flag, stage in (("--student-views", "student"), ("--noise-aware-views", "noise-aware start")):
-        if flag in demo_args:
-            start += f" ({stage}: function matching on {demo_args[demo_args.index(flag) + 1]} views)"
-    if "--imprint-epochs" in demo_args:
-        start += f", head imprinted over {demo_args[demo_args.index('--imprint-epochs') + 1]} epoch"
-    if "--lr" in demo_args:
-        start += f", lr {demo_args[demo_args.index('--lr') + 1]}"
-    if "--head-lr-scale" in demo_args:
-        start += f", head lr x{demo_args[demo_args.index('--head-lr-scale') + 1]}"
-    if "--seed" in demo_args:
-        start += f", seed {demo_args[demo_args.index('--seed') + 1]}"
+    for name, words in (("--student-epochs", "(student: {} epochs)"),
+                        ("--noise-aware-epochs", "(noise-aware start: {} epochs)"),
+                        ("--student-views", "(student: function matching on {} views)"),
+                        ("--noise-aware-views", "(noise-aware start: function matching on {} views)"),
+                        ("--imprint-epochs", ", head imprinted over {} epoch"), ("--lr", ", lr {}"),
+                        ("--head-lr-scale", ", head lr x{}"), ("--seed", ", seed {}")):
+        if flag(name) is not None:
+            start += ("" if words.startswith(",") else " ") + words.format(flag(name))
     return {"role": "split-finetune", "run": name, "model": f"{config['model']['family']}-{config['model']['depth']} "
             f"width {config['model']['width']}", "start": start,
             "release": release_name(config["model"], config["split"], device["privacy"]["mechanism"]),

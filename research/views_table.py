@@ -1,21 +1,25 @@
 """Function matching against the first recipe, side by side on one machine (results/pretrain-views/).
 
 research/views.py distils on K views of each public face with the teacher's embedding of each view; the first
-recipe regresses a shifted, flipped image onto the teacher's embedding of the clean one. Rows, for both recipes:
+recipe regresses a shifted, flipped image onto the teacher's embedding of the clean one. Rows, for each recipe
+(--recipes: the first, K views, K views with a longer plain student):
 - student: run.sh's plain student (its --student-epochs) and run.sh's noise-aware start made from it (its
   release, server stage and --noise-aware-epochs; function matching in both stages, or in neither), each on
   View 1, frozen on LFW-158 (research/pretrain_table.py's probe) and against the teacher (`pretrain fit`: the
   cosine loss on its own public faces and on View 1's images, which it never saw), both against the targets it
-  learned from and against the same targets for both recipes (the teacher at 150 px and at 64 px);
+  learned from and against the same targets for every recipe (the teacher at 150 px and at 64 px);
 - split-finetune: run.sh itself from each start, at seeds 0, 1 and 2.
 
 The teacher's row is dlib at the students' input. Reduced configuration (2 CPU cores): iresnet_small at 64 px.
 Resumable: starts come from the cache (built on first use: about 70 minutes each plain student, 20 each
-noise-aware start, on 2 cores), recorded runs are read back (--force makes them again).
+noise-aware start, on 2 cores), recorded runs are read back (--force makes them again). The rows of the last
+column: `--recipes first 8 16:150` (the 150-epoch student on 16 views took about 2.5 hours to distil).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import re
 from pathlib import Path
 
 from splitface.common.data import load_lfw
@@ -35,7 +39,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_data_root_arg(p, required=True, help="LFW root (with View 1's pairs files)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "pretrain-views")
-    p.add_argument("--views", type=int, default=8, help="views of each public face for function matching")
+    p.add_argument("--recipes", nargs="+", type=recipe_flags, default=[("first-recipe", []), ("views8", ["--student-views", "8", "--noise-aware-views", "8"])], metavar="RECIPE",
+                   help="`first` (the first recipe), K (function matching on K views in both distillations) or "
+                        "K:E (the same with the plain student distilled for E epochs). Rows of recipes already in "
+                        "--out's summary.json and not named here are kept as they are")
     p.add_argument("--cache", type=Path, default=default_cache(), help="teacher embeddings and distilled starts")
     p.add_argument("--force", action="store_true", help="train and evaluate every fine-tuning run again")
     args = p.parse_args(argv)
@@ -43,16 +50,16 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     start, release, wire = run_sh_array("DEFAULT_START"), run_sh_array("DEFAULT_RELEASE"), run_sh_array("DEFAULT_WIRE")
     stage = run_sh_array("DEFAULT_SERVER_STAGE")
-    views = ["--student-views", str(args.views), "--noise-aware-views", str(args.views)]
     options = argparse.ArgumentParser(add_help=False)
     add_privacy_args(options)
     add_model_args(options, args.model)
     known, _ = options.parse_known_args(["--model", args.model, *release, *stage])
     data = load_lfw(args.data, min_images=10, seed=0)   # the main job's LFW-158 split (demo's defaults)
 
+    names = [name for name, _ in args.recipes]
+    kept = [r for r in read_rows(args.out) if r["role"] != "teacher" and r["recipe"] not in names]
     rows = [teacher_row(args.data, 64, args.cache, data)]
-    compared = {}
-    for name, flags in (("first-recipe", []), (f"views{args.views}", views)):
+    for name, flags in args.recipes:
         recipes = start_recipes(demo_parser().parse_known_args([*start, *flags])[0])
         for spec, split, mechanism in ((model_spec(options.parse_known_args(["--model", args.model])[0]),
                                         DEFAULT_SPLIT, NoNoise()),
@@ -67,15 +74,52 @@ def main(argv: list[str] | None = None) -> None:
             rows.append({**student_row(path, probe), "recipe": name, **by_input[fit_teacher_size(path)],
                          "fit_by_teacher_input": same})
         run = f"runsh-{name}"
-        compared[run] = ("the first recipe (clean targets)" if not flags else
-                         f"function matching on {args.views} views in both distillations")
         for seed in SEEDS:
             demo_args = [*start, *release, *stage, *wire, *flags, *(["--seed", str(seed)] if seed else [])]
             rows.append({**finetune_row(run if not seed else f"{run}-seed{seed}", demo_args, args), "recipe": name})
+    rows = [rows[0], *sorted([*kept, *rows[1:]], key=lambda r: recipe_order(r["recipe"]))]
+    compared = {f"runsh-{name}": describe(name) for name in dict.fromkeys(r["recipe"] for r in rows[1:])}
     text = ("Reduced configuration: iresnet_small (width 16) at 64 px; LFW View 1 DevTest pairs (1,000); fine-tuning "
-            "on LFW-158 as run.sh does (2 devices, 3 epochs). Both recipes distilled on this machine, run.sh's "
-            "epochs.\n\n" + table(rows) + "\n" + fits(rows) + seed_means(rows, compared))
+            "on LFW-158 as run.sh does (2 devices, 3 epochs). Every recipe distilled on this machine, with run.sh's "
+            "epochs unless its name gives the plain student's (`viewsK-studentE`).\n\n" + table(rows) + "\n"
+            + fits(rows) + seed_means(rows, compared))
     write_summary(args.out, rows, text)
+
+
+def recipe_flags(text: str) -> tuple[str, list[str]]:
+    """A --recipes item as (its name, the demo flags it adds to run.sh's start)."""
+    if text == "first":
+        return "first-recipe", []
+    match = re.fullmatch(r"([1-9][0-9]*)(?::([1-9][0-9]*))?", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"a recipe is `first`, K or K:E (views, plain student's epochs), not {text!r}")
+    views, epochs = match.groups()
+    flags = ["--student-views", views, "--noise-aware-views", views]
+    return (f"views{views}", flags) if epochs is None else (f"views{views}-student{epochs}",
+                                                             [*flags, "--student-epochs", epochs])
+
+
+def describe(name: str) -> str:
+    """A recipe's name (recipe_flags) in words."""
+    if name == "first-recipe":
+        return "the first recipe (clean targets)"
+    views, _, epochs = name.removeprefix("views").partition("-student")
+    return (f"function matching on {views} views in both distillations"
+            + (f", the plain student distilled for {epochs} epochs" if epochs else ""))
+
+
+def recipe_order(name: str) -> tuple[int, int]:
+    """The first recipe, then by views, then by the plain student's epochs (run.sh's first)."""
+    if name == "first-recipe":
+        return (0, 0)
+    views, _, epochs = name.removeprefix("views").partition("-student")
+    return (int(views), int(epochs or 0))
+
+
+def read_rows(out: Path) -> list[dict]:
+    """The rows an earlier run wrote to `out`/summary.json (none if there is none)."""
+    summary = out / "summary.json"
+    return json.loads(summary.read_text()) if summary.exists() else []
 
 
 def fits(rows: list[dict]) -> str:

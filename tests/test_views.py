@@ -91,3 +91,23 @@ def test_function_matching_distils_on_the_views_with_the_teachers_embedding_of_e
     direct = DlibResNet(150).embed(chosen.astype(np.float32) / 255)
     cached = targets[[0, mixed, mixed], [0, 1, 2]]
     assert np.all(np.linalg.norm(cached - direct, axis=1) <= TOLERANCE * np.linalg.norm(direct, axis=1))
+
+
+def test_the_views_table_recipes_name_their_flags_and_sort_after_the_first():
+    import argparse
+
+    from research.views_table import describe, recipe_flags, recipe_order
+
+    assert recipe_flags("first") == ("first-recipe", [])
+    assert recipe_flags("8") == ("views8", ["--student-views", "8", "--noise-aware-views", "8"])
+    name, flags = recipe_flags("16:150")
+    assert name == "views16-student150"
+    assert flags == ["--student-views", "16", "--noise-aware-views", "16", "--student-epochs", "150"]
+    assert describe(name) == ("function matching on 16 views in both distillations, the plain student distilled "
+                              "for 150 epochs")
+    assert describe("first-recipe") == "the first recipe (clean targets)"
+    names = ["views16-student150", "views8", "first-recipe", "views16"]
+    assert sorted(names, key=recipe_order) == ["first-recipe", "views8", "views16", "views16-student150"]
+    for bad in ("0", "8:", "x", "8:0", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="a recipe is"):
+            recipe_flags(bad)
