@@ -144,7 +144,7 @@ class TeacherCache:
         """`size`: the teacher sees the centre crop at this size (upsampled to its 150 px work size)."""
         weights = file_hash(dlib_models_dir() / "dlib_face_recognition_resnet_model_v1.dat")[:12]
         self.size = size
-        self.fingerprint_of_network = f"dlib-resnet-v1-{weights}-chip150-pad0.25"
+        self.fingerprint_of_network = f"dlib-resnet-v1-{weights}-{DlibResNet.CHIP}"
         self.fingerprint = f"{self.fingerprint_of_network}-in{size}c{CROP}"
         self.file = Path(cache_dir) / f"teacher-{self.fingerprint}.npz" if cache_dir else None
         self.known = load_vectors(self.file)

@@ -103,6 +103,8 @@ class DlibResNet:
     fix_alignment); the audit and the teacher align."""
 
     ALIGNMENTS = ("landmarks", "fixed", "none")
+    CHIP_SIZE, CHIP_PADDING = 150, 0.25   # dlib's chip, as its network was trained on
+    CHIP = f"chip{CHIP_SIZE}-pad{CHIP_PADDING}"   # in every cache name of its embeddings
 
     def __init__(self, work_size: int = 150, engine: str = "torch", alignment: str = "landmarks"):
         try:
@@ -123,7 +125,7 @@ class DlibResNet:
             raise ValueError(f"alignment must be one of {self.ALIGNMENTS}, not {alignment!r}")
         self.engine, self.work_size, self.alignment = engine, work_size, alignment
         self.fixed_shape = None   # alignment "fixed": set by fix_alignment
-        self.fingerprint = f"w{work_size}-chip150-pad0.25"   # names the on-disk cache: other settings, other file
+        self.fingerprint = f"w{work_size}-{self.CHIP}"   # names the on-disk cache: other settings, other file
         if alignment != "landmarks":
             self.fingerprint += f"-align-{alignment}"
 
@@ -141,7 +143,7 @@ class DlibResNet:
         self.fixed_shape = self._dlib.full_object_detection(self._central_box(),
                                                             [self._dlib.point(x, y) for x, y in points])
         # another fit, another geometry: its embeddings under another name
-        self.fingerprint = f"w{self.work_size}-chip150-pad0.25-align-fixed-" + \
+        self.fingerprint = f"w{self.work_size}-{self.CHIP}-align-fixed-" + \
             hashlib.sha256(repr(points).encode()).hexdigest()[:12]
         return self
 
@@ -149,13 +151,13 @@ class DlibResNet:
         """One (3, H, W) image in [0, 1] -> dlib's 150 x 150 x 3 uint8 chip: aligned by its own landmarks, by
         the fixed geometry, or (alignment "none") the image itself, resized to 150."""
         if self.alignment == "none":
-            return self._work_rgb(image, 150)
+            return self._work_rgb(image, self.CHIP_SIZE)
         rgb = self._work_rgb(image)
         if self.alignment == "fixed":
             if self.fixed_shape is None:
                 raise RuntimeError("alignment 'fixed' needs fix_alignment(images) first")
-            return self._dlib.get_face_chip(rgb, self.fixed_shape, 150, 0.25)
-        return self._dlib.get_face_chip(rgb, self._landmarks(rgb), 150, 0.25)
+            return self._dlib.get_face_chip(rgb, self.fixed_shape, self.CHIP_SIZE, self.CHIP_PADDING)
+        return self._dlib.get_face_chip(rgb, self._landmarks(rgb), self.CHIP_SIZE, self.CHIP_PADDING)
 
     def _work_rgb(self, image: np.ndarray, size: int | None = None) -> np.ndarray:
         """(3, H, W) in [0, 1] -> H x W x 3 uint8 at `size` (the work size by default)."""
