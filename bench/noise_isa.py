@@ -10,7 +10,7 @@ build (function multiversions: what this CPU picks at load time), and times them
 that a change of load hits them all:
 - in cache: 65,536 values, the minimum of many repetitions (the kernel's own speed, ns per value);
 - the release: VGG-Face conv1's output at 224 px, batch 8 (25,690,112 values), the minimum of a few, and of it
-  the ChaCha8 keystream alone (the 4 bytes a value that the draw consumes, made in registers at the path's
+  the ChaCha8 keystream alone (the block per 20 values that the draw consumes, made in registers at the path's
   width as the draw makes it, folded by XOR instead of turned into normals; the rows of a forced width only);
 - for scale, OpenSSL's ChaCha20 and AES-128-CTR (`openssl speed`, its hand-written assembly for this CPU) on
   the same number of bytes (the generator ran ChaCha20 until issue 30's fourth pass; docs/noise.md).
