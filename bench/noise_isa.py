@@ -31,7 +31,7 @@ import numpy as np
 
 from bench.machine import cpu, describe, record, run_harness
 from research.results import write_record
-from splitface.device.runtimes.native import ARM64_CXX, launcher
+from splitface.device.runtimes.native import ARM64_CXX, NORMALS_PER_BLOCK, launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 NATIVE = ROOT / "splitface" / "device" / "runtimes" / "native"
@@ -40,6 +40,8 @@ CXX = "g++"
 FLAGS = ["-O2", "-std=c++17", "-fno-math-errno", "-Wall", "-Wno-psabi"]
 KEY = bytes(range(100, 132))
 RELEASE_VALUES = 8 * 64 * 224 * 224
+# the keystream those values consume: a 64-byte ChaCha8 block per NORMALS_PER_BLOCK values (gaussian_noise.h)
+RELEASE_KEYSTREAM_BYTES = 64 * -(-RELEASE_VALUES // NORMALS_PER_BLOCK)
 
 # (label, -march, forced lane width or None for the build's own choice, the /proc/cpuinfo flag it needs)
 PATHS = [
@@ -113,7 +115,7 @@ def table(saved: dict) -> str:
         lines += ["", "Not run on this CPU: " + ", ".join(saved["not_run"]) + "."]
     if saved.get("openssl"):
         lines += ["", f"For scale, {saved['openssl'][0]['openssl']} (`openssl speed -evp`, one core, 16 KiB buffers) on "
-                  f"the release's {4 * RELEASE_VALUES / 1e6:.0f} MB of keystream: " + "; ".join(
+                  f"the release's {RELEASE_KEYSTREAM_BYTES / 1e6:.0f} MB of keystream: " + "; ".join(
                       f"{o['cipher']} {o['gb_per_s']:.2f} GB/s, {o['release_ms']:.1f} ms" for o in saved["openssl"])
                   + "."]
     return "\n".join(lines) + "\n"
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
             b["release_ms"] = min(b["release_ms"], release["ms_min"])
             if release["keystream_ms_min"] >= 0:
                 b["keystream_ms"] = min(b["keystream_ms"], release["keystream_ms_min"])
-    openssl = [o for c in ("chacha20", "aes-128-ctr") if (o := openssl_ms(c, 4 * RELEASE_VALUES))]
+    openssl = [o for c in ("chacha20", "aes-128-ctr") if (o := openssl_ms(c, RELEASE_KEYSTREAM_BYTES))]
     saved = {"machine": machine, "rounds": args.rounds, "load_after": record()["load_avg"],
              "rows": [{"path": label, "march": march, "lanes": width,
                        **{k: v for k, v in b.items() if v != float("inf")}}
