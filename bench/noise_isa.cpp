@@ -2,7 +2,7 @@
 // bench/noise_isa.py for one ISA path, and dumps what it draws for the tests:
 //   noise_isa <key: 64 hex digits> <values> <repetitions> [dump file]
 // prints {"ms_min": .., "ns_per_value": .., "keystream_ms_min": ..}; the last (with SPLITFACE_FORCE_LANES, else -1):
-// the ChaCha8 keystream alone that those values consume (a block per 20 values), made W blocks at a time in registers
+// the ChaCha8 keystream alone that those values consume (4 bytes a value), made W blocks at a time in registers
 // as the draw makes it, and folded by XOR instead of turned into normals; the dump holds the first `values` normals
 // as float32, then the keystream's first 4 groups of 16 blocks (chacha20_blocks, what the exact noise reads) as
 // bytes.
@@ -22,8 +22,7 @@ static double keystream_ms(const splitface::NoiseKey& key, size_t n, uint32_t& s
   using V = splitface::lanes::Vec<W>::u32;
   V acc{}, x[16];
   auto t0 = std::chrono::steady_clock::now();
-  constexpr uint64_t per_block = splitface::kNormalsPerBlock;
-  for (uint64_t block = 0; block < (n + per_block - 1) / per_block; block += W) {
+  for (uint64_t block = 0; block < (4 * n + 63) / 64; block += W) {
     splitface::lanes::chacha_lanes<W, splitface::kNoiseRounds>(key, block, x);
     for (int j = 0; j < 16; ++j) acc ^= x[j];
   }

@@ -10,7 +10,7 @@ build (function multiversions: what this CPU picks at load time), and times them
 that a change of load hits them all:
 - in cache: 65,536 values, the minimum of many repetitions (the kernel's own speed, ns per value);
 - the release: VGG-Face conv1's output at 224 px, batch 8 (25,690,112 values), the minimum of a few, and of it
-  the ChaCha8 keystream alone (the block per 20 values that the draw consumes, made in registers at the path's
+  the ChaCha8 keystream alone (the 4 bytes a value that the draw consumes, made in registers at the path's
   width as the draw makes it, folded by XOR instead of turned into normals; the rows of a forced width only);
 - for scale, OpenSSL's ChaCha20 and AES-128-CTR (`openssl speed`, its hand-written assembly for this CPU) on
   the same number of bytes (the generator ran ChaCha20 until issue 30's fourth pass; docs/noise.md).
@@ -31,7 +31,7 @@ import numpy as np
 
 from bench.machine import cpu, describe, record, run_harness
 from research.results import write_record
-from splitface.device.runtimes.native import ARM64_CXX, NORMALS_PER_BLOCK, launcher
+from splitface.device.runtimes.native import ARM64_CXX, launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 NATIVE = ROOT / "splitface" / "device" / "runtimes" / "native"
@@ -40,8 +40,6 @@ CXX = "g++"
 FLAGS = ["-O2", "-std=c++17", "-fno-math-errno", "-Wall", "-Wno-psabi"]
 KEY = bytes(range(100, 132))
 RELEASE_VALUES = 8 * 64 * 224 * 224
-# the keystream those values consume: a 64-byte ChaCha8 block per NORMALS_PER_BLOCK values (gaussian_noise.h)
-RELEASE_KEYSTREAM_BYTES = 64 * -(-RELEASE_VALUES // NORMALS_PER_BLOCK)
 
 # (label, -march, forced lane width or None for the build's own choice, the /proc/cpuinfo flag it needs)
 PATHS = [
@@ -115,7 +113,7 @@ def table(saved: dict) -> str:
         lines += ["", "Not run on this CPU: " + ", ".join(saved["not_run"]) + "."]
     if saved.get("openssl"):
         lines += ["", f"For scale, {saved['openssl'][0]['openssl']} (`openssl speed -evp`, one core, 16 KiB buffers) on "
-                  f"the release's {RELEASE_KEYSTREAM_BYTES / 1e6:.0f} MB of keystream: " + "; ".join(
+                  f"the release's {4 * RELEASE_VALUES / 1e6:.0f} MB of keystream: " + "; ".join(
                       f"{o['cipher']} {o['gb_per_s']:.2f} GB/s, {o['release_ms']:.1f} ms" for o in saved["openssl"])
                   + "."]
     return "\n".join(lines) + "\n"
@@ -139,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
             b["release_ms"] = min(b["release_ms"], release["ms_min"])
             if release["keystream_ms_min"] >= 0:
                 b["keystream_ms"] = min(b["keystream_ms"], release["keystream_ms_min"])
-    openssl = [o for c in ("chacha20", "aes-128-ctr") if (o := openssl_ms(c, RELEASE_KEYSTREAM_BYTES))]
+    openssl = [o for c in ("chacha20", "aes-128-ctr") if (o := openssl_ms(c, 4 * RELEASE_VALUES))]
     saved = {"machine": machine, "rounds": args.rounds, "load_after": record()["load_avg"],
              "rows": [{"path": label, "march": march, "lanes": width,
                        **{k: v for k, v in b.items() if v != float("inf")}}

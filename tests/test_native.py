@@ -46,10 +46,10 @@ from splitface.device.runtimes.parity import GRAD_RTOL, RELEASE_ATOL, reference
 from splitface.export.exporter import EXPORTER
 
 SAMPLES, SIZE, ROWS = 4, 24, 4
-# Strip heights against the noise stream's groups of 320 values (a plane of 24 px is 576 values, and the planes
+# Strip heights against the noise stream's groups of 256 values (a plane of 24 px is 576 values, and the planes
 # after the first start inside a group): ROWS = 4 rows (96 values) never hold a whole group and can end inside the
-# group that their plane starts in; 24 rows (the whole plane) hold whole groups.
-OTHER_ROWS = (24,)
+# group that their plane starts in; 12 rows (288) hold whole groups.
+OTHER_ROWS = (12,)
 STRIP_RELEASE, STRIP_GRAD = ["images", "weight", "bias"], ["images", "grad", "weight", "bias"]
 
 
@@ -332,7 +332,7 @@ def test_arm64_build_is_arm64_code_with_the_jni_entry_points_of_the_host_build(b
 def check_noise_dump(noise_isa, binary: Path, dump: Path, label: str) -> None:
     """The harness's normals equal the float64 reference (the float32 polynomials' error, as the runner's own
     test) and its ChaCha20 keystream (the exact option's buffer) equals `NoiseStream`'s bytes exactly."""
-    n = 3 * 320 + 37  # whole groups and a part of one
+    n = 3 * 256 + 37  # whole groups and a part of one
     noise_isa.run(binary, n, 1, dump)
     z, keystream = noise_isa.read_dump(dump, n)
     assert np.abs(z - reference_normals(noise_isa.KEY, n)).max() < 2e-5, label

@@ -150,7 +150,6 @@ def jni_library(arm64: bool = False) -> Path:
 
 
 NOISE_ROUNDS = 8  # ChaCha8: the runner's float noise (gaussian_noise.h's kNoiseRounds; docs/noise.md says why)
-NORMALS_PER_BLOCK = 20  # four 24-bit uniforms from each of a block's first 15 words' triples (kNormalsPerBlock)
 
 
 def reference_normals(key: bytes, n: int) -> np.ndarray:
@@ -158,17 +157,15 @@ def reference_normals(key: bytes, n: int) -> np.ndarray:
     `fastnoise.chacha_words`'s ChaCha8 keystream: what the tests hold the native generator to."""
     from splitface.device.privacy.fastnoise import chacha_words
 
-    groups = -(-n // (16 * NORMALS_PER_BLOCK))
+    groups = -(-n // 256)
     words = chacha_words(key, 0, 16 * groups, NOISE_ROUNDS).astype(np.uint64)
     words = words.reshape(groups, 16, 16)  # (group, block = lane, word)
-    a, b, c = words[:, :, 0:15:3], words[:, :, 1:15:3], words[:, :, 2:15:3]  # the five triples of words
-    u = np.stack([a >> 8, (a & 0xFF) << 16 | b >> 16, (b & 0xFFFF) << 8 | c >> 24, c & 0xFFFFFF], axis=-1)
-    u = u.reshape(groups, 16, NORMALS_PER_BLOCK)  # 24-bit uniforms 4t .. 4t + 3 from triple t
-    radius = np.sqrt(-2 * np.log((u[:, :, 0::2] + 1) / 2.0**24))
-    theta = 2 * np.pi * u[:, :, 1::2] / 2.0**24
-    z = np.empty((groups, 16, NORMALS_PER_BLOCK))
+    u = ((words[:, :, 0::2] >> 8) + 1) / 2.0**24
+    theta = 2 * np.pi * (words[:, :, 1::2] >> 8) / 2.0**24
+    radius = np.sqrt(-2 * np.log(u))
+    z = np.empty((groups, 16, 16))
     z[:, :, 0::2], z[:, :, 1::2] = radius * np.cos(theta), radius * np.sin(theta)
-    return z.transpose(0, 2, 1).reshape(-1)[:n]  # value 16 normal + lane of each group
+    return z.transpose(0, 2, 1).reshape(-1)[:n]  # value 16 word + lane of each group
 
 
 def write_inputs(workdir: Path, inputs: dict[str, np.ndarray]) -> None:

@@ -26,16 +26,15 @@ constexpr int kLanes = kChachaLanes;  // ChaCha blocks per group
   std::exit(2);
 }
 
-// Box-Muller on W lanes: 24-bit uniforms k (radius) and v (angle) to z0 = r cos theta, z1 = r sin theta,
-// branch-free.
+// Box-Muller on W lanes: words w0 (radius) and w1 (angle) to z0 = r cos theta, z1 = r sin theta, branch-free.
 template <int W>
-__attribute__((always_inline)) inline void box_muller(typename lanes::Vec<W>::u32 k24, typename lanes::Vec<W>::u32 v,
+__attribute__((always_inline)) inline void box_muller(typename lanes::Vec<W>::u32 w0, typename lanes::Vec<W>::u32 w1,
                                                       typename lanes::Vec<W>::f32& z0, typename lanes::Vec<W>::f32& z1) {
   using u32v = typename lanes::Vec<W>::u32;
   using i32v = typename lanes::Vec<W>::i32;
   using f32v = typename lanes::Vec<W>::f32;
   // ln U for U = k / 2^24, k in [1, 2^24]: k is exact in float; ln k = ln m + e ln 2, m in [sqrt(1/2), sqrt(2))
-  f32v k = __builtin_convertvector(k24 + 1u, f32v);
+  f32v k = __builtin_convertvector((w0 >> 8) + 1u, f32v);
   u32v bits = (u32v)k;
   u32v big = ((bits & 0x7fffffu) > 0x3504f3u) & 1u;  // mantissa above sqrt(2): take m / 2 and e + 1
   i32v e = reinterpret_cast<i32v>(bits >> 23) - (127 + 24) + reinterpret_cast<i32v>(big);
@@ -57,6 +56,7 @@ __attribute__((always_inline)) inline void box_muller(typename lanes::Vec<W>::u3
   f32v r;
   for (int l = 0; l < W; ++l) r[l] = std::sqrt(r2[l]);  // one vsqrtps
   // theta = (pi / 2) (q + f): the quadrant q from the top bits, f in [-1/2, 1/2) exactly from the rest
+  u32v v = w1 >> 8;
   u32v half = (v >> 21) & 1u;
   u32v q = ((v >> 22) + half) & 3u;
   f32v f = __builtin_convertvector(reinterpret_cast<i32v>(v & 0x3fffffu) - reinterpret_cast<i32v>(half << 22), f32v) *
@@ -74,35 +74,22 @@ __attribute__((always_inline)) inline void box_muller(typename lanes::Vec<W>::u3
   z1 = r * (f32v)sin_b;
 }
 
-// Words 3t, 3t + 1, 3t + 2 of each lane's block as uniforms 4t .. 4t + 3 of 24 bits (gaussian_noise.h).
-template <typename V>
-__attribute__((always_inline)) inline void unpack24(V a, V b, V c, V u[4]) {
-  u[0] = a >> 8;
-  u[1] = ((a & 0xffu) << 16) | (b >> 16);
-  u[2] = ((b & 0xffffu) << 8) | (c >> 24);
-  u[3] = c & 0xffffffu;
-}
-
-// dst[16 j + l] = src[16 j + l] + sigma * (normal j of block `block + l`) for the group's kNoiseGroup values (lane
-// l of vector j, as they are: no transpose), the 16 blocks W at a time; a null src reads as zeros. The sum is made
-// in registers: the normals never go through memory, and no scalar pass over the group follows (the compiler at
-// -O2 left that pass unvectorised; docs/device.md measures the change).
+// dst[16 j + l] = src[16 j + l] + sigma * (normal j of block `block + l`) for the group's 256 values (lane l of
+// vector j, as they are: no transpose), the 16 blocks W at a time; a null src reads as zeros. The sum is made in
+// registers: the normals never go through memory, and no scalar pass over the group follows (the compiler at -O2
+// left that pass unvectorised; docs/device.md measures the change).
 template <int W>
 __attribute__((always_inline)) inline void group_add_w(const NoiseKey& key, uint64_t block, float sigma,
                                                        const float* src, float* dst) {
-  using u32v = typename lanes::Vec<W>::u32;
   using f32v = typename lanes::Vec<W>::f32;
   for (int h = 0; h < kLanes; h += W) {
-    u32v x[16];
+    typename lanes::Vec<W>::u32 x[16];
     lanes::chacha_lanes<W, kNoiseRounds>(key, block + static_cast<uint64_t>(h), x);
-    for (int t = 0; t < kNormalsPerBlock / 4; ++t) {  // a triple of words: 4 uniforms, 2 pairs, 4 normals
-      u32v u[4];
-      unpack24(x[3 * t], x[3 * t + 1], x[3 * t + 2], u);
-      f32v z[4];
-      box_muller<W>(u[0], u[1], z[0], z[1]);
-      box_muller<W>(u[2], u[3], z[2], z[3]);
-      for (int k = 0; k < 4; ++k) {
-        size_t at = 16 * (4 * t + k) + h;
+    for (int p = 0; p < 8; ++p) {
+      f32v z[2];
+      box_muller<W>(x[2 * p], x[2 * p + 1], z[0], z[1]);
+      for (int k = 0; k < 2; ++k) {
+        size_t at = 16 * (2 * p + k) + h;
         f32v v = sigma * z[k];
         if (src != nullptr) {
           f32v s;
@@ -148,10 +135,10 @@ NoiseKey key_from_file(const char* path) {
 
 void add_gaussian(float* dst, const float* src, size_t n, uint64_t first, const NoiseKey& key, float sigma) {
   uint64_t end = first + n;
-  for (uint64_t g = first / kNoiseGroup * kNoiseGroup; g < end; g += kNoiseGroup) {  // groups of 16 blocks' values
+  for (uint64_t g = first / kNoiseGroup * kNoiseGroup; g < end; g += kNoiseGroup) {  // groups of 256 values
     uint64_t lo = g > first ? g : first, hi = g + kNoiseGroup < end ? g + kNoiseGroup : end;
     if (lo == g && hi == g + kNoiseGroup) {  // a whole group: drawn and added in registers
-      group_add(key, g / kNoiseGroup * kLanes, sigma, src == nullptr ? nullptr : src + (g - first), dst + (g - first));
+      group_add(key, g / 16, sigma, src == nullptr ? nullptr : src + (g - first), dst + (g - first));
       continue;
     }
     // a group cut by the range's ends: its part of the range through a buffer, added by the same code, so that
@@ -159,7 +146,7 @@ void add_gaussian(float* dst, const float* src, size_t n, uint64_t first, const 
     alignas(64) float t[kNoiseGroup] = {};
     size_t at = lo - g, count = hi - lo;
     if (src != nullptr) std::memcpy(t + at, src + (lo - first), count * sizeof(float));
-    group_add(key, g / kNoiseGroup * kLanes, sigma, t, t);
+    group_add(key, g / 16, sigma, t, t);
     std::memcpy(dst + (lo - first), t + at, count * sizeof(float));
   }
 }
