@@ -440,13 +440,15 @@ def fit_teacher_size(path: Path) -> int:
 
 
 @torch.no_grad()
-def evaluate_student(student: Student, lfw_root: str | Path | None, limit: int | None = None) -> dict:
-    """View 1 (DevTest pairs) of the student's embedding of each image as a device would release it."""
+def evaluate_student(student: Student, lfw_root: str | Path | None, limit: int | None = None,
+                     flip: bool = False) -> dict:
+    """View 1 (DevTest pairs) of the student's embedding of each image as a device would release it (`flip`: and
+    of its mirror image, released too; evaluate_embedder)."""
     student.eval()
     noise = torch.Generator().manual_seed(EVALUATION_SEED)
     device = next(student.parameters()).device
     return evaluate_embedder(lambda x: student(torch.from_numpy(x).to(device), noise).cpu().numpy(), lfw_root,
-                             student.spec.input_size, CROP, limit)
+                             student.spec.input_size, CROP, limit, flip)
 
 
 # ---- the distilled start, built once and cached ------------------------------------------------------------

@@ -28,8 +28,10 @@ from splitface.common.options import add_data_root_arg, add_model_args, model_sp
 from splitface.device.privacy.mechanisms import NoNoise
 from splitface.device.privacy.options import add_privacy_args, release_mechanism
 from research.demo import parser as demo_parser, start_recipes
-from research.distill import (TEACHER_SIZE, default_cache, distilled_start, fit_teacher_size, load_student,
-                              teacher_fit)
+from research.audit.recognizer import DlibResNet
+from research.distill import (CROP, TEACHER_SIZE, default_cache, distilled_start, evaluate_student, fit_teacher_size,
+                              load_student, teacher_fit)
+from research.evaluation.verification import evaluate_embedder
 from research.pretrain_table import (ROOT, SEEDS, finetune_row, frozen_probe, run_sh_array, seed_means,
                                      student_embedder, student_row, table, teacher_row)
 from research.results import write_summary
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
 
     names = [name for name, _ in args.recipes]
     kept = [r for r in read_rows(args.out) if r["role"] != "teacher" and r["recipe"] not in names]
-    rows = [teacher_row(args.data, 64, args.cache, data)]
+    teacher = evaluate_embedder(DlibResNet(TEACHER_SIZE).embed, args.data, 64, CROP, flip=True)
+    rows = [{**teacher_row(args.data, 64, args.cache, data), "view1_flip": flipped(teacher)}]
     for name, flags in args.recipes:
         recipes = start_recipes(demo_parser().parse_known_args([*start, *flags])[0])
         for spec, split, mechanism in ((model_spec(options.parse_known_args(["--model", args.model])[0]),
@@ -72,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
             same = {str(size): {k: f[k] for k in ("public_cosine_loss", "view1_cosine_loss")}
                     for size, f in by_input.items()}
             rows.append({**student_row(path, probe), "recipe": name, **by_input[fit_teacher_size(path)],
-                         "fit_by_teacher_input": same})
+                         "fit_by_teacher_input": same,
+                         "view1_flip": flipped(evaluate_student(student, args.data, flip=True))})
         run = f"runsh-{name}"
         for seed in SEEDS:
             demo_args = [*start, *release, *stage, *wire, *flags, *(["--seed", str(seed)] if seed else [])]
@@ -82,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     text = ("Reduced configuration: iresnet_small (width 16) at 64 px; LFW View 1 DevTest pairs (1,000); fine-tuning "
             "on LFW-158 as run.sh does (2 devices, 3 epochs). Every recipe distilled on this machine, with run.sh's "
             "epochs unless its name gives the plain student's (`viewsK-studentE`).\n\n" + table(rows) + "\n"
-            + fits(rows) + seed_means(rows, compared))
+            + fits(rows) + flips(rows) + seed_means(rows, compared))
     write_summary(args.out, rows, text)
 
 
@@ -120,6 +124,27 @@ def read_rows(out: Path) -> list[dict]:
     """The rows an earlier run wrote to `out`/summary.json (none if there is none)."""
     summary = out / "summary.json"
     return json.loads(summary.read_text()) if summary.exists() else []
+
+
+def flipped(report: dict) -> dict:
+    """The View 1 figures of a report made with test-time flipping."""
+    return {k: report[k] for k in ("view1_accuracy", "view1_std", "roc_auc", "tar_at_far_1e-2")}
+
+
+def flips(rows: list[dict]) -> str:
+    """A line per start and the teacher: View 1 with test-time flipping (evaluate_embedder's `flip`: each face
+    embedded with its mirror image), beside the row's single embedding."""
+    def line(r: dict) -> str:
+        f = r["view1_flip"]
+        return (f"{f['view1_accuracy']:.3f} ± {f['view1_std']:.3f} (AUC {f['roc_auc']:.3f}, TAR @ FAR 1e-2 "
+                f"{f['tar_at_far_1e-2']:.3f}) against {r['view1_accuracy']:.3f} without")
+    named = [(f"teacher (dlib at {r['input']})" if r["role"] == "teacher" else f"{r['recipe']}, {r['release']}", r)
+             for r in rows if "view1_flip" in r]
+    if not named:
+        return ""
+    return ("View 1 with test-time flipping (each face's unit embedding summed with its mirror image's, as "
+            "insightface evaluates; two embeddings a face, so a device would release each face twice):\n"
+            + "".join(f"- {name}: {line(r)}\n" for name, r in named) + "\n")
 
 
 def fits(rows: list[dict]) -> str:

@@ -105,6 +105,23 @@ def test_eigenfaces_verify_real_faces_above_chance(lfw) -> None:
     assert report["view1_accuracy"] > 0.6 and report["roc_auc"] > 0.6
 
 
+def test_flipping_sums_each_faces_unit_embedding_with_its_mirror_images(lfw) -> None:
+    """A mirror-symmetric embedding (each row's pixels summed with their mirror) gives the same figures flipped or
+    not (its two unit embeddings are one); an embedding of the left half alone changes under flipping."""
+    def symmetric(x: np.ndarray) -> np.ndarray:
+        return (x + x[..., ::-1]).reshape(len(x), -1)[:, ::7] + 1e-3
+
+    def left(x: np.ndarray) -> np.ndarray:
+        return x[..., :32].reshape(len(x), -1)[:, ::7] + 1e-3
+
+    plain, flipped = (evaluate_embedder(symmetric, lfw, 64, limit=100, flip=f) for f in (False, True))
+    assert flipped["input"] == "64x64 from the 160 px centre crop, and its mirror"
+    for key in ("view1_accuracy", "roc_auc", "tar_at_far_1e-2"):
+        assert flipped[key] == pytest.approx(plain[key], abs=1e-12)   # the same cosines up to rounding
+    halves = [evaluate_embedder(left, lfw, 64, limit=100, flip=f)["roc_auc"] for f in (False, True)]
+    assert halves[0] != halves[1]
+
+
 def test_a_split_run_is_evaluated_with_its_own_device_layer(lfw, tmp_path) -> None:
     selection = {"image_folder": False, "min_images": 10, "max_identities": 4, "max_images": None,
                  "people": "devtrain", "seed": 0}
