@@ -58,9 +58,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path("results/verification"))
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--crop", type=int, default=160)
-    p.add_argument("--eigenfaces-images", type=int, default=3000, help="DevTrain images eigenfaces are fitted on")
+    p.add_argument("--devtrain-images", type=int, default=3000,
+                   help="DevTrain images (other people than the pairs') that eigenfaces are fitted on and that the "
+                        "fixed alignment averages dlib's landmarks over")
     args = p.parse_args(argv)
-    public = devtrain_faces(args.data, args.eigenfaces_images)
+    public = devtrain_faces(args.data, args.devtrain_images)
     faces = to_input(public.load(args.size, args.crop)).numpy()
     eigenfaces = Eigenfaces(components=64, size=32).fit(faces)
     rows = [
