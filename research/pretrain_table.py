@@ -166,30 +166,35 @@ def finetune_row(name: str, demo_args: list[str], args: argparse.Namespace) -> d
     report = json.loads(view1.read_text())
     config, last = results["config"], results["epochs"][-1]
     device = results["devices"][0]
-
-    def flag(name: str) -> str | None:   # its last value: a later flag overrides run.sh's, as argparse reads them
-        at = [i for i, a in enumerate(demo_args) if a == name]
-        return demo_args[at[-1] + 1] if at else None
-
-    start = flag("--init") or "scratch"
-    if start not in ("distilled", "scratch"):
-        start = f"distilled ({Path(start).name})"
-    for name, words in (("--student-epochs", "(student: {} epochs)"),
-                        ("--noise-aware-epochs", "(noise-aware start: {} epochs)"),
-                        ("--student-views", "(student: function matching on {} views)"),
-                        ("--noise-aware-views", "(noise-aware start: function matching on {} views)"),
-                        ("--imprint-epochs", ", head imprinted over {} epoch"), ("--lr", ", lr {}"),
-                        ("--head-lr-scale", ", head lr x{}"), ("--seed", ", seed {}")):
-        if flag(name) is not None:
-            start += ("" if words.startswith(",") else " ") + words.format(flag(name))
     return {"role": "split-finetune", "run": name, "model": f"{config['model']['family']}-{config['model']['depth']} "
-            f"width {config['model']['width']}", "start": start,
+            f"width {config['model']['width']}", "start": finetune_start(demo_args),
             "release": release_name(config["model"], config["split"], device["privacy"]["mechanism"]),
             "head": config["head"], "input": f"{config['model']['input_size']}x{config['model']['input_size']}",
             "epochs": len(results["epochs"]), "lfw158_test_accuracy": last["test_acc"],
             "view1_accuracy": report["view1_accuracy"], "view1_std": report["view1_std"],
             "roc_auc": report["roc_auc"], "tar_at_far_1e-2": report["tar_at_far_1e-2"], "pairs": report["pairs"],
             "pairs_with_seen_people": report["pairs_with_seen_people"], "demo_args": demo_args}
+
+
+def finetune_start(demo_args: list[str]) -> str:
+    """A fine-tuning run's start and server recipe in words, each flag by its last value (a flag after run.sh's
+    overrides it, as argparse reads them)."""
+    def value(option: str) -> str | None:
+        at = [i for i, a in enumerate(demo_args) if a == option]
+        return demo_args[at[-1] + 1] if at else None
+
+    start = value("--init") or "scratch"
+    if start not in ("distilled", "scratch"):
+        start = f"distilled ({Path(start).name})"
+    for option, words in (("--student-epochs", " (student: {} epochs)"),
+                          ("--noise-aware-epochs", " (noise-aware start: {} epochs)"),
+                          ("--student-views", " (student: function matching on {} views)"),
+                          ("--noise-aware-views", " (noise-aware start: function matching on {} views)"),
+                          ("--imprint-epochs", ", head imprinted over {} epoch"), ("--lr", ", lr {}"),
+                          ("--head-lr-scale", ", head lr x{}"), ("--seed", ", seed {}")):
+        if value(option) is not None:
+            start += words.format(value(option))
+    return start
 
 
 SEEDS = (0, 1, 2)

@@ -12,8 +12,8 @@ recipe regresses a shifted, flipped image onto the teacher's embedding of the cl
 
 The teacher's row is dlib at the students' input. Reduced configuration (2 CPU cores): iresnet_small at 64 px.
 Resumable: starts come from the cache (built on first use: about 70 minutes each plain student, 20 each
-noise-aware start, on 2 cores), recorded runs are read back (--force makes them again). The rows of the last
-column: `--recipes first 8 16:150` (the 150-epoch student on 16 views took about 2.5 hours to distil).
+noise-aware start, on 2 cores), recorded runs are read back (--force makes them again). The committed
+table: the default recipes, then `--recipes 16:150` (whose plain student took about 2.7 hours to distil).
 """
 from __future__ import annotations
 
@@ -41,10 +41,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_data_root_arg(p, required=True, help="LFW root (with View 1's pairs files)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "pretrain-views")
-    p.add_argument("--recipes", nargs="+", type=recipe_flags, default=[("first-recipe", []), ("views8", ["--student-views", "8", "--noise-aware-views", "8"])], metavar="RECIPE",
+    p.add_argument("--recipes", nargs="+", type=recipe_flags, default=[recipe_flags("first"), recipe_flags("8")], metavar="RECIPE",
                    help="`first` (the first recipe), K (function matching on K views in both distillations) or "
-                        "K:E (the same with the plain student distilled for E epochs). Rows of recipes already in "
-                        "--out's summary.json and not named here are kept as they are")
+                        "K:E (the same with the plain student distilled for E epochs; run.sh's are 60). Rows of "
+                        "recipes already in --out's summary.json and not named here are kept as they are")
     p.add_argument("--cache", type=Path, default=default_cache(), help="teacher embeddings and distilled starts")
     p.add_argument("--force", action="store_true", help="train and evaluate every fine-tuning run again")
     args = p.parse_args(argv)
@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     known, _ = options.parse_known_args(["--model", args.model, *release, *stage])
     data = load_lfw(args.data, min_images=10, seed=0)   # the main job's LFW-158 split (demo's defaults)
 
-    names = [name for name, _ in args.recipes]
-    kept = [r for r in read_rows(args.out) if r["role"] != "teacher" and r["recipe"] not in names]
+    args.recipes = list(dict(args.recipes).items())   # each recipe once, in the order first named
+    kept = [r for r in read_rows(args.out) if r["role"] != "teacher" and r.get("recipe") not in dict(args.recipes)]
     teacher = evaluate_embedder(DlibResNet(TEACHER_SIZE).embed, args.data, 64, CROP, flip=True)
     rows = [{**teacher_row(args.data, 64, args.cache, data), "view1_flip": flipped(teacher)}]
     for name, flags in args.recipes:
@@ -142,8 +142,8 @@ def flips(rows: list[dict]) -> str:
              for r in rows if "view1_flip" in r]
     if not named:
         return ""
-    return ("View 1 with test-time flipping (each face's unit embedding summed with its mirror image's, as "
-            "insightface evaluates; two embeddings a face, so a device would release each face twice):\n"
+    return ("View 1 with test-time flipping (each face's unit embedding summed with its mirror image's; two "
+            "embeddings a face, so a device would release each face twice):\n"
             + "".join(f"- {name}: {line(r)}\n" for name, r in named) + "\n")
 
 

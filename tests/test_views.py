@@ -106,8 +106,28 @@ def test_the_views_table_recipes_name_their_flags_and_sort_after_the_first():
     assert describe(name) == ("function matching on 16 views in both distillations, the plain student distilled "
                               "for 150 epochs")
     assert describe("first-recipe") == "the first recipe (clean targets)"
+    assert describe("views8") == "function matching on 8 views in both distillations"   # the committed rows' words
     names = ["views16-student150", "views8", "first-recipe", "views16"]
     assert sorted(names, key=recipe_order) == ["first-recipe", "views8", "views16", "views16-student150"]
     for bad in ("0", "8:", "x", "8:0", "-1"):
         with pytest.raises(argparse.ArgumentTypeError, match="a recipe is"):
             recipe_flags(bad)
+
+
+def test_a_fine_tuning_rows_start_is_named_by_each_flags_last_value():
+    """The committed rows' labels are what finetune_start makes of their recorded flags, and a flag given after
+    run.sh's (a recipe's longer student) names the run by its own value, as argparse reads it."""
+    import json
+
+    from research.pretrain_table import finetune_start
+    from tests.conftest import ROOT
+
+    rows = [r for table in ("pretrain", "pretrain-views")
+            for r in json.loads((ROOT / "results" / table / "summary.json").read_text())
+            if r["role"] == "split-finetune"]
+    assert len(rows) >= 20
+    for r in rows:
+        assert finetune_start(r["demo_args"]) == r["start"], r["run"]
+    longer = ["--init", "distilled", "--student-epochs", "60", "--lr", "0.01", "--student-epochs", "150"]
+    assert finetune_start(longer) == "distilled (student: 150 epochs), lr 0.01"
+    assert finetune_start(["--seed", "2"]) == "scratch, seed 2"

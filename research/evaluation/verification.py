@@ -113,8 +113,8 @@ def embed_in_batches(embed: Embedder, images: np.ndarray, batch: int = 256) -> n
 def evaluate_embedder(embed: Embedder, lfw_root: str | Path | None, size: int, crop: int = 160,
                       limit: int | None = None, flip: bool = False) -> dict:
     """`embed` on View 1's DevTest pairs, each image the `crop` px centre crop resized to `size`. `flip`: each
-    face's embedding is the sum of its own and its mirror image's, each scaled to unit length (test-time flipping,
-    as insightface's verification evaluates): two embeddings a face, so not what one release gives."""
+    face's embedding is the sum of its own and its mirror image's, each scaled to unit length first (test-time
+    flipping; insightface sums them unscaled): two embeddings a face, so not what one release gives."""
     pairs = view1_pairs(lfw_root, "test", limit)
     images = pairs.faces.load(size, crop)
     embeddings = embed_in_batches(embed, images)
