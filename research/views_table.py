@@ -47,7 +47,13 @@ def main(argv: list[str] | None = None) -> None:
                         "recipes already in --out's summary.json and not named here are kept as they are")
     p.add_argument("--cache", type=Path, default=default_cache(), help="teacher embeddings and distilled starts")
     p.add_argument("--force", action="store_true", help="train and evaluate every fine-tuning run again")
+    p.add_argument("--report-only", action="store_true",
+                   help="rewrite --out's table.md from its summary.json, building and running nothing")
     args = p.parse_args(argv)
+    if args.report_only:
+        rows = read_rows(args.out)
+        write_summary(args.out, rows, report(rows))
+        return
     args.model = "iresnet_small"
     args.out.mkdir(parents=True, exist_ok=True)
     start, release, wire = run_sh_array("DEFAULT_START"), run_sh_array("DEFAULT_RELEASE"), run_sh_array("DEFAULT_WIRE")
@@ -82,12 +88,16 @@ def main(argv: list[str] | None = None) -> None:
             demo_args = [*start, *release, *stage, *wire, *flags, *(["--seed", str(seed)] if seed else [])]
             rows.append({**finetune_row(run if not seed else f"{run}-seed{seed}", demo_args, args), "recipe": name})
     rows = [rows[0], *sorted([*kept, *rows[1:]], key=lambda r: recipe_order(r["recipe"]))]
+    write_summary(args.out, rows, report(rows))
+
+
+def report(rows: list[dict]) -> str:
+    """The table, the fit and flip lines and the seed means, from the rows (the teacher's first)."""
     compared = {f"runsh-{name}": describe(name) for name in dict.fromkeys(r["recipe"] for r in rows[1:])}
-    text = ("Reduced configuration: iresnet_small (width 16) at 64 px; LFW View 1 DevTest pairs (1,000); fine-tuning "
+    return ("Reduced configuration: iresnet_small (width 16) at 64 px; LFW View 1 DevTest pairs (1,000); fine-tuning "
             "on LFW-158 as run.sh does (2 devices, 3 epochs). Every recipe distilled on this machine, with run.sh's "
             "epochs unless its name gives the plain student's (`viewsK-studentE`).\n\n" + table(rows) + "\n"
             + fits(rows) + flips(rows) + seed_means(rows, compared))
-    write_summary(args.out, rows, text)
 
 
 def recipe_flags(text: str) -> tuple[str, list[str]]:
@@ -157,7 +167,7 @@ def fits(rows: list[dict]) -> str:
     return "".join(f"- {r['recipe']}, {r['release']}: teacher fit (cosine loss, the teacher at "
                    f"{r['teacher_input']} px) {r['public_cosine_loss']:.3f} on "
                    f"{r['public_sample']} of its public faces, {r['view1_cosine_loss']:.3f} on View 1's "
-                   f"{r['view1_images']} images. The same targets for both recipes (public / View 1): {same(r)}\n"
+                   f"{r['view1_images']} images. The same targets for every recipe (public / View 1): {same(r)}\n"
                    for r in rows if r["role"] == "student") + "\n"
 
 

@@ -131,3 +131,16 @@ def test_a_fine_tuning_rows_start_is_named_by_each_flags_last_value():
     longer = ["--init", "distilled", "--student-epochs", "60", "--lr", "0.01", "--student-epochs", "150"]
     assert finetune_start(longer) == "distilled (student: 150 epochs), lr 0.01"
     assert finetune_start(["--seed", "2"]) == "scratch, seed 2"
+
+
+def test_the_committed_views_table_is_its_summarys_report(tmp_path, lfw):
+    """`--report-only` rewrites table.md from summary.json alone; the committed table is what it writes."""
+    import shutil
+
+    from research.views_table import main
+    from tests.conftest import ROOT
+
+    committed = ROOT / "results" / "pretrain-views"
+    shutil.copy(committed / "summary.json", tmp_path / "summary.json")
+    main(["--data", str(lfw), "--out", str(tmp_path), "--report-only"])
+    assert (tmp_path / "table.md").read_text() == (committed / "table.md").read_text()
