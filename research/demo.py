@@ -347,7 +347,8 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 # (a run matches a row by its start file too, so no run finds both students' frontiers; the imprinted one before
 # the first distilled one: a plain-student run matches both, and the main job trains so)
 FRONTIERS = (RESULTS / "frontier", RESULTS / "frontier-distilled-imprinted-student60",
-             RESULTS / "frontier-distilled-imprinted", RESULTS / "frontier-distilled")
+             RESULTS / "frontier-distilled-student150-views16", RESULTS / "frontier-distilled-imprinted",
+             RESULTS / "frontier-distilled")
 
 
 def release_of(results: dict, by_weights: bool = True) -> tuple:

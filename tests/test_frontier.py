@@ -159,6 +159,23 @@ def test_the_main_job_prints_the_audit_of_its_own_release_and_start():
     assert f"{row['model_identity_r1']:.3f} from its models of releases" in line and "trained otherwise" not in line
 
 
+def test_the_main_job_from_the_longer_16_view_start_prints_that_starts_audit():
+    """run.sh with the 16-view, 150-epoch start's flags (results/pretrain-views' run) finds its release audited from
+    that very start file, trained as it trained: the figures are that start's, with no caveat."""
+    from research.demo import audit_line, parser
+
+    run = ROOT / "results" / "pretrain-views" / "runs" / "runsh-views16-student150"
+    results = json.loads((run / "results.json").read_text())
+    frontier, row = audited_point(results)
+    assert frontier.name == "frontier-distilled-student150-views16" and row["transform"] == "dct"
+    audited = json.loads((frontier / "runs" / row["run"] / "results.json").read_text())["config"]["device_weights"]
+    assert Path(audited).name == Path(results["config"]["device_weights"]).name
+    ours, _ = parser().parse_known_args(json.loads((run / "demo_args.json").read_text()))
+    line = audit_line(results, ours)
+    assert f"{row['model_identity_r1']:.3f} from its models of releases" in line
+    assert "trained otherwise" not in line and "another build" not in line
+
+
 def test_the_main_job_from_its_own_build_of_the_start_prints_the_audit_of_the_same_recipe(tmp_path):
     """A user's build of the noise-aware start is named otherwise than the audited one (its key hashes the plain
     student's bytes, which a student trained again does not repeat): made from the plain student of the same name
