@@ -20,6 +20,7 @@ from splitface.common.models import PRESETS, build_backbone, split_backbone
 from splitface.common.models.weights import load_into, save_backbone
 from splitface.device.privacy.mechanisms import NoNoise, PerImageGaussian
 from research.audit.cli import headline
+from research.audit.run import load_run
 from research.audit.recognizer import DlibResNet
 from research.distill import (CROP, LFW158_MIN_IMAGES, TEACHER_SIZE, Recipe, TeacherCache, checkpoint_key, distill,
                              distilled_start, load_student, public_faces, teacher_fit)
@@ -247,9 +248,14 @@ def test_a_split_run_starts_from_a_distilled_file_and_is_audited(tmp_path, lfw, 
          "--cache", str(tmp_path / "audit-cache")],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert audit.returncode == 0, audit.stdout + audit.stderr
-    figures = headline(json.loads((tmp_path / "audit" / "run.json").read_text()))
+    report = json.loads((tmp_path / "audit" / "run.json").read_text())
+    figures = headline(report)
     assert 0 <= figures["identity_r1"] <= 1 and 0 < figures["identity_r1_chance"] < 1
     assert 0 <= figures["linkage_pixels"] <= 1
+    # the curious server's copy of the device part starts from the start it sent the devices, not from seeded weights
+    assert report["device_layer"].startswith("surrogate (the published start's device part")
+    surrogate = load_run(run).layer.state_dict()["stages.conv1.0.weight"]
+    assert torch.equal(surrogate, file_state["stages.conv1.0.weight"])
 
 
 @pytest.mark.slow

@@ -4,8 +4,9 @@
 head is on the server, embedding gradients when it is on the device), its own trained model, the
 model spec every device announced, and the device's privacy setting, which is published with the
 app. For the device layer it has the published weights when the device runs them frozen
-(white-box), or else a surrogate: the seeded initial layer every device starts from, built with
-the device SDK's own code (the devices have since trained theirs; the audit reports which case held).
+(white-box), or else a surrogate: the published start the devices trained theirs from (a distilled
+start), or the seeded initial layer every device starts from, built with the device SDK's own code
+(the devices have since trained theirs; the audit reports which case held).
 
 `GroundTruth`: what only the auditor knows: which private image each recorded release came from.
 It is recomputed from the run's recorded data selection and the simulator's seeded batch order.
@@ -106,13 +107,14 @@ def load_run(run_dir: Path, published_weights: Path | None = None) -> AttackerVi
     privacy = results["devices"][0]["privacy"]
     mechanism = from_description(privacy["mechanism"])
     weights = config.get("device_weights")
-    if weights and privacy.get("layer_training") == "frozen":
+    if weights:   # published: the server itself sent the devices their start
         path = published_weights or Path(weights)
         if not path.exists():
             raise FileNotFoundError(f"{run_dir.name}: the published device weights {path} are missing "
                                     f"(pass their path with --published-weights)")
-        layer, knowledge = initial_layer(spec, config["split"], config["train"]["seed"], path), \
-            "white-box (the published frozen weights)"
+        layer = initial_layer(spec, config["split"], config["train"]["seed"], path)
+        knowledge = ("white-box (the published frozen weights)" if privacy.get("layer_training") == "frozen" else
+                     "surrogate (the published start's device part; the devices trained theirs from it)")
     else:
         layer, knowledge = initial_layer(spec, config["split"], config["train"]["seed"], None), \
             "surrogate (the seeded initial layer; the devices trained theirs from it)"
