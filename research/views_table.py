@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_data_root_arg(p, required=True, help="LFW root (with View 1's pairs files)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "pretrain-views")
-    p.add_argument("--recipes", nargs="+", type=recipe_flags, default=[recipe_flags("first"), recipe_flags("8")], metavar="RECIPE",
+    p.add_argument("--recipes", nargs="+", type=recipe_flags, metavar="RECIPE",
+                   default=[recipe_flags("first"), recipe_flags("8")],
                    help="`first` (the first recipe), K (function matching on K views in both distillations) or "
                         "K:E (the same with the plain student distilled for E epochs; run.sh's are 60). Rows of "
                         "recipes already in --out's summary.json and not named here are kept as they are")
