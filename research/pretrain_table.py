@@ -46,7 +46,7 @@ from splitface.device.privacy.options import add_privacy_args, release_mechanism
 from research.demo import parser as demo_parser, run_recorded, start_recipes
 from research.distill import (CROP, EVALUATION_SEED, NOISE_AWARE_RECIPE, PLAIN_RECIPE, Recipe, TeacherCache,
                              default_cache, distilled_start, load_student)
-from research.evaluation.verification import verification_report, view1_pairs
+from research.evaluation.verification import unit_rows, verification_report, view1_pairs
 from research.results import write_summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,10 +68,9 @@ def frozen_probe(embed: Callable[[FaceSet], np.ndarray], data: DataSplit) -> dic
     train, test = embed(data.train), embed(data.test)
     centre = train.mean(0)
     train, test = train - centre, test - centre
-    unit = lambda e: e / np.linalg.norm(e, axis=1, keepdims=True)  # noqa: E731
     labels = data.train.labels
-    means = unit(np.stack([unit(train)[labels == c].mean(0) for c in range(len(data.class_names))]))
-    nearest = float(((unit(test) @ means.T).argmax(1) == data.test.labels).mean())
+    means = unit_rows(np.stack([unit_rows(train)[labels == c].mean(0) for c in range(len(data.class_names))]))
+    nearest = float(((unit_rows(test) @ means.T).argmax(1) == data.test.labels).mean())
     logistic = LogisticRegression(C=10, max_iter=3000).fit(train, labels).score(test, data.test.labels)
     return {"lfw158_class_mean_accuracy": round(nearest, 4), "lfw158_logistic_accuracy": round(float(logistic), 4)}
 

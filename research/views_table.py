@@ -114,21 +114,22 @@ def recipe_flags(text: str) -> tuple[str, list[str]]:
                                                              [*flags, "--student-epochs", epochs])
 
 
-def describe(name: str) -> str:
-    """A recipe's name (recipe_flags) in words."""
-    if name == "first-recipe":
-        return "the first recipe (clean targets)"
-    views, _, epochs = name.removeprefix("views").partition("-student")
-    return (f"function matching on {views} views in both distillations"
-            + (f", the plain student distilled for {epochs} epochs" if epochs else ""))
-
-
 def recipe_order(name: str) -> tuple[int, int]:
-    """The first recipe, then by views, then by the plain student's epochs (run.sh's first)."""
+    """A recipe's name (recipe_flags) as (views, the plain student's epochs; 0: run.sh's), (0, 0) for the first
+    recipe: the first, then by views, then by epochs."""
     if name == "first-recipe":
         return (0, 0)
     views, _, epochs = name.removeprefix("views").partition("-student")
     return (int(views), int(epochs or 0))
+
+
+def describe(name: str) -> str:
+    """A recipe's name (recipe_flags) in words."""
+    views, epochs = recipe_order(name)
+    if not views:
+        return "the first recipe (clean targets)"
+    return (f"function matching on {views} views in both distillations"
+            + (f", the plain student distilled for {epochs} epochs" if epochs else ""))
 
 
 def read_rows(out: Path) -> list[dict]:
@@ -161,7 +162,7 @@ def flips(rows: list[dict]) -> str:
 def fits(rows: list[dict]) -> str:
     """A line per start: its cosine loss against the teacher on its own public faces and on View 1's images, against
     the targets it learned from and against each recipe's (the teacher at 150 px and at the student's 64 px, both
-    centred on the clean public faces' mean), so that the two recipes are compared on the same targets."""
+    centred on the clean public faces' mean), so that the recipes are compared on the same targets."""
     def same(r: dict) -> str:
         return "; ".join(f"teacher at {size} px {f['public_cosine_loss']:.3f} / {f['view1_cosine_loss']:.3f}"
                          for size, f in r.get("fit_by_teacher_input", {}).items())

@@ -110,6 +110,11 @@ def embed_in_batches(embed: Embedder, images: np.ndarray, batch: int = 256) -> n
                            for i in range(0, len(images), batch)])
 
 
+def unit_rows(embeddings: np.ndarray) -> np.ndarray:
+    """Each row scaled to unit length."""
+    return embeddings / np.linalg.norm(embeddings, axis=1, keepdims=True)
+
+
 def evaluate_embedder(embed: Embedder, lfw_root: str | Path | None, size: int, crop: int = 160,
                       limit: int | None = None, flip: bool = False) -> dict:
     """`embed` on View 1's DevTest pairs, each image the `crop` px centre crop resized to `size`. `flip`: each
@@ -119,7 +124,6 @@ def evaluate_embedder(embed: Embedder, lfw_root: str | Path | None, size: int, c
     images = pairs.faces.load(size, crop)
     embeddings = embed_in_batches(embed, images)
     if flip:
-        unit = lambda e: e / np.linalg.norm(e, axis=1, keepdims=True)  # noqa: E731
-        embeddings = unit(embeddings) + unit(embed_in_batches(embed, images[..., ::-1]))
+        embeddings = unit_rows(embeddings) + unit_rows(embed_in_batches(embed, images[..., ::-1]))
     report = verification_report(embeddings[pairs.a], embeddings[pairs.b], pairs.same)
     return {**report, "input": f"{size}x{size} from the {crop} px centre crop" + (", and its mirror" if flip else "")}
