@@ -49,6 +49,7 @@ from splitface.protocol.client_session import ClientSession
 from splitface.protocol.server_session import DeviceRecord, ServerInfo, ServerSession
 from splitface.protocol.tensor import WIRE_DTYPES, decode_tensor, encode_tensor, payload_bytes
 from research.results import write_report
+from bench.transport import raw_echo, recv_into
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -384,34 +385,12 @@ def _echo_child(conn) -> None:
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
 
-    def sock_echo(listener: socket.socket) -> None:
-        while True:
-            s, _ = listener.accept()
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            buf = bytearray(0)
-            reply = b""
-            try:
-                while True:
-                    head = _recv_exact(s, 16)
-                    if head is None:
-                        break
-                    n_in, n_out = struct.unpack("<QQ", head)
-                    if len(buf) < n_in:
-                        buf = bytearray(n_in)
-                    if not _recv_into(s, memoryview(buf)[:n_in]):
-                        break
-                    if len(reply) != n_out:
-                        reply = bytes(n_out)
-                    s.sendall(reply)
-            finally:
-                s.close()
-
     async def main() -> None:
         opts = dict(SERVER_WS_OPTIONS, max_size=m.DEFAULT_MAX_MESSAGE_BYTES)
         async with serve(ws_protocol, "127.0.0.1", 0, **opts) as s1, serve(ws_bytes, "127.0.0.1", 0, **opts) as s2:
             tcp = await asyncio.start_server(tcp_echo, "127.0.0.1", 0)
             listener = socket.create_server(("127.0.0.1", 0))
-            threading.Thread(target=sock_echo, args=(listener,), daemon=True).start()
+            threading.Thread(target=raw_echo, args=(listener,), daemon=True).start()
             ports = {"ws_protocol": next(iter(s1.sockets)).getsockname()[1],
                      "ws_bytes": next(iter(s2.sockets)).getsockname()[1],
                      "tcp_asyncio": tcp.sockets[0].getsockname()[1], "tcp_socket": listener.getsockname()[1]}
@@ -420,21 +399,6 @@ def _echo_child(conn) -> None:
             tcp.close()
 
     asyncio.run(main())
-
-
-def _recv_exact(s: socket.socket, n: int) -> bytes | None:
-    buf = bytearray(n)
-    return bytes(buf) if _recv_into(s, memoryview(buf)) else None
-
-
-def _recv_into(s: socket.socket, view: memoryview) -> bool:
-    got = 0
-    while got < len(view):
-        k = s.recv_into(view[got:])
-        if k == 0:
-            return False
-        got += k
-    return True
 
 
 async def _rt_ws_protocol(port, activations, labels, trips) -> list[float]:
@@ -496,7 +460,7 @@ def _rt_tcp_socket(port, n_out, n_back, trips) -> list[float]:
         t = time.perf_counter()
         s.sendall(struct.pack("<QQ", n_out, n_back))
         s.sendall(payload)
-        assert _recv_into(s, memoryview(buf))
+        assert recv_into(s, memoryview(buf))
         times.append(time.perf_counter() - t)
     s.close()
     return times

@@ -196,7 +196,7 @@ def server_main(conn, variant: str) -> None:
     phases: dict[str, list[float]] = {"decode": [], "encode": [], "send": []}
     if setting is None:
         listener = socket.create_server(("127.0.0.1", 0))
-        threading.Thread(target=_raw_echo, args=(listener,), daemon=True).start()
+        threading.Thread(target=raw_echo, args=(listener,), daemon=True).start()
         conn.send(listener.getsockname()[1])
         conn.recv()
         conn.send(phases)
@@ -249,7 +249,9 @@ def server_main(conn, variant: str) -> None:
     conn.send(phases)
 
 
-def _raw_echo(listener: socket.socket) -> None:
+def raw_echo(listener: socket.socket) -> None:
+    """The raw-socket floor's server: each trip a 16-byte header (bytes in, bytes out), the bytes in read into a
+    reused buffer, a reply of the asked length sent back."""
     while True:
         s, _ = listener.accept()
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -257,12 +259,12 @@ def _raw_echo(listener: socket.socket) -> None:
         try:
             while True:
                 head = bytearray(16)
-                if not _recv_into(s, memoryview(head)):
+                if not recv_into(s, memoryview(head)):
                     break
                 n_in, n_out = struct.unpack("<QQ", head)
                 if len(buf) < n_in:
                     buf = bytearray(n_in)
-                if not _recv_into(s, memoryview(buf)[:n_in]):
+                if not recv_into(s, memoryview(buf)[:n_in]):
                     break
                 if len(reply) != n_out:
                     reply = bytes(n_out)
@@ -271,7 +273,8 @@ def _raw_echo(listener: socket.socket) -> None:
             s.close()
 
 
-def _recv_into(s: socket.socket, view: memoryview) -> bool:
+def recv_into(s: socket.socket, view: memoryview) -> bool:
+    """Fill `view` from `s`; False if the peer closed first."""
     got = 0
     while got < len(view):
         k = s.recv_into(view[got:])
@@ -305,7 +308,7 @@ def client_main(conn, variant: str, port: int, shape: tuple[int, ...]) -> None:
                 t = time.perf_counter()
                 s.sendall(struct.pack("<QQ", *sizes))
                 s.sendall(payload)
-                if not _recv_into(s, memoryview(buf)):
+                if not recv_into(s, memoryview(buf)):
                     raise ConnectionError("raw echo closed")
                 times.append(time.perf_counter() - t)
             conn.send({"times": times, "phases": {}, "message_bytes": list(sizes)})
