@@ -73,6 +73,9 @@ def parser() -> argparse.ArgumentParser:
                         "imprinting), then trained from there: a pre-trained start keeps what it knows while a fresh "
                         "head would still be random (splitface/server/imprint.py). A device head is not imprinted: "
                         "with --head device it starts fresh, and the run says so")
+    p.add_argument("--imprint-hold-tail", action="store_true",
+                   help="with --imprint-epochs: the server's tail is not trained while its head is imprinted (a "
+                        "linear probe, then fine-tuning; docs/pretrain.md)")
     p.add_argument("--device-processes", type=int, default=1,
                    help="run the devices in this many simulator processes (devices dealt in contiguous ranges, "
                         "each process with the CPU cores / this many torch threads unless --threads is given); "
@@ -121,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
                   "--max-batch", str(args.batch_size), "--seed", str(args.seed), "--train-only", args.train_only,
                   "--record-max", str(args.record_max), "--gradient-rounding", args.gradient_rounding,
                   "--head-lr-scale", str(args.head_lr_scale), "--imprint-steps", str(imprint_steps),
-                  "--release-noise-std", repr(devices_noise_std(args, extra))]
+                  "--release-noise-std", repr(devices_noise_std(args, extra)),
+                  *(["--imprint-hold-tail"] if args.imprint_hold_tail else [])]
     if args.server_init:
         server_cmd += ["--init", str(args.server_init)]
     server_log = open(run_dir / "server.log", "w")
@@ -416,7 +420,7 @@ def audited_point(results: dict, frontiers: tuple[Path, ...] = FRONTIERS) -> tup
 
 
 # how the server trains: the audited run's may differ from this run's for the same release
-SERVER_RECIPE = ("lr", "head_lr_scale", "imprint_epochs")
+SERVER_RECIPE = ("lr", "head_lr_scale", "imprint_epochs", "imprint_hold_tail")
 
 
 def audit_line(results: dict, args: argparse.Namespace | None = None) -> str:

@@ -30,9 +30,9 @@ def _batch(seed: int, labels: list[int]) -> tuple[np.ndarray, np.ndarray]:
     return x.numpy(), np.array(labels)
 
 
-def _trainer(imprint_steps: int, guard: StepGuard | None = None) -> ServerTrainer:
+def _trainer(imprint_steps: int, guard: StepGuard | None = None, hold_tail: bool = False) -> ServerTrainer:
     return ServerTrainer(SPEC, "conv1", NUM_CLASSES, TrainConfig(lr=0.05), device="cpu", guard=guard,
-                         imprint_steps=imprint_steps)
+                         imprint_steps=imprint_steps, imprint_hold_tail=hold_tail)
 
 
 def _embeddings(trainer: ServerTrainer, activations: np.ndarray) -> torch.Tensor:
@@ -73,6 +73,21 @@ def test_after_the_imprinting_steps_the_head_trains_from_the_means():
     assert trainer.classifier.weight.grad is not None
     assert not torch.equal(trainer.classifier.weight.detach(), imprinted)   # an SGD step moved it
     assert torch.equal(trainer.imprinter.counts, counts)   # and the means took nothing more
+
+
+@pytest.mark.parametrize("hold_tail", [False, True])
+def test_a_held_tail_keeps_its_weights_while_the_head_is_imprinted_and_trains_after(hold_tail):
+    """--imprint-hold-tail: a linear probe, then fine-tuning. The device still gets its gradient meanwhile."""
+    trainer = _trainer(imprint_steps=1, hold_tail=hold_tail)
+    weights = {k: v.detach().clone() for k, v in trainer.tail.named_parameters()}
+
+    def moved() -> bool:
+        return any(not torch.equal(v.detach(), weights[k]) for k, v in trainer.tail.named_parameters())
+    grad, _, _ = trainer.train_server_head(*_batch(1, [0, 1, 2, 3]))
+    assert np.abs(grad).max() > 0
+    assert moved() != hold_tail
+    trainer.train_server_head(*_batch(2, [0, 1, 2, 4]))
+    assert moved()
 
 
 def test_a_refused_step_leaves_the_means_and_the_head_as_they_were():

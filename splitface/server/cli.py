@@ -64,6 +64,9 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--imprint-steps", type=int, default=0,
                    help="server head: for this many training steps its rows are its classes' mean embeddings (weight "
                         "imprinting, for a pre-trained --init), then trained from there")
+    s.add_argument("--imprint-hold-tail", action="store_true",
+                   help="while the head is imprinted the tail is not trained either: a linear probe, then "
+                        "fine-tuning (splitface/server/imprint.py)")
     s.add_argument("--tokens", type=Path, required=True, help="JSON of device id -> token digest (see `tokens`)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8765, help="0 picks a free port (printed on start)")
@@ -115,7 +118,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, hosted=None
     max_message_bytes = int(args.max_message_mb * 2 ** 20)
     federated = hosted(max_message_bytes) if hosted is not None else None
     trainer = ServerTrainer(model_spec(args), args.split, args.num_classes, train_config(args), args.device, args.init,
-                            args.train_only, from_args(StepGuard, args), args.imprint_steps)
+                            args.train_only, from_args(StepGuard, args), args.imprint_steps, args.imprint_hold_tail)
     info = server_info(trainer, args.max_batch, max_message_bytes)
     server = EdgeServer(trainer, info, TokenAuthenticator(load_tokens(args.tokens)), server_config,
                         board=federated.board if federated else None)

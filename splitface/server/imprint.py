@@ -6,6 +6,11 @@ class, so for the first epoch the tail is fine-tuned against noise and drifts fr
 that class's embeddings instead: a nearest-class-mean classifier from the first step. For the first N steps the
 rows are the running means of every embedding seen so far; after that they are trained like any other weight,
 from where the means left them.
+
+Optionally the tail is held too while the head is imprinted (`tail`): a linear probe first, then fine-tuning
+(LP-FT, Kumar et al., "Fine-Tuning can Distort Pretrained Features...", ICLR 2022). Trained against a head that
+the means keep rewriting, the tail drifts in the first epoch and has to recover; held, it meets a trained
+head with the start's features intact.
 """
 from __future__ import annotations
 
@@ -25,10 +30,11 @@ SCALE = 16.0
 class Imprinter:
     """Running class means of the L2-normalised embeddings, written into `head`'s rows while `active(steps)`."""
 
-    def __init__(self, head: nn.Linear, steps: int):
+    def __init__(self, head: nn.Linear, steps: int, tail: nn.Module | None = None):
+        """`tail`: held (no gradient) while imprinting, as the head is; None leaves it to train throughout."""
         if steps < 0:
             raise ValueError(f"imprint steps must be >= 0, got {steps}")
-        self.head, self.steps = head, steps
+        self.head, self.steps, self.tail = head, steps, tail
         classes, dim = head.weight.shape
         device = head.weight.device
         self.sums = torch.zeros(classes, dim, device=device)
@@ -38,10 +44,12 @@ class Imprinter:
     def active(self, steps: int) -> bool:
         return steps < self.steps
 
-    def hold_head(self, steps: int) -> None:
+    def hold(self, steps: int) -> None:
         """The head is set by the means while imprinting (no gradient, so no momentum carried out of it), and
-        trained afterwards."""
+        trained afterwards; so is the tail, if it is held."""
         self.head.requires_grad_(not self.active(steps))
+        if self.tail is not None:
+            self.tail.requires_grad_(not self.active(steps))
 
     @torch.no_grad()
     def add(self, embeddings: torch.Tensor, labels: torch.Tensor) -> None:
