@@ -2,18 +2,22 @@
 
 research/views.py distils on K views of each public face with the teacher's embedding of each view; the first
 recipe regresses a shifted, flipped image onto the teacher's embedding of the clean one. Rows, for each recipe
-(--recipes: the first, K views, K views with a longer plain student):
+(--recipes: the first, K views, K views with a longer plain student or noise-aware start; and, to see where the
+main job loses, `-quiet`: run.sh's release without its noise, `-hold`: fine-tuning with the server's tail held
+while its head is imprinted):
 - student: run.sh's plain student (its --student-epochs) and run.sh's noise-aware start made from it (its
   release, server stage and --noise-aware-epochs; function matching in both stages, or in neither), each on
   View 1, frozen on LFW-158 (research/pretrain_table.py's probe) and against the teacher (`pretrain fit`: the
   cosine loss on its own public faces and on View 1's images, which it never saw), both against the targets it
-  learned from and against the same targets for every recipe (the teacher at 150 px and at 64 px);
+  learned from and against the same targets for every recipe (the teacher at 150 px and at 64 px); a noise-aware
+  start also frozen without its noise;
 - split-finetune: run.sh itself from each start, at seeds 0, 1 and 2.
 
 The teacher's row is dlib at the students' input. Reduced configuration (2 CPU cores): iresnet_small at 64 px.
 Resumable: starts come from the cache (built on first use: about 70 minutes each plain student, 20 each
 noise-aware start, on 2 cores), recorded runs are read back (--force makes them again). The committed
-table: the default recipes, then `--recipes 16:150` (whose plain student took about 2.7 hours to distil).
+table: the default recipes, then `--recipes 16:150` (whose plain student took about 2.7 hours to distil), then
+`--recipes 16:150-quiet 16:150:150 16:150-hold 16:150-quiet-hold 16:150:150-hold`.
 """
 from __future__ import annotations
 
@@ -62,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     options = argparse.ArgumentParser(add_help=False)
     add_privacy_args(options)
     add_model_args(options, args.model)
-    known, _ = options.parse_known_args(["--model", args.model, *release, *stage])
+    def released(*flags: str) -> argparse.Namespace:   # run.sh's release, as a recipe's flags change it
+        return options.parse_known_args(["--model", args.model, *release, *stage, *flags])[0]
     data = load_lfw(args.data, min_images=10, seed=0)   # the main job's LFW-158 split (demo's defaults)
 
     args.recipes = list(dict(args.recipes).items())   # each recipe once, in the order first named
@@ -71,11 +76,18 @@ def main(argv: list[str] | None = None) -> None:
     rows = [{**teacher_row(args.data, 64, args.cache, data), "view1_flip": flipped(teacher)}]
     for name, flags in args.recipes:
         recipes = start_recipes(demo_parser().parse_known_args([*start, *flags])[0])
-        for spec, split, mechanism in ((model_spec(options.parse_known_args(["--model", args.model])[0]),
-                                        DEFAULT_SPLIT, NoNoise()),
-                                       (model_spec(known), known.split, release_mechanism(known))):
+        known = released(*flags)
+        # the same release without its noise (the clip kept): how much of the start's loss is the noise's
+        quiet = release_mechanism(released(*flags, "--noise-multiplier", "0"))
+        noisy = release_mechanism(known)
+        for spec, split, mechanism, without in ((model_spec(options.parse_known_args(["--model", args.model])[0]),
+                                                 DEFAULT_SPLIT, NoNoise(), None),
+                                                (model_spec(known), known.split, noisy,
+                                                 quiet if noisy.describe() != quiet.describe() else None)):
             path = distilled_start(spec, split, mechanism, args.data, args.cache, recipes=recipes)
             probe = frozen_probe(student_embedder(path, spec, split, mechanism), data)
+            if without is not None:
+                probe["lfw158_frozen_without_noise"] = frozen_probe(student_embedder(path, spec, split, without), data)
             student = load_student(path, split, mechanism, spec)
             by_input = {size: teacher_fit(student, args.data, args.cache, teacher_size=size)
                         for size in sorted({TEACHER_SIZE, spec.input_size})}
@@ -97,39 +109,60 @@ def report(rows: list[dict]) -> str:
     compared = {f"runsh-{name}": describe(name) for name in dict.fromkeys(r["recipe"] for r in rows[1:])}
     return ("Reduced configuration: iresnet_small (width 16) at 64 px; LFW View 1 DevTest pairs (1,000); fine-tuning "
             "on LFW-158 as run.sh does (2 devices, 3 epochs). Every recipe distilled on this machine, with run.sh's "
-            "epochs unless its name gives the plain student's (`viewsK-studentE`).\n\n" + table(rows) + "\n"
-            + fits(rows) + flips(rows) + seed_means(rows, compared))
+            "epochs unless its name gives the plain student's (`viewsK-studentE`) or the noise-aware start's "
+            "(`-noiseawareN`); `-quiet`: run.sh's release without its noise, in the start and in fine-tuning; `-hold`: "
+            "fine-tuning with the server's tail held while its head is imprinted (`--imprint-hold-tail`). A "
+            "recipe's plain student is listed with it, though recipes may share one (the same file).\n\n"
+            + table(rows) + "\n"
+            + fits(rows) + flips(rows) + without_noise(rows) + seed_means(rows, compared))
 
 
 def recipe_flags(text: str) -> tuple[str, list[str]]:
-    """A --recipes item as (its name, the demo flags it adds to run.sh's start)."""
+    """A --recipes item as (its name, the demo flags it adds to run.sh's start and release)."""
     if text == "first":
         return "first-recipe", []
-    match = re.fullmatch(r"([1-9][0-9]*)(?::([1-9][0-9]*))?", text)
+    match = re.fullmatch(r"([1-9][0-9]*)(?::([1-9][0-9]*)(?::([1-9][0-9]*))?)?(-quiet)?(-hold)?", text)
     if match is None:
-        raise argparse.ArgumentTypeError(f"a recipe is `first`, K or K:E (views, plain student's epochs), not {text!r}")
-    views, epochs = match.groups()
-    flags = ["--student-views", views, "--noise-aware-views", views]
-    return (f"views{views}", flags) if epochs is None else (f"views{views}-student{epochs}",
-                                                             [*flags, "--student-epochs", epochs])
+        raise argparse.ArgumentTypeError(f"a recipe is `first`, K, K:E or K:E:N (views, plain student's epochs, "
+                                         f"noise-aware start's epochs), then optionally -quiet and -hold, not {text!r}")
+    views, epochs, noisy, quiet, hold = match.groups()
+    flags, name = ["--student-views", views, "--noise-aware-views", views], f"views{views}"
+    if epochs is not None:
+        flags, name = [*flags, "--student-epochs", epochs], f"{name}-student{epochs}"
+    if noisy is not None:
+        flags, name = [*flags, "--noise-aware-epochs", noisy], f"{name}-noiseaware{noisy}"
+    if quiet:
+        flags, name = [*flags, "--noise-multiplier", "0"], f"{name}-quiet"
+    if hold:
+        flags, name = [*flags, "--imprint-hold-tail"], f"{name}-hold"
+    return name, flags
 
 
-def recipe_order(name: str) -> tuple[int, int]:
-    """A recipe's name (recipe_flags) as (views, the plain student's epochs; 0: run.sh's), (0, 0) for the first
-    recipe: the first, then by views, then by epochs."""
+def recipe_order(name: str) -> tuple[int, int, int, bool, bool]:
+    """A recipe's name (recipe_flags) as (views, the plain student's epochs, the noise-aware start's; 0: run.sh's,
+    whether the release is without its noise, whether the server's tail is held while its head is imprinted),
+    (0, 0, 0, False, False) for the first recipe: the first, then by views, then by epochs, the release's noise
+    before none, run.sh's fine-tuning before the held tail."""
     if name == "first-recipe":
-        return (0, 0)
-    views, _, epochs = name.removeprefix("views").partition("-student")
-    return (int(views), int(epochs or 0))
+        return (0, 0, 0, False, False)
+    match = re.fullmatch(r"views([0-9]+)(?:-student([0-9]+))?(?:-noiseaware([0-9]+))?(-quiet)?(-hold)?", name)
+    if match is None:
+        raise ValueError(f"not a recipe's name: {name!r}")
+    views, epochs, noisy, quiet, hold = match.groups()
+    return (int(views), int(epochs or 0), int(noisy or 0), bool(quiet), bool(hold))
 
 
 def describe(name: str) -> str:
     """A recipe's name (recipe_flags) in words."""
-    views, epochs = recipe_order(name)
+    views, epochs, noisy, quiet, hold = recipe_order(name)
     if not views:
         return "the first recipe (clean targets)"
     return (f"function matching on {views} views in both distillations"
-            + (f", the plain student distilled for {epochs} epochs" if epochs else ""))
+            + (f", the plain student distilled for {epochs} epochs" if epochs else "")
+            + (f", the noise-aware start for {noisy} epochs" if noisy else "")
+            + (", the release without its noise (noise multiplier 0; the clip kept) in the start and fine-tuning"
+               if quiet else "")
+            + (", the server's tail held while its head is imprinted (--imprint-hold-tail)" if hold else ""))
 
 
 def read_rows(out: Path) -> list[dict]:
@@ -151,12 +184,40 @@ def flips(rows: list[dict]) -> str:
         return (f"{f['view1_accuracy']:.3f} ± {f['view1_std']:.3f} (AUC {f['roc_auc']:.3f}, TAR @ FAR 1e-2 "
                 f"{f['tar_at_far_1e-2']:.3f}) against {r['view1_accuracy']:.3f} without")
     named = [(f"teacher (dlib at {r['input']})" if r["role"] == "teacher" else f"{r['recipe']}, {r['release']}", r)
-             for r in rows if "view1_flip" in r]
+             for r in once(rows) if "view1_flip" in r]
     if not named:
         return ""
     return ("View 1 with test-time flipping (each face's unit embedding summed with its mirror image's; two "
             "embeddings a face, so a device would release each face twice):\n"
             + "".join(f"- {name}: {line(r)}\n" for name, r in named) + "\n")
+
+
+def once(rows: list[dict]) -> list[dict]:
+    """The rows with each start's file once (recipes that share a plain student list it each), the first kept."""
+    seen: set[str] = set()
+    kept = []
+    for r in rows:
+        if r.get("file") not in seen:
+            kept.append(r)
+        if "file" in r:
+            seen.add(r["file"])
+    return kept
+
+
+def without_noise(rows: list[dict]) -> str:
+    """A line per noise-aware start measured so: frozen on LFW-158 with its release's noise, without it (the clip
+    kept) and the plain student's, so that the start's loss splits into the noise's share and the rest's (the
+    transform, and the server's stage that reads it)."""
+    def probe(r: dict) -> str:
+        return f"{r['lfw158_class_mean_accuracy']:.3f} / {r['lfw158_logistic_accuracy']:.3f}"
+    plain = {r["recipe"]: r for r in rows if r["role"] == "student" and r["release"].startswith("none")}
+    lines = [f"- {r['recipe']}, {r['release']}: {probe(r)} with its noise, {probe(r['lfw158_frozen_without_noise'])} "
+             f"without; the plain student {probe(plain[r['recipe']])}\n"
+             for r in once(rows) if "lfw158_frozen_without_noise" in r]
+    if not lines:
+        return ""
+    return ("Frozen on LFW-158 (class mean / logistic), the noise-aware start with its release's noise and without "
+            "it (the same file and clip, noise multiplier 0):\n" + "".join(lines) + "\n")
 
 
 def fits(rows: list[dict]) -> str:
@@ -170,7 +231,7 @@ def fits(rows: list[dict]) -> str:
                    f"{r['teacher_input']} px) {r['public_cosine_loss']:.3f} on "
                    f"{r['public_sample']} of its public faces, {r['view1_cosine_loss']:.3f} on View 1's "
                    f"{r['view1_images']} images. The same targets for every recipe (public / View 1): {same(r)}\n"
-                   for r in rows if r["role"] == "student") + "\n"
+                   for r in once(rows) if r["role"] == "student") + "\n"
 
 
 if __name__ == "__main__":

@@ -107,9 +107,25 @@ def test_the_views_table_recipes_name_their_flags_and_sort_after_the_first():
                               "for 150 epochs")
     assert describe("first-recipe") == "the first recipe (clean targets)"
     assert describe("views8") == "function matching on 8 views in both distillations"   # the committed rows' words
-    names = ["views16-student150", "views8", "first-recipe", "views16"]
-    assert sorted(names, key=recipe_order) == ["first-recipe", "views8", "views16", "views16-student150"]
-    for bad in ("0", "8:", "x", "8:0", "-1"):
+    name, flags = recipe_flags("16:150:150")
+    assert name == "views16-student150-noiseaware150"
+    assert flags[-2:] == ["--noise-aware-epochs", "150"] and flags[:-2] == recipe_flags("16:150")[1]
+    assert describe(name).endswith("for 150 epochs, the noise-aware start for 150 epochs")
+    name, flags = recipe_flags("16:150-quiet")
+    assert name == "views16-student150-quiet"
+    assert flags == [*recipe_flags("16:150")[1], "--noise-multiplier", "0"]   # after run.sh's release: it wins
+    assert describe(name).endswith("the release without its noise (noise multiplier 0; the clip kept) in the start "
+                                   "and fine-tuning")
+    name, flags = recipe_flags("16:150-quiet-hold")
+    assert name == "views16-student150-quiet-hold"
+    assert flags == [*recipe_flags("16:150-quiet")[1], "--imprint-hold-tail"]
+    assert describe(name).endswith("the server's tail held while its head is imprinted (--imprint-hold-tail)")
+    names = ["views16-student150-noiseaware150", "views16-student150-quiet-hold", "views16-student150-quiet",
+             "views16-student150-hold", "views16-student150", "views8", "first-recipe", "views16"]
+    assert sorted(names, key=recipe_order) == ["first-recipe", "views8", "views16", "views16-student150",
+                                               "views16-student150-hold", "views16-student150-quiet",
+                                               "views16-student150-quiet-hold", "views16-student150-noiseaware150"]
+    for bad in ("0", "8:", "x", "8:0", "-1", "8:60:", "8:60:0", "8:60:1:1", "quiet", "8-quiet-quiet", "8-hold-quiet"):
         with pytest.raises(argparse.ArgumentTypeError, match="a recipe is"):
             recipe_flags(bad)
 
