@@ -74,8 +74,8 @@ def parser() -> argparse.ArgumentParser:
                         "head would still be random (splitface/server/imprint.py). A device head is not imprinted: "
                         "with --head device it starts fresh, and the run says so")
     p.add_argument("--imprint-hold-tail", action="store_true",
-                   help="with --imprint-epochs: the server's tail is not trained while its head is imprinted (a "
-                        "linear probe, then fine-tuning; docs/pretrain.md)")
+                   help="with --imprint-epochs: the server's tail takes no step while its head is imprinted, so "
+                        "that fine-tuning starts from the start's class means (docs/pretrain.md)")
     p.add_argument("--device-processes", type=int, default=1,
                    help="run the devices in this many simulator processes (devices dealt in contiguous ranges, "
                         "each process with the CPU cores / this many torch threads unless --threads is given); "
@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("student_views", "noise_aware_views"):
         if getattr(args, flag) < 0:
             p.error(f"--{flag.replace('_', '-')} must be 0 or more, not {getattr(args, flag)}")
+    if args.imprint_hold_tail and not args.imprint_epochs:
+        p.error("--imprint-hold-tail holds the server's tail while its head is imprinted: it needs --imprint-epochs")
     run_dir = args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
                   "--record-max", str(args.record_max), "--gradient-rounding", args.gradient_rounding,
                   "--head-lr-scale", str(args.head_lr_scale), "--imprint-steps", str(imprint_steps),
                   "--release-noise-std", repr(devices_noise_std(args, extra)),
-                  *(["--imprint-hold-tail"] if args.imprint_hold_tail else [])]
+                  *(["--imprint-hold-tail"] if args.imprint_hold_tail and imprint_steps else [])]
     if args.server_init:
         server_cmd += ["--init", str(args.server_init)]
     server_log = open(run_dir / "server.log", "w")
@@ -276,7 +278,8 @@ def server_imprint_steps(args: argparse.Namespace, train_images: int) -> int:
         return 0
     if args.head != "server":
         print(f"--imprint-epochs {args.imprint_epochs:g}: the head is on the devices, where it is not imprinted; "
-              "it starts fresh", file=sys.stderr, flush=True)
+              "it starts fresh" + (" and the server's tail is not held" if args.imprint_hold_tail else ""),
+              file=sys.stderr, flush=True)
         return 0
     return round(math.ceil(train_images / args.devices / args.batch_size) * args.devices * args.imprint_epochs)
 

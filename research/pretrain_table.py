@@ -193,6 +193,8 @@ def finetune_start(demo_args: list[str]) -> str:
                           ("--head-lr-scale", ", head lr x{}"), ("--seed", ", seed {}")):
         if value(option) is not None:
             start += words.format(value(option))
+    if "--imprint-hold-tail" in demo_args:
+        start += ", tail held while imprinting"
     return start
 
 

@@ -47,9 +47,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=ROOT / "results" / "pretrain-views")
     p.add_argument("--recipes", nargs="+", type=recipe_flags, metavar="RECIPE",
                    default=[recipe_flags("first"), recipe_flags("8")],
-                   help="`first` (the first recipe), K (function matching on K views in both distillations) or "
-                        "K:E (the same with the plain student distilled for E epochs; run.sh's are 60). Rows of "
-                        "recipes already in --out's summary.json and not named here are kept as they are")
+                   help="`first` (the first recipe), K (function matching on K views in both distillations), "
+                        "K:E (the same with the plain student distilled for E epochs; run.sh's are 60) or K:E:N "
+                        "(and the noise-aware start for N; run.sh's are 60), then optionally -quiet (run.sh's "
+                        "release without its noise) and -hold (--imprint-hold-tail). Rows of recipes already in "
+                        "--out's summary.json and not named here are kept as they are")
     p.add_argument("--cache", type=Path, default=default_cache(), help="teacher embeddings and distilled starts")
     p.add_argument("--force", action="store_true", help="train and evaluate every fine-tuning run again")
     p.add_argument("--report-only", action="store_true",

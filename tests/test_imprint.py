@@ -77,7 +77,8 @@ def test_after_the_imprinting_steps_the_head_trains_from_the_means():
 
 @pytest.mark.parametrize("hold_tail", [False, True])
 def test_a_held_tail_keeps_its_weights_while_the_head_is_imprinted_and_trains_after(hold_tail):
-    """--imprint-hold-tail: a linear probe, then fine-tuning. The device still gets its gradient meanwhile."""
+    """--imprint-hold-tail: fine-tuning starts from the start's class means. The device still gets its gradient
+    meanwhile, and the guard still checks the tail's gradient (computed, then dropped)."""
     trainer = _trainer(imprint_steps=1, hold_tail=hold_tail)
     weights = {k: v.detach().clone() for k, v in trainer.tail.named_parameters()}
 
@@ -88,6 +89,22 @@ def test_a_held_tail_keeps_its_weights_while_the_head_is_imprinted_and_trains_af
     assert moved() != hold_tail
     trainer.train_server_head(*_batch(2, [0, 1, 2, 4]))
     assert moved()
+
+
+def test_the_guard_checks_a_held_tails_gradient_and_a_checkpoint_keeps_the_hold():
+    held = _trainer(imprint_steps=4, guard=StepGuard(max_grad_norm=1e-12), hold_tail=True)
+    with pytest.raises(StepRefused, match="gradient norm"):
+        held.train_server_head(*_batch(1, [0, 1, 2, 3]))
+    first = _trainer(imprint_steps=2, hold_tail=True)
+    first.train_server_head(*_batch(1, [0, 1, 0, 2]))
+    resumed = _trainer(imprint_steps=2)   # restarted without the flag: the run goes on as it started
+    resumed.load_state_dict(copy.deepcopy(first.state_dict()))
+    assert resumed.imprinter.holds_tail(resumed.steps)
+    for trainer in (first, resumed):
+        trainer.train_server_head(*_batch(2, [3, 1, 4, 2]))
+    assert all(torch.equal(a, b) for a, b in zip(first.tail.parameters(), resumed.tail.parameters()))
+    with pytest.raises(ValueError, match="needs imprint steps"):
+        Imprinter(torch.nn.Linear(4, 3), 0, hold_tail=True)
 
 
 def test_a_refused_step_leaves_the_means_and_the_head_as_they_were():
@@ -117,13 +134,16 @@ def test_negative_imprint_steps_are_refused():
 
 
 def test_the_demo_imprints_a_server_head_over_its_epochs_and_says_when_the_head_is_on_the_devices(capsys):
-    args = argparse.Namespace(imprint_epochs=1.0, head="server", devices=2, batch_size=64)
+    args = argparse.Namespace(imprint_epochs=1.0, head="server", devices=2, batch_size=64, imprint_hold_tail=False)
     assert demo.server_imprint_steps(args, 3895) == 2 * 31   # each device: ceil(3895 / 2 / 64) batches an epoch
     args.imprint_epochs = 0.5
     assert demo.server_imprint_steps(args, 3895) == 31
     args.head = "device"
     assert demo.server_imprint_steps(args, 3895) == 0
     assert "not imprinted" in capsys.readouterr().err
+    args.imprint_hold_tail = True
+    assert demo.server_imprint_steps(args, 3895) == 0
+    assert "the server's tail is not held" in capsys.readouterr().err
 
 
 def test_the_server_refuses_negative_imprint_steps_as_a_usage_error(tmp_path, capsys):
@@ -132,6 +152,12 @@ def test_the_server_refuses_negative_imprint_steps_as_a_usage_error(tmp_path, ca
     with pytest.raises(SystemExit) as stopped:
         cli.main(["serve", "--num-classes", "3", "--tokens", str(tmp_path / "tokens.json"), "--imprint-steps", "-1"])
     assert stopped.value.code == 2 and "--imprint-steps must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["serve", "--num-classes", "3", "--tokens", str(tmp_path / "tokens.json"), "--imprint-hold-tail"])
+    assert stopped.value.code == 2 and "it needs --imprint-steps" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:
+        demo.main(["--imprint-hold-tail", "--run-dir", str(tmp_path / "run")])
+    assert stopped.value.code == 2 and "it needs --imprint-epochs" in capsys.readouterr().err
 
 
 def test_a_resumed_run_keeps_its_schedule_and_an_old_checkpoint_is_never_imprinted_over():

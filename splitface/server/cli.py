@@ -65,8 +65,9 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
                    help="server head: for this many training steps its rows are its classes' mean embeddings (weight "
                         "imprinting, for a pre-trained --init), then trained from there")
     s.add_argument("--imprint-hold-tail", action="store_true",
-                   help="while the head is imprinted the tail is not trained either: a linear probe, then "
-                        "fine-tuning (splitface/server/imprint.py)")
+                   help="while the head is imprinted the tail's weights take no step either (its batch norms "
+                        "still follow the batches), so that fine-tuning starts from the start's class means "
+                        "(splitface/server/imprint.py)")
     s.add_argument("--tokens", type=Path, required=True, help="JSON of device id -> token digest (see `tokens`)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8765, help="0 picks a free port (printed on start)")
@@ -110,6 +111,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, hosted=None
                                  tls_cert=args.tls_cert, tls_key=args.tls_key, insecure=args.insecure)
     if args.imprint_steps < 0:
         parser.error(f"--imprint-steps must be >= 0, not {args.imprint_steps}")
+    if args.imprint_hold_tail and not args.imprint_steps:
+        parser.error("--imprint-hold-tail holds the tail while the head is imprinted: it needs --imprint-steps")
     try:
         server_config.fault = Fault.parse(args.fault, SERVER_FAULTS) if args.fault else None
         server_config.tls()  # before building the model: plain ws:// off loopback, a missing or bad certificate

@@ -7,10 +7,10 @@ that class's embeddings instead: a nearest-class-mean classifier from the first 
 rows are the running means of every embedding seen so far; after that they are trained like any other weight,
 from where the means left them.
 
-Optionally the tail is held too while the head is imprinted (`tail`): a linear probe first, then fine-tuning
-(LP-FT, Kumar et al., "Fine-Tuning can Distort Pretrained Features...", ICLR 2022). Trained against a head that
-the means keep rewriting, the tail drifts in the first epoch and has to recover; held, it meets a trained
-head with the start's features intact.
+Optionally the tail's weights wait too while the head is imprinted (`hold_tail`): the head is a nearest-class-mean
+classifier of the start's features when the tail starts to move (as in linear probing, then fine-tuning: Kumar et
+al., ICLR 2022). Trained against a head that the means keep rewriting, the tail drifts in the first epoch and
+has to recover. Its batch norms still follow the private batches' statistics, as in any training step.
 """
 from __future__ import annotations
 
@@ -30,11 +30,14 @@ SCALE = 16.0
 class Imprinter:
     """Running class means of the L2-normalised embeddings, written into `head`'s rows while `active(steps)`."""
 
-    def __init__(self, head: nn.Linear, steps: int, tail: nn.Module | None = None):
-        """`tail`: held (no gradient) while imprinting, as the head is; None leaves it to train throughout."""
+    def __init__(self, head: nn.Linear, steps: int, hold_tail: bool = False):
+        """`hold_tail`: the tail takes no step while imprinting either (its gradients are computed, for the
+        guard's checks, and dropped)."""
         if steps < 0:
             raise ValueError(f"imprint steps must be >= 0, got {steps}")
-        self.head, self.steps, self.tail = head, steps, tail
+        if hold_tail and not steps:
+            raise ValueError("holding the tail while imprinting needs imprint steps")
+        self.head, self.steps, self.hold_tail = head, steps, hold_tail
         classes, dim = head.weight.shape
         device = head.weight.device
         self.sums = torch.zeros(classes, dim, device=device)
@@ -44,12 +47,13 @@ class Imprinter:
     def active(self, steps: int) -> bool:
         return steps < self.steps
 
-    def hold(self, steps: int) -> None:
+    def holds_tail(self, steps: int) -> bool:
+        return self.hold_tail and self.active(steps)
+
+    def hold_head(self, steps: int) -> None:
         """The head is set by the means while imprinting (no gradient, so no momentum carried out of it), and
-        trained afterwards; so is the tail, if it is held."""
+        trained afterwards."""
         self.head.requires_grad_(not self.active(steps))
-        if self.tail is not None:
-            self.tail.requires_grad_(not self.active(steps))
 
     @torch.no_grad()
     def add(self, embeddings: torch.Tensor, labels: torch.Tensor) -> None:
@@ -65,14 +69,14 @@ class Imprinter:
 
     def state_dict(self) -> dict[str, Any]:
         """The schedule and, for a run that imprints, the running sums (a failed step is undone from them)."""
-        state: dict[str, Any] = {"steps": self.steps}
+        state: dict[str, Any] = {"steps": self.steps, "hold_tail": self.hold_tail}
         if self.steps:
             state |= {"sums": self.sums.clone(), "counts": self.counts.clone(), "norm_sum": self.norm_sum.clone()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A resumed run keeps the schedule it started with, whatever the restarted server was given."""
-        self.steps = state["steps"]
+        self.steps, self.hold_tail = state["steps"], state.get("hold_tail", False)   # (older checkpoints: none)
         if self.steps:
             self.sums.copy_(state["sums"])
             self.counts.copy_(state["counts"])

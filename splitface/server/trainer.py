@@ -96,8 +96,8 @@ class ServerTrainer:
         """`init`: start the tail from a saved (e.g. public pre-trained) backbone; `train_only="classifier"`
         freezes the tail and trains only the output layer (the source paper's fine-tuning setting);
         `imprint_steps`: the server head's rows are its classes' mean embeddings for that many steps, then trained
-        from there (server/imprint.py: for a pre-trained start); `imprint_hold_tail`: the tail is held meanwhile
-        too (a linear probe, then fine-tuning)."""
+        from there (server/imprint.py: for a pre-trained start); `imprint_hold_tail`: the tail's weights take no
+        step meanwhile either."""
         if train_only not in ("all", "classifier"):
             raise ValueError(f"train_only must be 'all' or 'classifier', not {train_only!r}")
         self.spec, self.split, self.num_classes, self.train_only = spec, split, num_classes, train_only
@@ -120,9 +120,8 @@ class ServerTrainer:
         self.optimizer = sgd_with_head(trained, self.classifier.parameters(), self.config)
         self.scheduler = exponential_decay(self.optimizer, self.config.lr_decay, self.config.decay_steps)
         self.steps = 0
-        self.imprinter = Imprinter(self.classifier, imprint_steps,
-                                   self.tail if imprint_hold_tail and train_only == "all" else None)
-        self.imprinter.hold(self.steps)
+        self.imprinter = Imprinter(self.classifier, imprint_steps, imprint_hold_tail)
+        self.imprinter.hold_head(self.steps)
         self._trained = trained
         self._pending: tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]] | None = None
 
@@ -165,7 +164,7 @@ class ServerTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.steps += 1
-        self.imprinter.hold(self.steps)
+        self.imprinter.hold_head(self.steps)
 
     def _buffers(self) -> dict[str, torch.Tensor]:
         """Batch-norm statistics change in a training forward: saved so that a refused step leaves no trace."""
@@ -281,6 +280,9 @@ class ServerTrainer:
                 self.classifier.load_state_dict(saved_head[1])
             raise
         self._clip_statistics(saved)
+        if imprinting and self.imprinter.holds_tail(self.steps):   # checked by the guard above, not applied
+            for p in self.tail.parameters():
+                p.grad = None
         self._step()
         n_correct = int((logits.argmax(1) == y).sum())
         return _numpy(x.grad), loss.item(), n_correct
@@ -357,7 +359,7 @@ class ServerTrainer:
         # the run's imprinting schedule is the checkpoint's: a checkpoint from before imprinting imprinted nothing, and
         # its trained rows must not be overwritten now
         self.imprinter.load_state_dict(state.get("imprint", {"steps": 0}))
-        self.imprinter.hold(self.steps)
+        self.imprinter.hold_head(self.steps)
 
 
 def _finite_embeddings(embeddings: torch.Tensor) -> np.ndarray:
