@@ -73,9 +73,10 @@ def parser() -> argparse.ArgumentParser:
                         "imprinting), then trained from there: a pre-trained start keeps what it knows while a fresh "
                         "head would still be random (splitface/server/imprint.py). A device head is not imprinted: "
                         "with --head device it starts fresh, and the run says so")
-    p.add_argument("--imprint-hold-tail", action="store_true",
+    p.add_argument("--imprint-hold-tail", action=argparse.BooleanOptionalAction, default=False,
                    help="with --imprint-epochs: the server's tail takes no step while its head is imprinted, so "
-                        "that fine-tuning starts from the start's class means (docs/pretrain.md)")
+                        "that fine-tuning starts from the start's class means (docs/pretrain.md; run.sh holds it: "
+                        "--no-imprint-hold-tail does not)")
     p.add_argument("--device-processes", type=int, default=1,
                    help="run the devices in this many simulator processes (devices dealt in contiguous ranges, "
                         "each process with the CPU cores / this many torch threads unless --threads is given); "
@@ -97,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
         if getattr(args, flag) < 0:
             p.error(f"--{flag.replace('_', '-')} must be 0 or more, not {getattr(args, flag)}")
     if args.imprint_hold_tail and not args.imprint_epochs:
-        p.error("--imprint-hold-tail holds the server's tail while its head is imprinted: it needs --imprint-epochs")
+        p.error("--imprint-hold-tail holds the server's tail while its head is imprinted: it needs --imprint-epochs "
+                "(or --no-imprint-hold-tail)")
     run_dir = args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -350,12 +352,13 @@ def _report(run_dir: Path, data, args: argparse.Namespace) -> None:
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 # the privacy frontiers: from scratch, from the distilled start with the first recipe, and as the main job trains
-# (research/frontier.py --start distilled), from run.sh's plain student (60 epochs) and the recipe's (30)
-# (a run matches a row by its start file too, so no run finds both students' frontiers; the imprinted one before
-# the first distilled one: a plain-student run matches both, and the main job trains so)
-FRONTIERS = (RESULTS / "frontier", RESULTS / "frontier-distilled-imprinted-student60",
-             RESULTS / "frontier-distilled-student150-views16", RESULTS / "frontier-distilled-imprinted",
-             RESULTS / "frontier-distilled")
+# (research/frontier.py --start distilled), from run.sh's plain student (60 epochs; with the server's tail held while
+# its head is imprinted, as run.sh trains, and without) and the recipe's (30)
+# (a run matches a row by its start file too, so no run finds both students' frontiers; where one matches several,
+# `audited_point` prefers the one whose server trained as it does, then the first here: the main job's first)
+FRONTIERS = (RESULTS / "frontier", RESULTS / "frontier-distilled-imprinted-student60-hold",
+             RESULTS / "frontier-distilled-imprinted-student60", RESULTS / "frontier-distilled-student150-views16",
+             RESULTS / "frontier-distilled-imprinted", RESULTS / "frontier-distilled")
 
 
 def release_of(results: dict, by_weights: bool = True) -> tuple:
@@ -382,7 +385,8 @@ def noise_aware_origin(weights: str | None) -> tuple[str, int, int] | None:
     return Path(init).name, int(meta["recipe"]["epochs"]), int(meta["recipe"].get("views", 0))
 
 
-def audited_point(results: dict, frontiers: tuple[Path, ...] = FRONTIERS) -> tuple[Path, dict] | None:
+def audited_point(results: dict, frontiers: tuple[Path, ...] = FRONTIERS,
+                  args: argparse.Namespace | None = None) -> tuple[Path, dict] | None:
     """(frontier, its row) for this run's release (`release_of`), if measured. Device weights compare by file name:
     a distilled start's name holds the hash of everything it was made from, wherever its cache is.
 
@@ -390,8 +394,13 @@ def audited_point(results: dict, frontiers: tuple[Path, ...] = FRONTIERS) -> tup
     or resumed) does not repeat bit for bit, so such a start built anywhere but where the audit ran has another
     name. A run from one that matches no name matches a run audited from another build of the same recipe: the
     same plain student's name (that key is reproducible: recipe and public faces) in the frontier's undefended run,
-    and the same noise-aware epochs and views recorded in the audited run's flags. `audit_line` says so."""
-    def find(by_weights: bool, same_start: Callable[[Path, Path], bool]) -> tuple[Path, dict] | None:
+    and the same noise-aware epochs and views recorded in the audited run's flags. `audit_line` says so.
+
+    With this run's `args`, of the rows that match (the same start file first, then another build), the first whose
+    run trained the server as this one did (`SERVER_RECIPE`) is preferred: the same release is audited once for
+    each recipe the main job has used."""
+    def find(by_weights: bool, same_start: Callable[[Path, Path], bool]) -> list[tuple[Path, dict]]:
+        found = []
         for frontier in frontiers:
             summary = frontier / "summary.json"
             if not summary.exists():
@@ -401,35 +410,49 @@ def audited_point(results: dict, frontiers: tuple[Path, ...] = FRONTIERS) -> tup
                 if ((run / "results.json").exists() and same_start(frontier, run)
                         and release_of(json.loads((run / "results.json").read_text()), by_weights)
                         == release_of(results, by_weights)):
-                    return frontier, row
-        return None
+                    found.append((frontier, row))
+        return found
 
-    exact = find(True, lambda frontier, run: True)
-    origin = noise_aware_origin(results["config"].get("device_weights")) if exact is None else None
-    if origin is None:
-        return exact
-    plain, epochs, views = origin
+    found = find(True, lambda frontier, run: True)
+    origin = noise_aware_origin(results["config"].get("device_weights"))
+    if origin is not None:
+        plain, epochs, views = origin
 
-    def another_build(frontier: Path, run: Path) -> bool:
-        undefended = frontier / "runs" / "none" / "results.json"
-        flags = json.loads((run / "demo_args.json").read_text()) if (run / "demo_args.json").exists() else []
-        plain_there = json.loads(undefended.read_text())["config"].get("device_weights") if undefended.exists() else None
-        def flag(name: str, default: str | None) -> str | None:
-            return flags[flags.index(name) + 1] if name in flags else default
-        return (plain_there is not None and Path(plain_there).name == plain
-                and flag("--noise-aware-epochs", None) == str(epochs) and flag("--noise-aware-views", "0") == str(views))
+        def another_build(frontier: Path, run: Path) -> bool:
+            undefended = frontier / "runs" / "none" / "results.json"
+            flags = json.loads((run / "demo_args.json").read_text()) if (run / "demo_args.json").exists() else []
+            plain_there = json.loads(undefended.read_text())["config"].get("device_weights") if undefended.exists() else None
+            def flag(name: str, default: str | None) -> str | None:
+                return flags[flags.index(name) + 1] if name in flags else default
+            return (plain_there is not None and Path(plain_there).name == plain
+                    and flag("--noise-aware-epochs", None) == str(epochs) and flag("--noise-aware-views", "0") == str(views))
 
-    return find(False, another_build)
+        found += [f for f in find(False, another_build) if f not in found]
+    if args is not None:
+        found.sort(key=lambda f: bool(server_recipe_differences(f, args)))   # stable: the order above within each
+    return found[0] if found else None
 
 
 # how the server trains: the audited run's may differ from this run's for the same release
 SERVER_RECIPE = ("lr", "head_lr_scale", "imprint_epochs", "imprint_hold_tail")
 
 
+def server_recipe_differences(point: tuple[Path, dict], args: argparse.Namespace) -> list[str]:
+    """Where an audited point's run (its recorded flags) trained the server otherwise than `args`, in words; none
+    for a run recorded without its flags."""
+    frontier, row = point
+    recorded = frontier / "runs" / row["run"] / "demo_args.json"
+    if not recorded.exists():
+        return []
+    audited, _ = parser().parse_known_args(json.loads(recorded.read_text()))
+    return [f"{k.replace('_', '-')} {getattr(audited, k):g} there, {getattr(args, k):g} here"
+            for k in SERVER_RECIPE if getattr(audited, k) != getattr(args, k)]
+
+
 def audit_line(results: dict, args: argparse.Namespace | None = None) -> str:
     """What the audit measured for this release: the figures, not a promise. With this run's `args`, it also says
     where the audited run's server trained otherwise: what a server can recognise depends on how it trained."""
-    found = audited_point(results)
+    found = audited_point(results, args=args)
     if found is None:
         return "privacy: this release setting has not been audited (research/frontier.py, docs/audit.md)"
     frontier, row = found
@@ -441,13 +464,9 @@ def audit_line(results: dict, args: argparse.Namespace | None = None) -> str:
         caveat = (f" [audited from another build of this noise-aware start, the same recipe ({Path(audited_weights).name} "
                   f"there, {Path(ours).name} here): a student trained again does not repeat its weights bit for bit, "
                   f"so these figures are that build's]")
-    recorded = frontier / "runs" / row["run"] / "demo_args.json"
-    if args is not None and recorded.exists():
-        audited, _ = parser().parse_known_args(json.loads(recorded.read_text()))
-        differ = [f"{k.replace('_', '-')} {getattr(audited, k):g} there, {getattr(args, k):g} here"
-                  for k in SERVER_RECIPE if getattr(audited, k) != getattr(args, k)]
-        if differ:
-            caveat += f" [the audited run's server trained otherwise ({'; '.join(differ)}): its figures are for that run]"
+    differ = server_recipe_differences(found, args) if args is not None else []
+    if differ:
+        caveat += f" [the audited run's server trained otherwise ({'; '.join(differ)}): its figures are for that run]"
     split = ""
     if "reconstruction_identity_r1" in row:
         split = (f"; what it can see: dlib names {row['reconstruction_identity_r1']:.3f} from reconstructions (chance "

@@ -52,6 +52,13 @@ nothing: it starts from the plain student), and from run.sh's plain student, dis
                      --lr 0.01" \
         --only dct-drop4-clip_norm12-noise_multiplier0.005-frequency_gamma2-stem_blocks2
 
+and the same with the server's tail held while its head is imprinted, as run.sh trains:
+
+    python research/frontier.py --data LFW --start distilled --out results/frontier-distilled-imprinted-student60-hold \
+        --demo-args "--threads 1 --student-epochs 60 --noise-aware-epochs 60 --head-lr-scale 10 --imprint-epochs 1 \
+                     --lr 0.01 --imprint-hold-tail" \
+        --only dct-drop4-clip_norm12-noise_multiplier0.005-frequency_gamma2-stem_blocks2
+
 and from the plain student distilled by function matching on 16 views a face for 150 epochs, its noise-aware
 start on 16 views too (`python -m research.views_table --recipes 16:150` measures both starts):
 

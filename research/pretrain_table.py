@@ -52,6 +52,15 @@ from research.results import write_summary
 ROOT = Path(__file__).resolve().parents[1]
 
 
+HOLD = "--imprint-hold-tail"
+
+
+def start_without_hold() -> list[str]:
+    """run.sh's DEFAULT_START as it was before it held the server's tail while imprinting: the rows measured then
+    keep their flags (results/pretrain-views/ measures the hold, `-hold` recipes)."""
+    return [a for a in run_sh_array("DEFAULT_START") if a != HOLD]
+
+
 def run_sh_array(name: str) -> list[str]:
     """One of run.sh's default argument arrays (DEFAULT_RELEASE, DEFAULT_WIRE): the main job's settings, read
     from the one place they are declared."""
@@ -193,7 +202,8 @@ def finetune_start(demo_args: list[str]) -> str:
                           ("--head-lr-scale", ", head lr x{}"), ("--seed", ", seed {}")):
         if value(option) is not None:
             start += words.format(value(option))
-    if "--imprint-hold-tail" in demo_args:
+    holds = [a for a in demo_args if a in (HOLD, "--no-imprint-hold-tail")]
+    if holds and holds[-1] == HOLD:
         start += ", tail held while imprinting"
     return start
 
@@ -242,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--force", action="store_true", help="train and evaluate every fine-tuning run again")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    start, release, wire = run_sh_array("DEFAULT_START"), run_sh_array("DEFAULT_RELEASE"), run_sh_array("DEFAULT_WIRE")
+    start, release, wire = start_without_hold(), run_sh_array("DEFAULT_RELEASE"), run_sh_array("DEFAULT_WIRE")
     stage = run_sh_array("DEFAULT_SERVER_STAGE")
     extra = args.demo_args.split()
     long = demo_parser().parse_known_args(start)[0].noise_aware_epochs   # run.sh's noise-aware start, as read

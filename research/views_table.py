@@ -37,7 +37,7 @@ from research.distill import (CROP, TEACHER_SIZE, default_cache, distilled_start
                               load_student, teacher_fit)
 from research.evaluation.verification import evaluate_embedder
 from research.pretrain_table import (ROOT, SEEDS, finetune_row, frozen_probe, run_sh_array, seed_means,
-                                     student_embedder, student_row, table, teacher_row)
+                                     start_without_hold, student_embedder, student_row, table, teacher_row)
 from research.results import write_summary
 
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     args.model = "iresnet_small"
     args.out.mkdir(parents=True, exist_ok=True)
-    start, release, wire = run_sh_array("DEFAULT_START"), run_sh_array("DEFAULT_RELEASE"), run_sh_array("DEFAULT_WIRE")
+    start, release, wire = start_without_hold(), run_sh_array("DEFAULT_RELEASE"), run_sh_array("DEFAULT_WIRE")
     stage = run_sh_array("DEFAULT_SERVER_STAGE")
     options = argparse.ArgumentParser(add_help=False)
     add_privacy_args(options)
@@ -121,14 +121,13 @@ def report(rows: list[dict]) -> str:
 
 def recipe_flags(text: str) -> tuple[str, list[str]]:
     """A --recipes item as (its name, the demo flags it adds to run.sh's start and release)."""
-    if text == "first":
-        return "first-recipe", []
-    match = re.fullmatch(r"([1-9][0-9]*)(?::([1-9][0-9]*)(?::([1-9][0-9]*))?)?(-quiet)?(-hold)?", text)
+    match = re.fullmatch(r"(?:(first)|([1-9][0-9]*)(?::([1-9][0-9]*)(?::([1-9][0-9]*))?)?)(-quiet)?(-hold)?", text)
     if match is None:
         raise argparse.ArgumentTypeError(f"a recipe is `first`, K, K:E or K:E:N (views, plain student's epochs, "
                                          f"noise-aware start's epochs), then optionally -quiet and -hold, not {text!r}")
-    views, epochs, noisy, quiet, hold = match.groups()
-    flags, name = ["--student-views", views, "--noise-aware-views", views], f"views{views}"
+    first, views, epochs, noisy, quiet, hold = match.groups()
+    flags, name = ([], "first-recipe") if first else (["--student-views", views, "--noise-aware-views", views],
+                                                       f"views{views}")
     if epochs is not None:
         flags, name = [*flags, "--student-epochs", epochs], f"{name}-student{epochs}"
     if noisy is not None:
@@ -143,23 +142,21 @@ def recipe_flags(text: str) -> tuple[str, list[str]]:
 def recipe_order(name: str) -> tuple[int, int, int, bool, bool]:
     """A recipe's name (recipe_flags) as (views, the plain student's epochs, the noise-aware start's; 0: run.sh's,
     whether the release is without its noise, whether the server's tail is held while its head is imprinted),
-    (0, 0, 0, False, False) for the first recipe: the first, then by views, then by epochs, the release's noise
-    before none, run.sh's fine-tuning before the held tail."""
-    if name == "first-recipe":
-        return (0, 0, 0, False, False)
-    match = re.fullmatch(r"views([0-9]+)(?:-student([0-9]+))?(?:-noiseaware([0-9]+))?(-quiet)?(-hold)?", name)
+    views 0 for the first recipe: the first, then by views, then by epochs, the release's noise before none,
+    fine-tuning without the held tail before with it."""
+    match = re.fullmatch(r"(?:first-recipe|views([0-9]+)(?:-student([0-9]+))?(?:-noiseaware([0-9]+))?)(-quiet)?(-hold)?",
+                         name)
     if match is None:
         raise ValueError(f"not a recipe's name: {name!r}")
     views, epochs, noisy, quiet, hold = match.groups()
-    return (int(views), int(epochs or 0), int(noisy or 0), bool(quiet), bool(hold))
+    return (int(views or 0), int(epochs or 0), int(noisy or 0), bool(quiet), bool(hold))
 
 
 def describe(name: str) -> str:
     """A recipe's name (recipe_flags) in words."""
     views, epochs, noisy, quiet, hold = recipe_order(name)
-    if not views:
-        return "the first recipe (clean targets)"
-    return (f"function matching on {views} views in both distillations"
+    return ((f"function matching on {views} views in both distillations" if views
+             else "the first recipe (clean targets)")
             + (f", the plain student distilled for {epochs} epochs" if epochs else "")
             + (f", the noise-aware start for {noisy} epochs" if noisy else "")
             + (", the release without its noise (noise multiplier 0; the clip kept) in the start and fine-tuning"

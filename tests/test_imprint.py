@@ -158,6 +158,8 @@ def test_the_server_refuses_negative_imprint_steps_as_a_usage_error(tmp_path, ca
     with pytest.raises(SystemExit) as stopped:
         demo.main(["--imprint-hold-tail", "--run-dir", str(tmp_path / "run")])
     assert stopped.value.code == 2 and "it needs --imprint-epochs" in capsys.readouterr().err
+    # run.sh holds the tail; a later --no-imprint-hold-tail does not (the last flag wins, as argparse reads them)
+    assert not demo.parser().parse_known_args(["--imprint-hold-tail", "--no-imprint-hold-tail"])[0].imprint_hold_tail
 
 
 def test_a_resumed_run_keeps_its_schedule_and_an_old_checkpoint_is_never_imprinted_over():

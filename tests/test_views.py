@@ -120,12 +120,17 @@ def test_the_views_table_recipes_name_their_flags_and_sort_after_the_first():
     assert name == "views16-student150-quiet-hold"
     assert flags == [*recipe_flags("16:150-quiet")[1], "--imprint-hold-tail"]
     assert describe(name).endswith("the server's tail held while its head is imprinted (--imprint-hold-tail)")
+    assert recipe_flags("first-hold") == ("first-recipe-hold", ["--imprint-hold-tail"])   # run.sh's, since it holds
+    assert describe("first-recipe-hold") == ("the first recipe (clean targets), the server's tail held while its head "
+                                             "is imprinted (--imprint-hold-tail)")
     names = ["views16-student150-noiseaware150", "views16-student150-quiet-hold", "views16-student150-quiet",
-             "views16-student150-hold", "views16-student150", "views8", "first-recipe", "views16"]
-    assert sorted(names, key=recipe_order) == ["first-recipe", "views8", "views16", "views16-student150",
+             "views16-student150-hold", "views16-student150", "views8", "first-recipe-hold", "first-recipe", "views16"]
+    assert sorted(names, key=recipe_order) == ["first-recipe", "first-recipe-hold", "views8", "views16",
+                                               "views16-student150",
                                                "views16-student150-hold", "views16-student150-quiet",
                                                "views16-student150-quiet-hold", "views16-student150-noiseaware150"]
-    for bad in ("0", "8:", "x", "8:0", "-1", "8:60:", "8:60:0", "8:60:1:1", "quiet", "8-quiet-quiet", "8-hold-quiet"):
+    for bad in ("0", "8:", "x", "8:0", "-1", "8:60:", "8:60:0", "8:60:1:1", "quiet", "8-quiet-quiet", "8-hold-quiet",
+                "first:60", "first8", "hold"):
         with pytest.raises(argparse.ArgumentTypeError, match="a recipe is"):
             recipe_flags(bad)
 
@@ -138,7 +143,7 @@ def test_a_fine_tuning_rows_start_is_named_by_each_flags_last_value():
     from research.pretrain_table import finetune_start
     from tests.conftest import ROOT
 
-    rows = [r for table in ("pretrain", "pretrain-views")
+    rows = [r for table in ("pretrain", "pretrain-views", "pretrain-hold")
             for r in json.loads((ROOT / "results" / table / "summary.json").read_text())
             if r["role"] == "split-finetune"]
     assert len(rows) >= 20
@@ -147,6 +152,9 @@ def test_a_fine_tuning_rows_start_is_named_by_each_flags_last_value():
     longer = ["--init", "distilled", "--student-epochs", "60", "--lr", "0.01", "--student-epochs", "150"]
     assert finetune_start(longer) == "distilled (student: 150 epochs), lr 0.01"
     assert finetune_start(["--seed", "2"]) == "scratch, seed 2"
+    held = ["--init", "distilled", "--imprint-epochs", "1", "--imprint-hold-tail"]
+    assert finetune_start(held).endswith(", tail held while imprinting")
+    assert finetune_start([*held, "--no-imprint-hold-tail"]) == "distilled, head imprinted over 1 epoch"
 
 
 def test_the_committed_views_table_is_its_summarys_report(tmp_path, lfw):
