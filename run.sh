@@ -21,9 +21,9 @@ DEFAULT_WIRE=(--activation-encoding i8c --gradient-encoding i8c)
 # ~/.cache/splitface (docs/pretrain.md). The server's classifier
 # starts as its classes' mean embeddings over the first epoch (weight imprinting), while the rest of the server's
 # model waits (it would otherwise chase a head that the means keep rewriting), then learns at 10x the rest's
-# gentle rate, so that fine-tuning keeps what the start knows (results/pretrain/, results/pretrain-views/).
-# `--init scratch --head-lr-scale 1 --imprint-epochs 0 --no-imprint-hold-tail --lr 0.05 --dct-stem-blocks 0` is
-# the old start from seeded weights.
+# gentle rate, so that fine-tuning keeps what the start knows (results/pretrain/, results/pretrain-views/,
+# results/pretrain-hold/). `--init scratch --head-lr-scale 1 --imprint-epochs 0 --lr 0.05 --dct-stem-blocks 0` is
+# the old start from seeded weights (nothing imprinted, so nothing held).
 DEFAULT_START=(--init distilled --student-epochs 60 --noise-aware-epochs 60 --head-lr-scale 10 --imprint-epochs 1 --imprint-hold-tail --lr 0.01)
 exec .venv/bin/python -m research demo "${DEFAULT_START[@]}" "${DEFAULT_RELEASE[@]}" "${DEFAULT_SERVER_STAGE[@]}" \
     "${DEFAULT_WIRE[@]}" "$@"

@@ -76,7 +76,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--imprint-hold-tail", action=argparse.BooleanOptionalAction, default=False,
                    help="with --imprint-epochs: the server's tail takes no step while its head is imprinted, so "
                         "that fine-tuning starts from the start's class means (docs/pretrain.md; run.sh holds it: "
-                        "--no-imprint-hold-tail does not)")
+                        "--no-imprint-hold-tail does not, and with --imprint-epochs 0 nothing is held)")
     p.add_argument("--device-processes", type=int, default=1,
                    help="run the devices in this many simulator processes (devices dealt in contiguous ranges, "
                         "each process with the CPU cores / this many torch threads unless --threads is given); "
@@ -97,9 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("student_views", "noise_aware_views"):
         if getattr(args, flag) < 0:
             p.error(f"--{flag.replace('_', '-')} must be 0 or more, not {getattr(args, flag)}")
-    if args.imprint_hold_tail and not args.imprint_epochs:
-        p.error("--imprint-hold-tail holds the server's tail while its head is imprinted: it needs --imprint-epochs "
-                "(or --no-imprint-hold-tail)")
+    drop_hold_without_imprinting(args)
     run_dir = args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -273,6 +271,15 @@ def same_arguments(recorded: list[str], wanted: list[str]) -> bool:
     return normal(recorded) == normal(wanted)
 
 
+def drop_hold_without_imprinting(args: argparse.Namespace) -> None:
+    """run.sh holds the server's tail while its head is imprinted; with --imprint-epochs 0 nothing is imprinted, so
+    nothing is held: said, and the run records the hold as off (what its server did)."""
+    if args.imprint_hold_tail and not args.imprint_epochs:
+        print("--imprint-hold-tail: with --imprint-epochs 0 nothing is imprinted, so the server's tail is not held",
+              file=sys.stderr, flush=True)
+        args.imprint_hold_tail = False
+
+
 def server_imprint_steps(args: argparse.Namespace, train_images: int) -> int:
     """--imprint-epochs as the server's training steps: every device's batches of each epoch. 0 for a device head,
     whose classifier lives on the devices (imprinting it is not built): said, not silently dropped."""
@@ -354,8 +361,9 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 # the privacy frontiers: from scratch, from the distilled start with the first recipe, and as the main job trains
 # (research/frontier.py --start distilled), from run.sh's plain student (60 epochs; with the server's tail held while
 # its head is imprinted, as run.sh trains, and without) and the recipe's (30)
-# (a run matches a row by its start file too, so no run finds both students' frontiers; where one matches several,
-# `audited_point` prefers the one whose server trained as it does, then the first here: the main job's first)
+# (a run matches a row by its start file too, so no run finds both students' frontiers; where it matches several,
+# `audited_point` prefers the one whose server trained most like its own, then its own start file's over another
+# build's, then the first here: the main job's first)
 FRONTIERS = (RESULTS / "frontier", RESULTS / "frontier-distilled-imprinted-student60-hold",
              RESULTS / "frontier-distilled-imprinted-student60", RESULTS / "frontier-distilled-student150-views16",
              RESULTS / "frontier-distilled-imprinted", RESULTS / "frontier-distilled")
@@ -396,9 +404,10 @@ def audited_point(results: dict, frontiers: tuple[Path, ...] = FRONTIERS,
     same plain student's name (that key is reproducible: recipe and public faces) in the frontier's undefended run,
     and the same noise-aware epochs and views recorded in the audited run's flags. `audit_line` says so.
 
-    With this run's `args`, of the rows that match (the same start file first, then another build), the first whose
-    run trained the server as this one did (`SERVER_RECIPE`) is preferred: the same release is audited once for
-    each recipe the main job has used."""
+    Rows of the same start file come first, then those of another build, each in FRONTIERS' order. With this run's
+    `args`, the rows are then ranked by how many of the server's settings (`SERVER_RECIPE`) their recorded run
+    trained otherwise, so that a run finds the audit of a server trained as its own was (the same release is
+    audited once for each recipe the main job has used), from another build of the start if need be."""
     def find(by_weights: bool, same_start: Callable[[Path, Path], bool]) -> list[tuple[Path, dict]]:
         found = []
         for frontier in frontiers:
@@ -429,9 +438,13 @@ def audited_point(results: dict, frontiers: tuple[Path, ...] = FRONTIERS,
 
         found += [f for f in find(False, another_build) if f not in found]
     if args is not None:
-        found.sort(key=lambda f: bool(server_recipe_differences(f, args)))   # stable: the order above within each
+        found.sort(key=lambda f: len(server_recipe_differences(f, args)))   # stable: the order above within each
     return found[0] if found else None
 
+
+# frontiers audited before the audit's copy of a device part that the devices train started from the published start
+# the server sent them (it began from seeded weights): their figures for such a release are a weaker attacker's
+WEAKER_ATTACKER = ("frontier-distilled", "frontier-distilled-imprinted", "frontier-distilled-imprinted-student60")
 
 # how the server trains: the audited run's may differ from this run's for the same release
 SERVER_RECIPE = ("lr", "head_lr_scale", "imprint_epochs", "imprint_hold_tail")
@@ -467,6 +480,11 @@ def audit_line(results: dict, args: argparse.Namespace | None = None) -> str:
     differ = server_recipe_differences(found, args) if args is not None else []
     if differ:
         caveat += f" [the audited run's server trained otherwise ({'; '.join(differ)}): its figures are for that run]"
+    report = frontier / "audit" / f"{row['run']}.json"
+    if (frontier.name in WEAKER_ATTACKER and report.exists()
+            and not json.loads(report.read_text())["device_layer"].startswith(("exact", "white-box"))):
+        caveat += (" [audited when the audit's copy of the trained device part began from seeded weights, not from "
+                   "the start the devices trained theirs from: these figures may understate (docs/privacy.md)]")
     split = ""
     if "reconstruction_identity_r1" in row:
         split = (f"; what it can see: dlib names {row['reconstruction_identity_r1']:.3f} from reconstructions (chance "

@@ -52,12 +52,15 @@ nothing: it starts from the plain student), and from run.sh's plain student, dis
                      --lr 0.01" \
         --only dct-drop4-clip_norm12-noise_multiplier0.005-frequency_gamma2-stem_blocks2
 
-and the same with the server's tail held while its head is imprinted, as run.sh trains:
+and the same with the server's tail held while its head is imprinted, as run.sh trains, with the main job's release
+at twice and four times its noise too (each from a noise-aware start of its own):
 
     python research/frontier.py --data LFW --start distilled --out results/frontier-distilled-imprinted-student60-hold \
         --demo-args "--threads 1 --student-epochs 60 --noise-aware-epochs 60 --head-lr-scale 10 --imprint-epochs 1 \
                      --lr 0.01 --imprint-hold-tail" \
-        --only dct-drop4-clip_norm12-noise_multiplier0.005-frequency_gamma2-stem_blocks2
+        --only dct-drop4-clip_norm12-noise_multiplier0.005-frequency_gamma2-stem_blocks2 \
+               dct-drop4-clip_norm12-noise_multiplier0.01-frequency_gamma2-stem_blocks2 \
+               dct-drop4-clip_norm12-noise_multiplier0.02-frequency_gamma2-stem_blocks2
 
 and from the plain student distilled by function matching on 16 views a face for 150 epochs, its noise-aware
 start on 16 views too (`python -m research.views_table --recipes 16:150` measures both starts):
@@ -124,9 +127,12 @@ POINTS: list[tuple[str, dict, list[str]]] = [
     # the main job's release as it is, read by a deeper server stage: two residual blocks after the stage's conv
     # (--dct-stem-blocks; the device and what it releases are unchanged). The stage stands in for every device
     # stage up to the cut, which one conv did poorly
-    ("dct", {"drop": 4, "clip_norm": 12, "noise_multiplier": 0.005, "frequency_gamma": 2, "stem_blocks": 2},
-     ["--release", "dct", "--split", "layer2", "--dct-drop", "4", "--mechanism", "per-image", "--clip-norm", "12",
-      "--noise-multiplier", "0.005", "--frequency-gamma", "2", "--dct-stem-blocks", "2"]),
+    # (and at twice and four times its noise: measured from the distilled start, whether a stronger start buys more
+    # noise; a whole run from scratch, with no --only, trains them too)
+    *(("dct", {"drop": 4, "clip_norm": 12, "noise_multiplier": z, "frequency_gamma": 2, "stem_blocks": 2},
+       ["--release", "dct", "--split", "layer2", "--dct-drop", "4", "--mechanism", "per-image", "--clip-norm", "12",
+        "--noise-multiplier", f"{z:g}", "--frequency-gamma", "2", "--dct-stem-blocks", "2"])
+      for z in (0.005, 0.01, 0.02)),
     # NoPeek: the devices train the bottleneck with a distance-correlation penalty between their images and their
     # releases (splitface/device/privacy/nopeek.py); weight 5 puts the penalty's gradient at about the size of the
     # server's cross-entropy gradient on the device layer at the start (weight 1 at a fifth of it). Alone, and with the

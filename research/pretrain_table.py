@@ -57,7 +57,7 @@ HOLD = "--imprint-hold-tail"
 
 def start_without_hold() -> list[str]:
     """run.sh's DEFAULT_START as it was before it held the server's tail while imprinting: the rows measured then
-    keep their flags (results/pretrain-views/ measures the hold, `-hold` recipes)."""
+    keep their flags (results/pretrain-views/ and results/pretrain-hold/ measure the hold: `-hold` recipes)."""
     return [a for a in run_sh_array("DEFAULT_START") if a != HOLD]
 
 

@@ -155,11 +155,23 @@ def test_the_server_refuses_negative_imprint_steps_as_a_usage_error(tmp_path, ca
     with pytest.raises(SystemExit) as stopped:
         cli.main(["serve", "--num-classes", "3", "--tokens", str(tmp_path / "tokens.json"), "--imprint-hold-tail"])
     assert stopped.value.code == 2 and "it needs --imprint-steps" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as stopped:
-        demo.main(["--imprint-hold-tail", "--run-dir", str(tmp_path / "run")])
-    assert stopped.value.code == 2 and "it needs --imprint-epochs" in capsys.readouterr().err
-    # run.sh holds the tail; a later --no-imprint-hold-tail does not (the last flag wins, as argparse reads them)
-    assert not demo.parser().parse_known_args(["--imprint-hold-tail", "--no-imprint-hold-tail"])[0].imprint_hold_tail
+
+
+def test_the_demo_holds_nothing_where_nothing_is_imprinted_and_says_so(capsys):
+    """run.sh holds the tail while the head is imprinted; with its start and --imprint-epochs 0 (the old start's
+    flags) the demo says that nothing is held and records the hold as off; --no-imprint-hold-tail after run.sh's
+    flags turns it off (the last flag wins)."""
+    from research.pretrain_table import run_sh_array
+
+    start = run_sh_array("DEFAULT_START")
+    assert demo.parser().parse_known_args(start)[0].imprint_hold_tail
+    assert not demo.parser().parse_known_args([*start, "--no-imprint-hold-tail"])[0].imprint_hold_tail
+    args, _ = demo.parser().parse_known_args([*start, "--imprint-epochs", "0"])
+    demo.drop_hold_without_imprinting(args)
+    assert not args.imprint_hold_tail and "nothing is imprinted, so the server's tail is not held" in capsys.readouterr().err
+    args, _ = demo.parser().parse_known_args(start)
+    demo.drop_hold_without_imprinting(args)
+    assert args.imprint_hold_tail and capsys.readouterr().err == ""
 
 
 def test_a_resumed_run_keeps_its_schedule_and_an_old_checkpoint_is_never_imprinted_over():
