@@ -273,7 +273,8 @@ def same_arguments(recorded: list[str], wanted: list[str]) -> bool:
 
 def drop_hold_without_imprinting(args: argparse.Namespace) -> None:
     """run.sh holds the server's tail while its head is imprinted; with --imprint-epochs 0 nothing is imprinted, so
-    nothing is held: said, and the run records the hold as off (what its server did)."""
+    nothing is held: said, and the hold set off (the recorded command line keeps the flags it was given; `held_tail`
+    reads them as the server trained)."""
     if args.imprint_hold_tail and not args.imprint_epochs:
         print("--imprint-hold-tail: with --imprint-epochs 0 nothing is imprinted, so the server's tail is not held",
               file=sys.stderr, flush=True)
@@ -442,12 +443,25 @@ def audited_point(results: dict, frontiers: tuple[Path, ...] = FRONTIERS,
     return found[0] if found else None
 
 
-# frontiers audited before the audit's copy of a device part that the devices train started from the published start
-# the server sent them (it began from seeded weights): their figures for such a release are a weaker attacker's
-WEAKER_ATTACKER = ("frontier-distilled", "frontier-distilled-imprinted", "frontier-distilled-imprinted-student60")
-
 # how the server trains: the audited run's may differ from this run's for the same release
 SERVER_RECIPE = ("lr", "head_lr_scale", "imprint_epochs", "imprint_hold_tail")
+
+
+def weaker_attacker(frontier: Path, run: str, device_weights: str | None) -> bool:
+    """Whether a run from a distilled start, whose devices trained their device part, was audited before the audit's
+    copy of that part began from the start the server sent them (it began from seeded weights): reports since
+    record where it began (`device_layer_start`), and a surrogate from the start says so in its name."""
+    report = frontier / "audit" / f"{run}.json"
+    if not device_weights or not report.exists():
+        return False
+    audit = json.loads(report.read_text())
+    known = audit.get("device_layer_start", audit["device_layer"])
+    return not known.startswith(("exact", "white-box")) and "published start" not in known
+
+
+def held_tail(args: argparse.Namespace) -> bool:
+    """Whether the server's tail is held: only where a server head is imprinted."""
+    return bool(args.imprint_hold_tail and args.imprint_epochs and args.head == "server")
 
 
 def server_recipe_differences(point: tuple[Path, dict], args: argparse.Namespace) -> list[str]:
@@ -458,8 +472,10 @@ def server_recipe_differences(point: tuple[Path, dict], args: argparse.Namespace
     if not recorded.exists():
         return []
     audited, _ = parser().parse_known_args(json.loads(recorded.read_text()))
-    return [f"{k.replace('_', '-')} {getattr(audited, k):g} there, {getattr(args, k):g} here"
-            for k in SERVER_RECIPE if getattr(audited, k) != getattr(args, k)]
+    def recipe(a: argparse.Namespace) -> dict:   # as the server trained: a hold without imprinting holds nothing
+        return {k: held_tail(a) if k == "imprint_hold_tail" else getattr(a, k) for k in SERVER_RECIPE}
+    ours, theirs = recipe(args), recipe(audited)
+    return [f"{k.replace('_', '-')} {theirs[k]:g} there, {ours[k]:g} here" for k in SERVER_RECIPE if theirs[k] != ours[k]]
 
 
 def audit_line(results: dict, args: argparse.Namespace | None = None) -> str:
@@ -480,9 +496,7 @@ def audit_line(results: dict, args: argparse.Namespace | None = None) -> str:
     differ = server_recipe_differences(found, args) if args is not None else []
     if differ:
         caveat += f" [the audited run's server trained otherwise ({'; '.join(differ)}): its figures are for that run]"
-    report = frontier / "audit" / f"{row['run']}.json"
-    if (frontier.name in WEAKER_ATTACKER and report.exists()
-            and not json.loads(report.read_text())["device_layer"].startswith(("exact", "white-box"))):
+    if weaker_attacker(frontier, row["run"], audited_weights):
         caveat += (" [audited when the audit's copy of the trained device part began from seeded weights, not from "
                    "the start the devices trained theirs from: these figures may understate (docs/privacy.md)]")
     split = ""

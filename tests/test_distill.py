@@ -254,6 +254,7 @@ def test_a_split_run_starts_from_a_distilled_file_and_is_audited(tmp_path, lfw, 
     assert 0 <= figures["linkage_pixels"] <= 1
     # the curious server's copy of the device part starts from the start it sent the devices, not from seeded weights
     assert report["device_layer"].startswith("surrogate (the published start's device part")
+    assert report["device_layer_start"] == report["device_layer"]   # recorded, so a later substitute keeps it
     surrogate = load_run(run).layer.state_dict()["stages.conv1.0.weight"]
     assert torch.equal(surrogate, file_state["stages.conv1.0.weight"])
 

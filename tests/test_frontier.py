@@ -152,8 +152,11 @@ def test_the_main_job_says_where_its_audited_run_trained_the_server_otherwise():
     ours, _ = parser().parse_known_args(run_sh_start())
     assert ("trained otherwise (lr 0.05 there, 0.01 here; imprint-epochs 0 there, 1 here; imprint-hold-tail 0 there, "
             "1 here)") in audit_line(results, ours)
-    held, _ = parser().parse_known_args(["--head-lr-scale", "10", "--imprint-hold-tail"])
-    assert "trained otherwise (imprint-hold-tail 0 there, 1 here)" in audit_line(results, held)
+    held, _ = parser().parse_known_args(["--head-lr-scale", "10", "--imprint-epochs", "1", "--imprint-hold-tail"])
+    assert "trained otherwise (imprint-epochs 0 there, 1 here; imprint-hold-tail 0 there, 1 here)" in audit_line(results, held)
+    # a hold with nothing imprinted holds nothing: the server trained as the audited one did
+    nothing_held, _ = parser().parse_known_args(["--head-lr-scale", "10", "--imprint-hold-tail"])
+    assert "trained otherwise" not in audit_line(results, nothing_held)
 
 
 def test_the_main_job_prints_the_audit_of_its_own_release_and_start():

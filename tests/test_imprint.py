@@ -157,13 +157,16 @@ def test_the_server_refuses_negative_imprint_steps_as_a_usage_error(tmp_path, ca
     assert stopped.value.code == 2 and "it needs --imprint-steps" in capsys.readouterr().err
 
 
-def test_the_demo_holds_nothing_where_nothing_is_imprinted_and_says_so(capsys):
+def test_the_demo_holds_nothing_where_nothing_is_imprinted_and_says_so(tmp_path, capsys):
     """run.sh holds the tail while the head is imprinted; with its start and --imprint-epochs 0 (the old start's
-    flags) the demo says that nothing is held and records the hold as off; --no-imprint-hold-tail after run.sh's
-    flags turns it off (the last flag wins)."""
+    flags) the demo says that nothing is held (before it looks for the data) and sets the hold off;
+    --no-imprint-hold-tail after run.sh's flags turns it off (the last flag wins)."""
     from research.pretrain_table import run_sh_array
 
     start = run_sh_array("DEFAULT_START")
+    with pytest.raises(FileNotFoundError):   # no data there: the demo stops after its checks of the arguments
+        demo.main([*start, "--imprint-epochs", "0", "--data", str(tmp_path / "no-lfw"), "--run-dir", str(tmp_path / "run")])
+    assert "nothing is imprinted, so the server's tail is not held" in capsys.readouterr().err
     assert demo.parser().parse_known_args(start)[0].imprint_hold_tail
     assert not demo.parser().parse_known_args([*start, "--no-imprint-hold-tail"])[0].imprint_hold_tail
     args, _ = demo.parser().parse_known_args([*start, "--imprint-epochs", "0"])

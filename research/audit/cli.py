@@ -62,7 +62,9 @@ def audit_run(view: AttackerView, truth: GroundTruth, public: PublicFaces, recog
                   for name, r in recognizers.items()}
     received = view.recorded("activations").astype(np.float32)
     report: dict = {"run": view.name, "head": view.head, "mechanism": view.mechanism.describe(),
-                    "device_layer": view.layer_knowledge, "test_accuracy": view.test_accuracy,
+                    # where the attacker's copy of the device part begins, before any substitute is fitted from it
+                    "device_layer": view.layer_knowledge, "device_layer_start": view.layer_knowledge,
+                    "test_accuracy": view.test_accuracy,
                     "epsilon_image_accountant": view.epsilon_image, "recorded_releases": len(received),
                     "public_images": len(public.images), "attacks": {}}
     samples = {"original": resized(private[:SAMPLES], args.image_size)}
