@@ -10,8 +10,11 @@ bash scripts/setup.sh
 DEFAULT_RELEASE=(--release dct --split layer2 --dct-drop 4 --mechanism per-image --clip-norm 12 --noise-multiplier 0.005 --frequency-gamma 2)
 # How the server reads that release: the DCT replaces every device stage up to the cut, and the server's stage that
 # stands in for them is a conv plus two residual blocks instead of the conv alone (server side only: the device and
-# what it releases are the same). Another --release drops it (results/pretrain/, docs/pretrain.md).
-DEFAULT_SERVER_STAGE=(--dct-stem-blocks 2)
+# what it releases are the same). At test time the server also embeds the mirror image's release, which it computes
+# from the release itself (the block DCT of a mirrored image is the blocks reversed with some signs flipped), and
+# averages the two: test-time flipping, with nothing more released. Another --release drops both
+# (results/pretrain/, results/pretrain-hold/, docs/pretrain.md).
+DEFAULT_SERVER_STAGE=(--dct-stem-blocks 2 --mirror-average)
 # The wire: int8 with a scale per image and channel both ways, a quarter of float32's bytes at no measured accuracy
 # cost (docs/wire.md); a function of the audited release, so the audit's figures bound what it leaks.
 DEFAULT_WIRE=(--activation-encoding i8c --gradient-encoding i8c)

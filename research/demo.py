@@ -26,6 +26,7 @@ import torch
 from splitface.common.options import load_data
 from splitface.common.models import ModelSpec
 from splitface.common.options import add_data_args, add_devices_args, add_model_args, add_training_args, data_argv, model_argv, model_spec
+from splitface.common.transforms import release_mirror
 from splitface.device.privacy.options import add_privacy_args, release_mechanism
 from splitface.sim.simulator import device_ranges, merge_results
 
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         if getattr(args, flag) < 0:
             p.error(f"--{flag.replace('_', '-')} must be 0 or more, not {getattr(args, flag)}")
     drop_hold_without_imprinting(args)
+    drop_mirror_without_map(args)
     run_dir = args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -127,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
                   "--record-max", str(args.record_max), "--gradient-rounding", args.gradient_rounding,
                   "--head-lr-scale", str(args.head_lr_scale), "--imprint-steps", str(imprint_steps),
                   "--release-noise-std", repr(devices_noise_std(args, extra)),
-                  *(["--imprint-hold-tail"] if args.imprint_hold_tail and imprint_steps else [])]
+                  *(["--imprint-hold-tail"] if args.imprint_hold_tail and imprint_steps else []),
+                  *(["--mirror-average"] if args.mirror_average else [])]
     if args.server_init:
         server_cmd += ["--init", str(args.server_init)]
     server_log = open(run_dir / "server.log", "w")
@@ -279,6 +282,19 @@ def drop_hold_without_imprinting(args: argparse.Namespace) -> None:
         print("--imprint-hold-tail: with --imprint-epochs 0 nothing is imprinted, so the server's tail is not held",
               file=sys.stderr, flush=True)
         args.imprint_hold_tail = False
+
+
+def drop_mirror_without_map(args: argparse.Namespace) -> None:
+    """run.sh's server averages each test release's embedding with its mirror image's; another --release may have
+    no mirror that the server can compute (a learned layer's output): said, and the average set off, so that
+    `./run.sh --release none --split conv1` still runs."""
+    if not args.mirror_average:
+        return
+    try:
+        release_mirror(model_spec(args))
+    except ValueError as exc:
+        print(f"--mirror-average: {exc}; the server embeds each release once", file=sys.stderr, flush=True)
+        args.mirror_average = False
 
 
 def server_imprint_steps(args: argparse.Namespace, train_images: int) -> int:

@@ -53,12 +53,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 HOLD = "--imprint-hold-tail"
+MIRROR = "--mirror-average"
 
 
 def start_without_hold() -> list[str]:
     """run.sh's DEFAULT_START as it was before it held the server's tail while imprinting: the rows measured then
     keep their flags (results/pretrain-views/ and results/pretrain-hold/ measure the hold: `-hold` recipes)."""
     return [a for a in run_sh_array("DEFAULT_START") if a != HOLD]
+
+
+def stage_without_mirror() -> list[str]:
+    """run.sh's DEFAULT_SERVER_STAGE as it was before its server averaged each test release's embedding with its
+    mirror image's: the rows measured then keep their flags (results/pretrain-hold/ measures it: `-mirror`)."""
+    return [a for a in run_sh_array("DEFAULT_SERVER_STAGE") if a != MIRROR]
 
 
 def run_sh_array(name: str) -> list[str]:
@@ -205,6 +212,9 @@ def finetune_start(demo_args: list[str]) -> str:
     holds = [a for a in demo_args if a in (HOLD, "--no-imprint-hold-tail")]
     if holds and holds[-1] == HOLD:
         start += ", tail held while imprinting"
+    mirrors = [a for a in demo_args if a in (MIRROR, "--no-mirror-average")]
+    if mirrors and mirrors[-1] == MIRROR:
+        start += ", test embeddings averaged with the mirror image's"
     return start
 
 
@@ -253,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     start, release, wire = start_without_hold(), run_sh_array("DEFAULT_RELEASE"), run_sh_array("DEFAULT_WIRE")
-    stage = run_sh_array("DEFAULT_SERVER_STAGE")
+    stage = stage_without_mirror()
     extra = args.demo_args.split()
     long = demo_parser().parse_known_args(start)[0].noise_aware_epochs   # run.sh's noise-aware start, as read
     # run.sh's start comes from the plain student of 60 epochs; the rows recorded before it, from the recipe's 30

@@ -4,7 +4,7 @@ research/views.py distils on K views of each public face with the teacher's embe
 recipe regresses a shifted, flipped image onto the teacher's embedding of the clean one. Rows, for each recipe
 (--recipes: the first, K views, K views with a longer plain student or noise-aware start; and, to see where the
 main job loses, `-quiet`: run.sh's release without its noise, `-hold`: fine-tuning with the server's tail held
-while its head is imprinted):
+while its head is imprinted, `-mirror`: the server's test embeddings averaged with the mirror image's):
 - student: run.sh's plain student (its --student-epochs) and run.sh's noise-aware start made from it (its
   release, server stage and --noise-aware-epochs; function matching in both stages, or in neither), each on
   View 1, frozen on LFW-158 (research/pretrain_table.py's probe) and against the teacher (`pretrain fit`: the
@@ -37,7 +37,7 @@ from research.distill import (CROP, TEACHER_SIZE, default_cache, distilled_start
                               load_student, teacher_fit)
 from research.evaluation.verification import evaluate_embedder
 from research.pretrain_table import (ROOT, SEEDS, finetune_row, frozen_probe, run_sh_array, seed_means,
-                                     start_without_hold, student_embedder, student_row, table, teacher_row)
+                                     stage_without_mirror, start_without_hold, student_embedder, student_row, table, teacher_row)
 from research.results import write_summary
 
 
@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="`first` (the first recipe), K (function matching on K views in both distillations), "
                         "K:E (the same with the plain student distilled for E epochs; run.sh's are 60) or K:E:N "
                         "(and the noise-aware start for N; run.sh's are 60), then optionally -quiet (run.sh's "
-                        "release without its noise) and -hold (--imprint-hold-tail). Rows of recipes already in "
+                        "release without its noise), -hold (--imprint-hold-tail) and -mirror (--mirror-average). "
+                        "Rows of recipes already in "
                         "--out's summary.json and not named here are kept as they are")
     p.add_argument("--cache", type=Path, default=default_cache(), help="teacher embeddings and distilled starts")
     p.add_argument("--force", action="store_true", help="train and evaluate every fine-tuning run again")
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     args.model = "iresnet_small"
     args.out.mkdir(parents=True, exist_ok=True)
     start, release, wire = start_without_hold(), run_sh_array("DEFAULT_RELEASE"), run_sh_array("DEFAULT_WIRE")
-    stage = run_sh_array("DEFAULT_SERVER_STAGE")
+    stage = stage_without_mirror()
     options = argparse.ArgumentParser(add_help=False)
     add_privacy_args(options)
     add_model_args(options, args.model)
@@ -113,7 +114,9 @@ def report(rows: list[dict]) -> str:
             "on LFW-158 as run.sh does (2 devices, 3 epochs). Every recipe distilled on this machine, with run.sh's "
             "epochs unless its name gives the plain student's (`viewsK-studentE`) or the noise-aware start's "
             "(`-noiseawareN`); `-quiet`: run.sh's release without its noise, in the start and in fine-tuning; `-hold`: "
-            "fine-tuning with the server's tail held while its head is imprinted (`--imprint-hold-tail`). A "
+            "fine-tuning with the server's tail held while its head is imprinted (`--imprint-hold-tail`); `-mirror`: "
+            "the server's test embeddings averaged with the mirror image's (`--mirror-average`; the LFW-158 test "
+            "accuracy only: View 1 after fine-tuning embeds each face once). A "
             "recipe's plain student is listed with it, though recipes may share one (the same file).\n\n"
             + table(rows) + "\n"
             + fits(rows) + flips(rows) + without_noise(rows) + seed_means(rows, compared))
@@ -121,11 +124,13 @@ def report(rows: list[dict]) -> str:
 
 def recipe_flags(text: str) -> tuple[str, list[str]]:
     """A --recipes item as (its name, the demo flags it adds to run.sh's start and release)."""
-    match = re.fullmatch(r"(?:(first)|([1-9][0-9]*)(?::([1-9][0-9]*)(?::([1-9][0-9]*))?)?)(-quiet)?(-hold)?", text)
+    match = re.fullmatch(r"(?:(first)|([1-9][0-9]*)(?::([1-9][0-9]*)(?::([1-9][0-9]*))?)?)(-quiet)?(-hold)?(-mirror)?",
+                         text)
     if match is None:
         raise argparse.ArgumentTypeError(f"a recipe is `first`, K, K:E or K:E:N (views, plain student's epochs, "
-                                         f"noise-aware start's epochs), then optionally -quiet and -hold, not {text!r}")
-    first, views, epochs, noisy, quiet, hold = match.groups()
+                                         f"noise-aware start's epochs), then optionally -quiet, -hold and -mirror, "
+                                         f"not {text!r}")
+    first, views, epochs, noisy, quiet, hold, mirror = match.groups()
     flags, name = ([], "first-recipe") if first else (["--student-views", views, "--noise-aware-views", views],
                                                        f"views{views}")
     if epochs is not None:
@@ -136,32 +141,36 @@ def recipe_flags(text: str) -> tuple[str, list[str]]:
         flags, name = [*flags, "--noise-multiplier", "0"], f"{name}-quiet"
     if hold:
         flags, name = [*flags, "--imprint-hold-tail"], f"{name}-hold"
+    if mirror:
+        flags, name = [*flags, "--mirror-average"], f"{name}-mirror"
     return name, flags
 
 
-def recipe_order(name: str) -> tuple[int, int, int, bool, bool]:
+def recipe_order(name: str) -> tuple[int, int, int, bool, bool, bool]:
     """A recipe's name (recipe_flags) as (views, the plain student's epochs, the noise-aware start's; 0: run.sh's,
-    whether the release is without its noise, whether the server's tail is held while its head is imprinted),
-    views 0 for the first recipe: the first, then by views, then by epochs, the release's noise before none,
-    fine-tuning without the held tail before with it."""
-    match = re.fullmatch(r"(?:first-recipe|views([0-9]+)(?:-student([0-9]+))?(?:-noiseaware([0-9]+))?)(-quiet)?(-hold)?",
-                         name)
+    whether the release is without its noise, whether the server's tail is held while its head is imprinted,
+    whether its test embeddings are averaged with the mirror image's), views 0 for the first recipe: the first, then
+    by views, then by epochs, the release's noise before none, without the held tail before with it, and without the
+    mirror before with it."""
+    match = re.fullmatch(r"(?:first-recipe|views([0-9]+)(?:-student([0-9]+))?(?:-noiseaware([0-9]+))?)(-quiet)?(-hold)?"
+                         r"(-mirror)?", name)
     if match is None:
         raise ValueError(f"not a recipe's name: {name!r}")
-    views, epochs, noisy, quiet, hold = match.groups()
-    return (int(views or 0), int(epochs or 0), int(noisy or 0), bool(quiet), bool(hold))
+    views, epochs, noisy, quiet, hold, mirror = match.groups()
+    return (int(views or 0), int(epochs or 0), int(noisy or 0), bool(quiet), bool(hold), bool(mirror))
 
 
 def describe(name: str) -> str:
     """A recipe's name (recipe_flags) in words."""
-    views, epochs, noisy, quiet, hold = recipe_order(name)
+    views, epochs, noisy, quiet, hold, mirror = recipe_order(name)
     return ((f"function matching on {views} views in both distillations" if views
              else "the first recipe (clean targets)")
             + (f", the plain student distilled for {epochs} epochs" if epochs else "")
             + (f", the noise-aware start for {noisy} epochs" if noisy else "")
             + (", the release without its noise (noise multiplier 0; the clip kept) in the start and fine-tuning"
                if quiet else "")
-            + (", the server's tail held while its head is imprinted (--imprint-hold-tail)" if hold else ""))
+            + (", the server's tail held while its head is imprinted (--imprint-hold-tail)" if hold else "")
+            + (", each test release's embedding averaged with its mirror image's (--mirror-average)" if mirror else ""))
 
 
 def read_rows(out: Path) -> list[dict]:

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from splitface.common.faults import Fault
 from splitface.common.options import (add_model_args, add_optimizer_args, add_seed_arg, add_threads_arg, add_training_args, apply_threads, model_spec, train_config)
+from splitface.common.transforms import release_mirror
 from splitface.protocol.messages import DEFAULT_MAX_MESSAGE_BYTES
 from splitface.protocol.server_session import GRADIENT_ROUNDING
 
@@ -42,6 +43,10 @@ def add_tail_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-only", choices=("all", "classifier"), default="all",
                    help="classifier: freeze the tail, train only the output layer")
     add_record_max_arg(p)
+    p.add_argument("--mirror-average", action=argparse.BooleanOptionalAction, default=False,
+                   help="outside training, average the tail's embeddings of each release and of the mirror image's "
+                        "release, which the server computes from it: test-time flipping at no further release, for "
+                        "the releases that are the image or its block DCT (--release dct or mask; docs/pretrain.md)")
     p.add_argument("--gradient-rounding", choices=GRADIENT_ROUNDING, default="nearest",
                    help="how i8 and i8c gradients round on their way down: nearest (the reference encoder's) or stochastic "
                         "(unbiased; docs/wire.md)")
@@ -114,6 +119,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, hosted=None
     if args.imprint_hold_tail and not args.imprint_steps:
         parser.error("--imprint-hold-tail holds the tail while the head is imprinted: it needs --imprint-steps")
     try:
+        if args.mirror_average:
+            release_mirror(model_spec(args))   # a release the server cannot mirror, before anything is built
         server_config.fault = Fault.parse(args.fault, SERVER_FAULTS) if args.fault else None
         server_config.tls()  # before building the model: plain ws:// off loopback, a missing or bad certificate
     except (ValueError, OSError) as exc:
@@ -121,7 +128,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, hosted=None
     max_message_bytes = int(args.max_message_mb * 2 ** 20)
     federated = hosted(max_message_bytes) if hosted is not None else None
     trainer = ServerTrainer(model_spec(args), args.split, args.num_classes, train_config(args), args.device, args.init,
-                            args.train_only, from_args(StepGuard, args), args.imprint_steps, args.imprint_hold_tail)
+                            args.train_only, from_args(StepGuard, args), args.imprint_steps, args.imprint_hold_tail,
+                            args.mirror_average)
     info = server_info(trainer, args.max_batch, max_message_bytes)
     server = EdgeServer(trainer, info, TokenAuthenticator(load_tokens(args.tokens)), server_config,
                         board=federated.board if federated else None)

@@ -18,6 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from splitface.common.models import ModelSpec, build_backbone, build_classifier, release_range, split_backbone
 from splitface.common.models.weights import load_into
+from splitface.common.transforms import release_mirror
 from splitface.common.optim import TrainConfig, exponential_decay, sgd_with_head
 from splitface.protocol.errors import ErrorCode
 from splitface.server.imprint import Imprinter
@@ -92,18 +93,22 @@ def pick_device(name: str | None = None) -> torch.device:
 class ServerTrainer:
     def __init__(self, spec: ModelSpec, split: str, num_classes: int, config: TrainConfig | None = None,
                  device: str | None = None, init: Path | None = None, train_only: str = "all",
-                 guard: StepGuard | None = None, imprint_steps: int = 0, imprint_hold_tail: bool = False):
+                 guard: StepGuard | None = None, imprint_steps: int = 0, imprint_hold_tail: bool = False,
+                 mirror_average: bool = False):
         """`init`: start the tail from a saved (e.g. public pre-trained) backbone; `train_only="classifier"`
         freezes the tail and trains only the output layer (the source paper's fine-tuning setting);
         `imprint_steps`: the server head's rows are its classes' mean embeddings for that many steps, then trained
         from there (server/imprint.py: for a pre-trained start); `imprint_hold_tail`: the tail's weights take no
-        step meanwhile either."""
+        step meanwhile either; `mirror_average`: outside training, a release's embedding is the mean of the tail's
+        embeddings of it and of the mirror image's release, computed here from it (test-time flipping at no
+        further release: transforms.release_mirror, which refuses a release that has no such map)."""
         if train_only not in ("all", "classifier"):
             raise ValueError(f"train_only must be 'all' or 'classifier', not {train_only!r}")
         self.spec, self.split, self.num_classes, self.train_only = spec, split, num_classes, train_only
         self.config = config or TrainConfig()
         self.guard = guard or StepGuard()
         self.release_bound = self.guard.release_bound(spec, split)
+        self.mirror = release_mirror(spec) if mirror_average else None
         self.statistics_clipped = 0   # batch-norm channels whose running statistics the last training batch hit the clip of
         torch.manual_seed(self.config.seed)
         _, tail = split_backbone(build_backbone(spec), split)
@@ -290,19 +295,27 @@ class ServerTrainer:
     def evaluate(self, activations: np.ndarray, labels: np.ndarray) -> tuple[float, int]:
         self._train_mode(False)
         with torch.no_grad(), self._autocast():
-            logits = self.classifier(self.tail(self._tensor(activations)))
+            logits = self.classifier(self._eval_embeddings(self._tensor(activations)))
         y = torch.as_tensor(labels, device=self.device)
         loss = float(F.cross_entropy(logits.float(), y))
         if not math.isfinite(loss):
             raise StepRefused(f"the batch gives a non-finite loss ({loss})")
         return loss, int((logits.argmax(1) == y).sum())
 
+    def _eval_embeddings(self, x: torch.Tensor) -> torch.Tensor:
+        """The tail's embeddings of releases outside training; with mirror_average, averaged with those of the
+        mirror images' releases (the head is linear, so the logits are averaged too)."""
+        embeddings = self.tail(x)
+        if self.mirror is None:
+            return embeddings
+        return (embeddings + self.tail(self.mirror(x))) / 2
+
     def embed(self, activations: np.ndarray, train: bool) -> np.ndarray:
         """Device head: embeddings for the device's classifier; in training the graph waits for `train_tail`."""
         self._train_mode(train)
         if not train:
             with torch.no_grad(), self._autocast():
-                return _finite_embeddings(self.tail(self._tensor(activations)).float())
+                return _finite_embeddings(self._eval_embeddings(self._tensor(activations)).float())
         self.drop_pending()   # a FORWARD again before its EMBEDDING_GRAD: the earlier one leaves nothing
         self.optimizer.zero_grad(set_to_none=True)
         x = self._input(activations)

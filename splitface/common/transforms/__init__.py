@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from splitface.common.transforms.bottleneck import Bottleneck, Expand
-from splitface.common.transforms.dct import BLOCK, BlockDCT, FrequencyStem, coefficient_range, random_keep_mask
+from splitface.common.transforms.dct import (BLOCK, BlockDCT, FrequencyStem, coefficient_range, mirror_release,
+                                             random_keep_mask)
 from splitface.common.transforms.mask import ImageRelease, MaskedReconstruction, patch_grid, random_patch_mask
 
 if TYPE_CHECKING:
@@ -41,6 +42,8 @@ class Transform:
     server: Callable[["ModelSpec", Shape], nn.Module]
     replaces_device: bool
     check: Callable[["ModelSpec"], None]  # refuse a spec whose keys for this transform are out of range
+    # the release of the left-right mirror image, from the release (post-processing, exact); None: not known
+    mirror: Callable[["ModelSpec", torch.Tensor], torch.Tensor] | None = None
 
 
 def check_bottleneck(spec: "ModelSpec") -> None:
@@ -103,13 +106,28 @@ TRANSFORMS: dict[str, Transform] = {
     "dct": Transform(
         device=lambda spec, shape: BlockDCT(dct_upsample(spec, shape), spec.dct_drop),
         server=lambda spec, shape: FrequencyStem(dct_channels(spec), shape[0], spec.dct_stem_blocks),
-        replaces_device=True, check=check_dct),
+        replaces_device=True, check=check_dct,
+        mirror=lambda spec, x: mirror_release(x, spec.dct_drop)),
     "mask": Transform(
         device=lambda spec, shape: ImageRelease(),
         server=mask_stem,
-        replaces_device=True, check=check_mask),
+        replaces_device=True, check=check_mask,
+        mirror=lambda spec, x: x.flip(-1)),   # patches on a grid that divides the image: the mask's law is symmetric
 }
 RELEASES = ("none", *TRANSFORMS)
+MIRRORED = tuple(name for name, t in TRANSFORMS.items() if t.mirror is not None)
+
+
+def release_mirror(spec: "ModelSpec") -> Callable[[torch.Tensor], torch.Tensor]:
+    """The server's map from a batch of releases (N, C, H, W) to the releases of the mirrored images: for a release
+    that is the image itself (`mask`) or its block DCT (`dct`), noise and all. A learned device layer's output has
+    no such map (its filters are not symmetric): ValueError."""
+    transform = TRANSFORMS.get(spec.release)
+    if transform is None or transform.mirror is None or spec.release_pool > 1:
+        raise ValueError(f"the server knows the mirror image's release only for the releases {MIRRORED} without "
+                         f"release_pool, not release {spec.release!r} (release_pool {spec.release_pool})")
+    mirror = transform.mirror
+    return lambda x: mirror(spec, x)
 
 
 def transform_range(spec: "ModelSpec") -> tuple[float, float]:

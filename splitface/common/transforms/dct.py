@@ -90,6 +90,20 @@ class BlockDCT(nn.Module):
         return f"upsample={self.upsample}, drop={self.drop}"
 
 
+def mirror_signs(drop: int) -> torch.Tensor:
+    """(3 (64 - drop), 1, 1): (-1)^v for each released frequency (u, v), colour-major as BlockDCT's channels.
+    Mirroring a block left-right reverses its columns, and the cosine of column frequency v is even or odd about
+    the block's centre as v is."""
+    return torch.tensor([(-1.0) ** v for _, v in zigzag()[drop:]]).repeat(3).reshape(-1, 1, 1)
+
+
+def mirror_release(x: torch.Tensor, drop: int) -> torch.Tensor:
+    """The block DCT of the left-right mirror image, from the block DCT of the image (N, C, H, W): the blocks in
+    reverse order, each frequency's sign per mirror_signs. Exact up to rounding for whole 8x8 blocks, upsampled or
+    not (bilinear upsampling is symmetric); noise whose law depends only on the frequency keeps its law."""
+    return x.flip(-1) * mirror_signs(drop).to(x)
+
+
 def random_keep_mask(n: int, channels: int, keep: int, generator: torch.Generator) -> torch.Tensor:
     """(n, channels, 1, 1) of 0/1 with `keep` ones per row, drawn independently per image."""
     chosen = torch.rand(n, channels, generator=generator).argsort(dim=1)[:, :keep]
