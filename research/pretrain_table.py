@@ -175,9 +175,9 @@ def finetune_row(name: str, demo_args: list[str], args: argparse.Namespace) -> d
     run_dir = args.out / "runs" / name
     results = run_recorded(run_dir, ["--data", str(args.data), "--model", args.model, *demo_args], args.force)
     view1 = run_dir / "view1.json"
-    if not view1.exists() or args.force:
-        subprocess.run([sys.executable, "-m", "research", "evaluate", str(run_dir), "--data", str(args.data)],
-                       check=True)
+    if not view1.exists() or args.force:   # embedded as its server embeds at test time
+        subprocess.run([sys.executable, "-m", "research", "evaluate", str(run_dir), "--data", str(args.data),
+                        *([MIRROR] if last_of(demo_args, MIRROR) else [])], check=True)
     report = json.loads(view1.read_text())
     config, last = results["config"], results["epochs"][-1]
     device = results["devices"][0]
@@ -209,13 +209,17 @@ def finetune_start(demo_args: list[str]) -> str:
                           ("--head-lr-scale", ", head lr x{}"), ("--seed", ", seed {}")):
         if value(option) is not None:
             start += words.format(value(option))
-    holds = [a for a in demo_args if a in (HOLD, "--no-imprint-hold-tail")]
-    if holds and holds[-1] == HOLD:
+    if last_of(demo_args, HOLD):
         start += ", tail held while imprinting"
-    mirrors = [a for a in demo_args if a in (MIRROR, "--no-mirror-average")]
-    if mirrors and mirrors[-1] == MIRROR:
+    if last_of(demo_args, MIRROR):
         start += ", test embeddings averaged with the mirror image's"
     return start
+
+
+def last_of(demo_args: list[str], flag: str) -> bool:
+    """Whether a switch (`--x`, undone by `--no-x`) is on in `demo_args`: its last mention wins, as argparse reads."""
+    said = [a for a in demo_args if a in (flag, flag.replace("--", "--no-", 1))]
+    return bool(said) and said[-1] == flag
 
 
 SEEDS = (0, 1, 2)

@@ -115,8 +115,8 @@ def report(rows: list[dict]) -> str:
             "epochs unless its name gives the plain student's (`viewsK-studentE`) or the noise-aware start's "
             "(`-noiseawareN`); `-quiet`: run.sh's release without its noise, in the start and in fine-tuning; `-hold`: "
             "fine-tuning with the server's tail held while its head is imprinted (`--imprint-hold-tail`); `-mirror`: "
-            "the server's test embeddings averaged with the mirror image's (`--mirror-average`; the LFW-158 test "
-            "accuracy only: View 1 after fine-tuning embeds each face once). A "
+            "the server's test embeddings averaged with the mirror image's (`--mirror-average`; View 1 after "
+            "fine-tuning too). A "
             "recipe's plain student is listed with it, though recipes may share one (the same file).\n\n"
             + table(rows) + "\n"
             + fits(rows) + flips(rows) + without_noise(rows) + seed_means(rows, compared))

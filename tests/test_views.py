@@ -123,14 +123,19 @@ def test_the_views_table_recipes_name_their_flags_and_sort_after_the_first():
     assert recipe_flags("first-hold") == ("first-recipe-hold", ["--imprint-hold-tail"])   # run.sh's, since it holds
     assert describe("first-recipe-hold") == ("the first recipe (clean targets), the server's tail held while its head "
                                              "is imprinted (--imprint-hold-tail)")
+    assert recipe_flags("first-hold-mirror") == ("first-recipe-hold-mirror", ["--imprint-hold-tail", "--mirror-average"])
+    assert describe("first-recipe-hold-mirror").endswith(
+        "(--imprint-hold-tail), each test release's embedding averaged with its mirror image's (--mirror-average)")
     names = ["views16-student150-noiseaware150", "views16-student150-quiet-hold", "views16-student150-quiet",
-             "views16-student150-hold", "views16-student150", "views8", "first-recipe-hold", "first-recipe", "views16"]
-    assert sorted(names, key=recipe_order) == ["first-recipe", "first-recipe-hold", "views8", "views16",
+             "views16-student150-hold", "views16-student150", "views8", "first-recipe-hold", "first-recipe", "views16",
+             "first-recipe-hold-mirror"]
+    assert sorted(names, key=recipe_order) == ["first-recipe", "first-recipe-hold", "first-recipe-hold-mirror",
+                                               "views8", "views16",
                                                "views16-student150",
                                                "views16-student150-hold", "views16-student150-quiet",
                                                "views16-student150-quiet-hold", "views16-student150-noiseaware150"]
     for bad in ("0", "8:", "x", "8:0", "-1", "8:60:", "8:60:0", "8:60:1:1", "quiet", "8-quiet-quiet", "8-hold-quiet",
-                "first:60", "first8", "hold"):
+                "first:60", "first8", "hold", "8-mirror-hold", "mirror"):
         with pytest.raises(argparse.ArgumentTypeError, match="a recipe is"):
             recipe_flags(bad)
 
@@ -155,6 +160,9 @@ def test_a_fine_tuning_rows_start_is_named_by_each_flags_last_value():
     held = ["--init", "distilled", "--imprint-epochs", "1", "--imprint-hold-tail"]
     assert finetune_start(held).endswith(", tail held while imprinting")
     assert finetune_start([*held, "--no-imprint-hold-tail"]) == "distilled, head imprinted over 1 epoch"
+    assert finetune_start([*held, "--mirror-average"]).endswith(
+        ", tail held while imprinting, test embeddings averaged with the mirror image's")
+    assert finetune_start([*held, "--mirror-average", "--no-mirror-average"]).endswith(", tail held while imprinting")
 
 
 def test_the_committed_views_table_is_its_summarys_report(tmp_path, lfw):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 from splitface.common.options import add_data_root_arg, load_selection
 from splitface.device.trainer import bound_for, privatize
 from splitface.common.models import ModelSpec, build_backbone, split_backbone
+from splitface.common.transforms import release_mirror
 from splitface.device.privacy.described import from_description
 from splitface.device.privacy.mechanisms import noise_generator
 from splitface.protocol.tensor import decode_tensor, encode_tensor
@@ -61,30 +63,42 @@ def seen_people(lfw_root: str | Path | None, results: dict, limit: int | None = 
             "pairs_with_seen_people": int(seen.sum())}
 
 
-def evaluate_run(run_dir: str | Path, lfw_root: str | Path | None, limit: int | None = None,
-                 encoding: str | None = None) -> dict:
-    """View 1 report of a run: DevTest images released as device 0 releases them (its layer, the
-    transform's random subset, the mechanism's noise, drawn here from a fixed seed of the
-    evaluator's own), then the server's tail. That is what enrolling or verifying a face through the
-    deployed system computes; the run's own test accuracy is measured the same way. `encoding`
-    (f16, i8): the release also passes through that wire encoding and back, as the protocol carries it."""
-    run_dir = Path(run_dir)
-    layer, tail, results = load_split_model(run_dir)
+def run_embedder(run_dir: str | Path, encoding: str | None = None,
+                 mirror_average: bool = False) -> tuple[Callable[[np.ndarray], np.ndarray], dict]:
+    """(images in [0, 1] -> embeddings, the run's results): the images released as device 0 releases them (its layer,
+    the transform's random subset, the mechanism's noise, drawn here from a fixed seed of the evaluator's own), then
+    the server's tail. `encoding` (f16, i8): the release also passes through that wire encoding and back, as the
+    protocol carries it. `mirror_average`: the embedding is the mean of the tail's on the release and on the mirror
+    image's release, computed from it, as a server run with --mirror-average embeds (ValueError for a release
+    without one)."""
+    layer, tail, results = load_split_model(Path(run_dir))
     spec = ModelSpec.from_dict(results["config"]["model"])
     mechanism = from_description(results["devices"][0]["privacy"]["mechanism"])
     generator = noise_generator(EVALUATION_SEED, 2)
+    mirror = release_mirror(spec) if mirror_average else None
 
     @torch.no_grad()
     def embed(images: np.ndarray) -> np.ndarray:
         release = privatize(spec, mechanism, layer(torch.from_numpy(images)), generator)
         if encoding is not None:
             release = torch.from_numpy(np.array(decode_tensor(encode_tensor(release.numpy(), encoding))))
+        if mirror is not None:
+            return ((tail(release) + tail(mirror(release))) / 2).numpy()
         return tail(release).numpy()
+    return embed, results
 
+
+def evaluate_run(run_dir: str | Path, lfw_root: str | Path | None, limit: int | None = None,
+                 encoding: str | None = None, mirror_average: bool = False) -> dict:
+    """View 1 report of a run, each face embedded by `run_embedder`: what enrolling or verifying a face through the
+    deployed system computes; the run's own test accuracy is measured the same way."""
+    embed, results = run_embedder(run_dir, encoding, mirror_average)
+    spec = ModelSpec.from_dict(results["config"]["model"])
     report = evaluate_embedder(embed, lfw_root, spec.input_size, results["config"].get("crop", 160), limit)
     wire = f", then {encoding} and back" if encoding is not None else ""
-    return {"run": run_dir.name, "device_layer": results["devices"][0]["device_id"],
+    return {"run": Path(run_dir).name, "device_layer": results["devices"][0]["device_id"],
             "release": f"as deployed: layer, transform, mechanism (evaluator's own noise){wire}",
+            "mirror_average": mirror_average,
             "test_acc": results["epochs"][-1]["test_acc"] if results["epochs"] else None,
             **seen_people(lfw_root, results, limit), **report}
 
@@ -105,8 +119,11 @@ def main(argv: list[str] | None = None) -> None:
     add_data_root_arg(p, help="LFW root (holding images/ and the View 1 pairs files); "
                               "default: $SPLITFACE_DATA, ~/.cache/splitface/lfw, ./data/lfw")
     p.add_argument("--limit", type=int, default=None, help="only the first N/2 matched and N/2 mismatched pairs")
+    p.add_argument("--mirror-average", action="store_true",
+                   help="embed each release as a server run with --mirror-average does: the mean of the tail's "
+                        "embeddings of the release and of the mirror image's release, computed from it")
     args = p.parse_args(argv)
     for run_dir in args.runs:
-        report = evaluate_run(run_dir, args.data, args.limit)
+        report = evaluate_run(run_dir, args.data, args.limit, mirror_average=args.mirror_average)
         (run_dir / "view1.json").write_text(json.dumps(report, indent=2))
         print(summary(report), flush=True)

@@ -123,9 +123,9 @@ def release_mirror(spec: "ModelSpec") -> Callable[[torch.Tensor], torch.Tensor]:
     that is the image itself (`mask`) or its block DCT (`dct`), noise and all. A learned device layer's output has
     no such map (its filters are not symmetric): ValueError."""
     transform = TRANSFORMS.get(spec.release)
-    if transform is None or transform.mirror is None or spec.release_pool > 1:
-        raise ValueError(f"the server knows the mirror image's release only for the releases {MIRRORED} without "
-                         f"release_pool, not release {spec.release!r} (release_pool {spec.release_pool})")
+    if transform is None or transform.mirror is None:   # (release_pool combines with no transform)
+        raise ValueError(f"the server knows the mirror image's release only for the releases {MIRRORED}, not for "
+                         f"release {spec.release!r}")
     mirror = transform.mirror
     return lambda x: mirror(spec, x)
 

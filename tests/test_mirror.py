@@ -1,0 +1,141 @@
+"""The server's test-time flipping (--mirror-average): the mirror image's release computed from the release."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from research import demo
+from splitface.common.models import PRESETS, build_backbone, split_backbone
+from splitface.common.transforms import MIRRORED, release_mirror
+from splitface.common.transforms.dct import BlockDCT, mirror_release
+from splitface.common.transforms.mask import random_patch_mask
+from splitface.server.trainer import ServerTrainer
+
+SMALL = PRESETS["iresnet_small"]
+DCT = replace(SMALL, release="dct", dct_drop=4, dct_stem_blocks=2)   # run.sh's release and server stage
+
+
+@pytest.mark.parametrize("upsample, drop", [(1, 0), (1, 1), (2, 4), (2, 6)])
+def test_the_mirror_of_a_block_dct_is_the_block_dct_of_the_mirror_image(upsample, drop):
+    """Exact up to float32 rounding. Each coefficient sums 64 products of a basis value (|d_u d_v| <= 1/4) and a
+    pixel in [0, 1] (bilinear upsampling keeps them there): |sum| <= 16, and the two sides sum the same products in
+    another order, with basis values that may differ by one rounding of the cosine, so they differ by at most about
+    (64 + 1) 2^-24 16 = 6.2e-5."""
+    torch.manual_seed(0)
+    dct = BlockDCT(upsample, drop)
+    x = torch.rand(3, 3, 64, 64)
+    assert torch.allclose(mirror_release(dct(x), drop), dct(x.flip(-1)), rtol=0, atol=1e-4)
+    assert torch.equal(mirror_release(mirror_release(dct(x), drop), drop), dct(x))   # an involution, bit for bit
+
+
+def test_the_server_mirrors_only_the_releases_whose_mirror_it_can_compute():
+    """The image with patches masked mirrors as an image; a learned layer's output has no such map."""
+    assert set(MIRRORED) == {"dct", "mask"}
+    torch.manual_seed(0)
+    mask_spec = replace(SMALL, release="mask")
+    image = torch.rand(2, 3, 64, 64) * random_patch_mask(2, 64, mask_spec.mask_patch, 0.75, torch.Generator().manual_seed(0))
+    assert torch.equal(release_mirror(mask_spec)(image), image.flip(-1))
+    for spec in (SMALL, replace(SMALL, release_pool=2), replace(SMALL, release="bottleneck")):
+        with pytest.raises(ValueError, match="knows the mirror image's release only for"):
+            release_mirror(spec)
+
+
+def _trainer(mirror_average: bool) -> ServerTrainer:
+    torch.manual_seed(0)
+    return ServerTrainer(DCT, "layer2", 5, mirror_average=mirror_average)
+
+
+def _release(n: int = 4) -> np.ndarray:
+    torch.manual_seed(1)
+    device, _ = split_backbone(build_backbone(DCT), "layer2")
+    return device(torch.rand(n, 3, 64, 64)).numpy()
+
+
+def test_the_servers_test_embedding_is_the_mean_of_the_release_and_its_mirror():
+    """Outside training: the embedding (device head) and the logits (server head) of a release are those of its
+    mirror's (the same two tail passes, summed in the other order: equal bit for bit), and the mean of the two
+    passes; training steps are untouched."""
+    averaged, plain = _trainer(True), _trainer(False)
+    x = _release()
+    mirrored = mirror_release(torch.from_numpy(x), DCT.dct_drop).numpy()
+    once = plain.embed(x, train=False)
+    assert np.array_equal(averaged.embed(x, train=False), averaged.embed(mirrored, train=False))
+    assert np.allclose(averaged.embed(x, train=False), (once + plain.embed(mirrored, train=False)) / 2, rtol=0,
+                       atol=1e-6)   # the same passes, averaged inside the autocast context or outside it
+    assert not np.allclose(once, plain.embed(mirrored, train=False), atol=1e-3)   # the mirror is another input
+    labels = np.array([0, 1, 2, 3])
+    loss, correct = averaged.evaluate(x, labels)
+    assert (loss, correct) == averaged.evaluate(mirrored, labels)
+    with torch.no_grad():
+        logits = averaged.classifier(torch.from_numpy(averaged.embed(x, train=False)))
+    assert loss == pytest.approx(float(F.cross_entropy(logits, torch.from_numpy(labels))), rel=1e-6)
+    # training is the same with or without it
+    for t in (averaged, plain):
+        t.train_server_head(x, labels)
+    assert all(torch.equal(a, b) for a, b in zip(averaged.tail.state_dict().values(), plain.tail.state_dict().values()))
+
+
+def test_the_server_refuses_a_mirror_it_cannot_compute(tmp_path, capsys):
+    from splitface.server import cli
+
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["serve", "--num-classes", "3", "--tokens", str(tmp_path / "tokens.json"), "--mirror-average"])
+    assert stopped.value.code == 2 and "knows the mirror image's release only for" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="knows the mirror image's release only for"):
+        ServerTrainer(SMALL, "conv1", 3, mirror_average=True)
+
+
+def test_the_demo_drops_the_mirror_where_the_release_has_none_and_says_so(tmp_path, capsys):
+    """run.sh asks for the mirror; `./run.sh --release none --split conv1` (the paper's release) still runs, embedding
+    each release once, and says so; --no-mirror-average after run.sh's flags turns it off."""
+    from research.pretrain_table import run_sh_array
+
+    main_job = [*run_sh_array("DEFAULT_START"), *run_sh_array("DEFAULT_RELEASE"), *run_sh_array("DEFAULT_SERVER_STAGE")]
+    args, _ = demo.parser().parse_known_args(main_job)
+    demo.drop_mirror_without_map(args)
+    assert args.mirror_average and capsys.readouterr().err == ""
+    assert not demo.parser().parse_known_args([*main_job, "--no-mirror-average"])[0].mirror_average
+    with pytest.raises(FileNotFoundError):   # no data there: the demo stops after its checks of the arguments
+        demo.main([*main_job, "--release", "none", "--split", "conv1", "--data", str(tmp_path / "no-lfw"),
+                   "--run-dir", str(tmp_path / "run")])
+    assert "the server embeds each release once" in capsys.readouterr().err
+
+
+def test_view1_embeds_a_finished_run_as_its_server_embeds_with_the_mirror(lfw, tmp_path):
+    """`splitface-research evaluate --mirror-average`: each release's embedding is the mean of the server's tail on it
+    and on its mirror image's release (the same passes, in the same order: equal bit for bit), and the report
+    says so."""
+    import asyncio
+
+    from research.evaluation.run import evaluate_run, load_split_model, run_embedder
+    from splitface.common.data import load_lfw
+    from splitface.common.optim import TrainConfig
+    from splitface.sim.simulator import SimConfig, simulate
+    from tests.conftest import TOKENS, serve_in_thread
+
+    selection = {"image_folder": False, "min_images": 10, "max_identities": 4, "max_images": None,
+                 "people": "devtrain", "seed": 0}
+    data = load_lfw(lfw, min_images=10, max_identities=4, people="devtrain")
+    data.train, data.test = data.train.subset(np.arange(24)), data.test.subset(np.arange(8))
+    config = SimConfig(url="", spec=DCT, split="layer2", num_devices=1, epochs=1, batch_size=24, progress=False,
+                       train=TrainConfig(lr=0.05), results=tmp_path / "results.json", data=selection)
+    torch.manual_seed(0)
+    with serve_in_thread(ServerTrainer(DCT, "layer2", 4, TrainConfig(lr=0.05)), tmp_path / "server") as server:
+        config.url = server.url
+        asyncio.run(simulate(config, data, {"device-0": TOKENS["device-0"]}))
+    layer, tail, _ = load_split_model(tmp_path)
+    plain, _ = run_embedder(tmp_path)
+    averaged, _ = run_embedder(tmp_path, mirror_average=True)
+    x = np.random.default_rng(0).random((4, 3, 64, 64), dtype=np.float32)
+    with torch.no_grad():   # the run released without noise: the release is the block DCT itself
+        release = layer(torch.from_numpy(x))
+        assert np.array_equal(plain(x), tail(release).numpy())
+        by_hand = (tail(release) + tail(mirror_release(release, DCT.dct_drop))) / 2
+    assert np.array_equal(averaged(x), by_hand.numpy())
+    report = evaluate_run(tmp_path, lfw, limit=20, mirror_average=True)
+    assert report["mirror_average"] is True and report["pairs"] == 20
+    assert evaluate_run(tmp_path, lfw, limit=20)["mirror_average"] is False
