@@ -31,6 +31,7 @@ from splitface.common.data import find_lfw_root  # noqa: E402
 from splitface.device.trainer import to_input  # noqa: E402
 
 from splitface.common.data import FaceSet  # noqa: E402
+from splitface.common.transforms import MIRRORED  # noqa: E402
 
 from research.audit.attack import label_leakage, membership_inference, reconstruction_report, retrieval_report  # noqa: E402
 from research.audit.decoder import DecoderInversion  # noqa: E402
@@ -100,9 +101,13 @@ def audit_run(view: AttackerView, truth: GroundTruth, public: PublicFaces, recog
 
     # the server's own model as the recognizer: its embeddings of what it received, and of the attacker's
     # photos sent through the device layer it knows (or its surrogate) and the mechanism
-    gallery = view.embed(received)
-    queries = view.embed(view.releases(photos, seed=3))
-    report["attacks"]["server_model_linkage"] = retrieval_report(queries, photo_ids, gallery, ids)
+    attacker_releases = view.releases(photos, seed=3)
+    report["attacks"]["server_model_linkage"] = retrieval_report(view.embed(attacker_releases), photo_ids,
+                                                                 view.embed(received), ids)
+    if view.spec.release in MIRRORED:   # and as a server with --mirror-average embeds: each release with its mirror's
+        report["attacks"]["server_model_linkage_mirror"] = retrieval_report(
+            view.embed(attacker_releases, mirror_average=True), photo_ids, view.embed(received, mirror_average=True),
+            ids)
 
     if view.head == "server":
         recorded = view.recorded("labels")
@@ -127,8 +132,21 @@ def identity_attacks(report: dict) -> list[tuple[str, dict]]:
     attacks = [(f"{name.removeprefix('reconstruction_')} + {rec}", r) for name, a in report["attacks"].items()
                if name.startswith("reconstruction") for rec, r in a["recognizers"].items()]
     attacks.append(("identity matching", report["attacks"]["identity_matching"]))
-    attacks.append(("server model", report["attacks"]["server_model_linkage"]))
+    attacks += server_model_attacks(report)
     return attacks
+
+
+def server_model_attacks(report: dict) -> list[tuple[str, dict]]:
+    """The server's own model as the recognizer: each release embedded once and, where the server can compute the
+    mirror image's release (reports since --mirror-average), averaged with it."""
+    mirrored = report["attacks"].get("server_model_linkage_mirror")
+    return [("server model", report["attacks"]["server_model_linkage"]),
+            *([("server model, mirror-averaged", mirrored)] if mirrored is not None else [])]
+
+
+def server_model(report: dict) -> dict:
+    """The stronger of the server-model attacks (by R@1 over its chance)."""
+    return max((r for _, r in server_model_attacks(report)), key=lambda r: r["risk@1"] - r["risk@1_chance"])
 
 
 def strongest(report: dict) -> tuple[str, str, dict]:
@@ -146,7 +164,7 @@ def identity_kinds(report: dict) -> dict:
     strong = report["strong_recognizer"]["name"]
     seen = max((a["recognizers"][strong] for name, a in report["attacks"].items()
                 if name.startswith("reconstruction") and strong in a["recognizers"]), key=lambda r: r["risk@1"])
-    models = (report["attacks"]["identity_matching"], report["attacks"]["server_model_linkage"])
+    models = (report["attacks"]["identity_matching"], server_model(report))
     known = max(models, key=lambda r: r["risk@1"] - r["risk@1_chance"])
     return {"reconstruction_identity_r1": seen["risk@1"], "reconstruction_identity_r1_chance": seen["risk@1_chance"],
             "model_identity_r1": known["risk@1"], "model_identity_r1_chance": known["risk@1_chance"]}
@@ -159,7 +177,7 @@ def headline(report: dict) -> dict:
     `identity_kinds` splits it into what the server sees and what it recognises."""
     best = strongest(report)
     attack, top = max(identity_attacks(report), key=lambda t: t[1]["risk@1"] - t[1]["risk@1_chance"])
-    linkage = report["attacks"]["server_model_linkage"]
+    linkage = server_model(report)
     clean = report["strong_recognizer"]["clean_risk@1"]
     return {"run": report["run"], "head": report["head"], "mechanism": report["mechanism"],
             "test_accuracy": report["test_accuracy"], "best_attack": f"{best[0]} + {best[1]}",
@@ -198,7 +216,7 @@ def table(reports: list[dict]) -> str:
             f"{best['risk@1_clean_upper_bound']:.3f}) | {match['risk@1']:.3f} ({match['risk@1_chance']:.3f}) | "
             f"{h['identity_attack']}: {h['identity_r1']:.3f} ({h['identity_r1_chance']:.3f}){flag} | "
             f"{h['recognizer']} {h['recognizer_clean_r1']:.3f} | "
-            f"{a['server_model_linkage']['risk@1']:.3f} ({a['server_model_linkage']['risk@1_chance']:.3f}) | "
+            f"{h['server_model_risk@1']:.3f} ({server_model(report)['risk@1_chance']:.3f}) | "
             f"{_fmt(a['membership_inference'].get('auc'))} | {labels} |")
     return "\n".join(lines) + "\n"
 
