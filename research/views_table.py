@@ -17,7 +17,9 @@ The teacher's row is dlib at the students' input. Reduced configuration (2 CPU c
 Resumable: starts come from the cache (built on first use: about 70 minutes each plain student, 20 each
 noise-aware start, on 2 cores), recorded runs are read back (--force makes them again). The committed
 table: the default recipes, then `--recipes 16:150` (whose plain student took about 2.7 hours to distil), then
-`--recipes 16:150-quiet 16:150:150 16:150-hold 16:150-quiet-hold 16:150:150-hold`.
+`--recipes 16:150-quiet 16:150:150 16:150-hold 16:150-quiet-hold 16:150:150-hold`, then
+`--recipes 16:150-hold-mirror 16:150:150-hold-mirror`. results/pretrain-hold/: `--out results/pretrain-hold
+--recipes first first-hold first-hold-mirror`.
 """
 from __future__ import annotations
 
