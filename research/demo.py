@@ -290,8 +290,9 @@ def drop_mirror_without_map(args: argparse.Namespace) -> None:
     `./run.sh --release none --split conv1` still runs."""
     if not args.mirror_average:
         return
+    spec = model_spec(args)
     try:
-        release_mirror(model_spec(args))
+        release_mirror(spec)
     except ValueError as exc:
         print(f"--mirror-average: {exc}; the server embeds each release once", file=sys.stderr, flush=True)
         args.mirror_average = False

@@ -16,7 +16,8 @@ Rows (results/pretrain/summary.json, table.md):
   release, conv1, and the distilled frontier's most private point (the bottleneck at z 0.02), beside the first
   recipe's; all of these from noise-aware starts distilled for 10 epochs. Last, run.sh itself: the main job's
   release from its noise-aware start distilled for run.sh's --noise-aware-epochs (and for 30), with the DCT's
-  server stage as its conv alone and as run.sh has it (DEFAULT_SERVER_STAGE). LFW-158 test
+  server stage as its conv alone and as run.sh has it (DEFAULT_SERVER_STAGE, without the mirror average that
+  run.sh added later: `stage_without_mirror`; results/pretrain-hold/ measures it). LFW-158 test
   accuracy, and View 1 of the fine-tuned model (`splitface-research evaluate`; LFW-158 holds 43 of the DevTest
   pairs' people, so some pairs show people the run trained on: the row says how many).
 
@@ -41,6 +42,7 @@ import numpy as np
 from splitface.common.data import DataSplit, FaceSet, load_lfw
 from splitface.common.models import DEFAULT_SPLIT, ModelSpec, resolve_spec
 from splitface.common.options import add_data_root_arg, add_model_arg, add_model_args, model_spec
+from splitface.common.transforms import MIRRORED
 from splitface.device.privacy.mechanisms import Mechanism, NoNoise
 from splitface.device.privacy.options import add_privacy_args, release_mechanism
 from research.demo import parser as demo_parser, run_recorded, start_recipes
@@ -175,9 +177,9 @@ def finetune_row(name: str, demo_args: list[str], args: argparse.Namespace) -> d
     run_dir = args.out / "runs" / name
     results = run_recorded(run_dir, ["--data", str(args.data), "--model", args.model, *demo_args], args.force)
     view1 = run_dir / "view1.json"
-    if not view1.exists() or args.force:   # embedded as its server embeds at test time
+    if not view1.exists() or args.force:   # embedded as its server embedded at test time
         subprocess.run([sys.executable, "-m", "research", "evaluate", str(run_dir), "--data", str(args.data),
-                        *([MIRROR] if last_of(demo_args, MIRROR) else [])], check=True)
+                        *([MIRROR] if mirrored(demo_args, results) else [])], check=True)
     report = json.loads(view1.read_text())
     config, last = results["config"], results["epochs"][-1]
     device = results["devices"][0]
@@ -214,6 +216,13 @@ def finetune_start(demo_args: list[str]) -> str:
     if last_of(demo_args, MIRROR):
         start += ", test embeddings averaged with the mirror image's"
     return start
+
+
+def mirrored(demo_args: list[str], results: dict) -> bool:
+    """Whether a run's server averaged its test embeddings with the mirror images': asked for, and a release that
+    has a mirror (the demo drops it otherwise). Runs since record it in their metrics.json too, which `research
+    evaluate` reads; the rows measured before that record have only their flags."""
+    return last_of(demo_args, MIRROR) and results["config"]["model"].get("release", "none") in MIRRORED
 
 
 def last_of(demo_args: list[str], flag: str) -> bool:

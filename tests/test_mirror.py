@@ -32,13 +32,32 @@ def test_the_mirror_of_a_block_dct_is_the_block_dct_of_the_mirror_image(upsample
     assert torch.equal(mirror_release(mirror_release(dct(x), drop), drop), dct(x))   # an involution, bit for bit
 
 
+def test_the_clip_and_the_frequency_weights_commute_with_the_mirror():
+    """The per-image mechanism scales each frequency, clips the whole release to its norm and adds noise whose law
+    depends only on the frequency and is symmetric about 0: with the noise off (z = 0, the clip active), the release
+    of the mirror image is the mirror of the release, up to the DCT's rounding (above) scaled by the clip (<= 1)."""
+    from splitface.device.privacy.mechanisms import PerImageGaussian
+    from splitface.device.trainer import privatize
+
+    dct = BlockDCT(2, DCT.dct_drop)
+    x = torch.rand(3, 3, 64, 64)
+    mechanism = PerImageGaussian(clip_norm=1.0, noise_multiplier=0.0, frequency_gamma=2.0)
+    release = lambda images: privatize(DCT, mechanism, dct(images), torch.Generator().manual_seed(0))  # noqa: E731
+    assert not torch.allclose(release(x), dct(x), atol=1e-2)   # the clip is active
+    assert torch.allclose(mirror_release(release(x), DCT.dct_drop), release(x.flip(-1)), rtol=0, atol=1e-4)
+
+
 def test_the_server_mirrors_only_the_releases_whose_mirror_it_can_compute():
-    """The image with patches masked mirrors as an image; a learned layer's output has no such map."""
+    """The image with patches masked mirrors as an image: the mirror of a masked release is the mirror image with
+    the mirrored patches masked, a release the device could have made (the patch grid divides the image); a learned
+    layer's output has no such map."""
     assert set(MIRRORED) == {"dct", "mask"}
-    torch.manual_seed(0)
     mask_spec = replace(SMALL, release="mask")
-    image = torch.rand(2, 3, 64, 64) * random_patch_mask(2, 64, mask_spec.mask_patch, 0.75, torch.Generator().manual_seed(0))
-    assert torch.equal(release_mirror(mask_spec)(image), image.flip(-1))
+    image = torch.rand(2, 3, 64, 64)
+    mask = random_patch_mask(2, 64, mask_spec.mask_patch, 0.75, torch.Generator().manual_seed(0))
+    patches = mask[..., ::mask_spec.mask_patch, ::mask_spec.mask_patch]
+    assert torch.equal(mask.flip(-1), torch.kron(patches.flip(-1), torch.ones(mask_spec.mask_patch, mask_spec.mask_patch)))
+    assert torch.equal(release_mirror(mask_spec)(image * mask), image.flip(-1) * mask.flip(-1))
     for spec in (SMALL, replace(SMALL, release_pool=2), replace(SMALL, release="bottleneck")):
         with pytest.raises(ValueError, match="knows the mirror image's release only for"):
             release_mirror(spec)
@@ -46,7 +65,7 @@ def test_the_server_mirrors_only_the_releases_whose_mirror_it_can_compute():
 
 def _trainer(mirror_average: bool) -> ServerTrainer:
     torch.manual_seed(0)
-    return ServerTrainer(DCT, "layer2", 5, mirror_average=mirror_average)
+    return ServerTrainer(DCT, "layer2", 5, device="cpu", mirror_average=mirror_average)
 
 
 def _release(n: int = 4) -> np.ndarray:
@@ -86,7 +105,7 @@ def test_the_server_refuses_a_mirror_it_cannot_compute(tmp_path, capsys):
         cli.main(["serve", "--num-classes", "3", "--tokens", str(tmp_path / "tokens.json"), "--mirror-average"])
     assert stopped.value.code == 2 and "knows the mirror image's release only for" in capsys.readouterr().err
     with pytest.raises(ValueError, match="knows the mirror image's release only for"):
-        ServerTrainer(SMALL, "conv1", 3, mirror_average=True)
+        ServerTrainer(SMALL, "conv1", 3, device="cpu", mirror_average=True)
 
 
 def test_the_demo_drops_the_mirror_where_the_release_has_none_and_says_so(tmp_path, capsys):
@@ -108,10 +127,10 @@ def test_the_demo_drops_the_mirror_where_the_release_has_none_and_says_so(tmp_pa
 def test_view1_embeds_a_finished_run_as_its_server_embeds_with_the_mirror(lfw, tmp_path):
     """`splitface-research evaluate --mirror-average`: each release's embedding is the mean of the server's tail on it
     and on its mirror image's release (the same passes, in the same order: equal bit for bit), and the report
-    says so."""
+    says so; by default it embeds as the run's server did, which its metrics.json records."""
     import asyncio
 
-    from research.evaluation.run import evaluate_run, load_split_model, run_embedder
+    from research.evaluation.run import evaluate_run, load_split_model, recorded_mirror_average, run_embedder
     from splitface.common.data import load_lfw
     from splitface.common.optim import TrainConfig
     from splitface.sim.simulator import SimConfig, simulate
@@ -124,7 +143,8 @@ def test_view1_embeds_a_finished_run_as_its_server_embeds_with_the_mirror(lfw, t
     config = SimConfig(url="", spec=DCT, split="layer2", num_devices=1, epochs=1, batch_size=24, progress=False,
                        train=TrainConfig(lr=0.05), results=tmp_path / "results.json", data=selection)
     torch.manual_seed(0)
-    with serve_in_thread(ServerTrainer(DCT, "layer2", 4, TrainConfig(lr=0.05)), tmp_path / "server") as server:
+    server_trainer = ServerTrainer(DCT, "layer2", 4, TrainConfig(lr=0.05), device="cpu", mirror_average=True)
+    with serve_in_thread(server_trainer, tmp_path / "server") as server:
         config.url = server.url
         asyncio.run(simulate(config, data, {"device-0": TOKENS["device-0"]}))
     layer, tail, _ = load_split_model(tmp_path)
@@ -136,6 +156,56 @@ def test_view1_embeds_a_finished_run_as_its_server_embeds_with_the_mirror(lfw, t
         assert np.array_equal(plain(x), tail(release).numpy())
         by_hand = (tail(release) + tail(mirror_release(release, DCT.dct_drop))) / 2
     assert np.array_equal(averaged(x), by_hand.numpy())
-    report = evaluate_run(tmp_path, lfw, limit=20, mirror_average=True)
+    assert recorded_mirror_average(tmp_path)   # the server's metrics.json says how it embedded
+    report = evaluate_run(tmp_path, lfw, limit=20)
     assert report["mirror_average"] is True and report["pairs"] == 20
-    assert evaluate_run(tmp_path, lfw, limit=20)["mirror_average"] is False
+    assert evaluate_run(tmp_path, lfw, limit=20, mirror_average=False)["mirror_average"] is False
+
+
+def test_the_audits_server_model_attack_also_averages_and_the_identity_figures_take_the_stronger():
+    """The curious server embeds as it can: each release with its mirror's (AttackerView.embed, the same two passes
+    as the server's, bit for bit); `server_model` and the headline figures take whichever server-model attack beats
+    its chance by more, and reports from before the mirror keep their single attack."""
+    from research.audit.cli import headline, identity_kinds, server_model, server_model_attacks
+    from research.audit.run import AttackerView
+
+    trainer = _trainer(False)
+    view = AttackerView(name="run", spec=DCT, split="layer2", head="server", mechanism=None, layer=None,
+                        layer_knowledge="exact", tail=trainer.tail, classifier=None, recordings={}, results={})
+    x = _release()
+    with torch.no_grad():
+        trainer.tail.eval()
+        by_hand = (trainer.tail(torch.from_numpy(x)) + trainer.tail(mirror_release(torch.from_numpy(x), DCT.dct_drop))) / 2
+    assert np.array_equal(view.embed(x, mirror_average=True), by_hand.numpy())
+    assert np.array_equal(view.embed(x), trainer.embed(x, train=False))
+
+    def risk(r1: float, chance: float) -> dict:
+        return {"risk@1": r1, "risk@1_chance": chance}
+    attacks = {"reconstruction_ridge": {"recognizers": {"dlib": {**risk(0.5, 0.05), "risk@1_clean_upper_bound": 0.97}},
+                                        "linkage_pixels": 0.9, "linkage_pixels_chance": 0.01},
+               "identity_matching": risk(0.3, 0.05), "server_model_linkage": risk(0.70, 0.05),
+               "membership_inference": {}, "label_leakage": {}}
+    report = {"run": "run", "head": "server", "mechanism": {}, "test_accuracy": 0.8, "attacks": attacks,
+              "strong_recognizer": {"name": "dlib", "clean_risk@1": 0.97}}
+    assert [name for name, _ in server_model_attacks(report)] == ["server model"]   # an old report
+    assert identity_kinds(report)["model_identity_r1"] == 0.70
+    attacks["server_model_linkage_mirror"] = risk(0.74, 0.05)
+    assert server_model(report) == risk(0.74, 0.05)
+    assert identity_kinds(report)["model_identity_r1"] == 0.74
+    top = headline(report)
+    assert top["server_model_risk@1"] == 0.74 and top["identity_attack"] == "server model, mirror-averaged"
+    attacks["server_model_linkage_mirror"] = risk(0.72, 0.01)   # fewer found, but further above its chance
+    assert server_model(report) == risk(0.72, 0.01)
+
+
+def test_the_paired_table_reads_each_runs_wire_and_signs_its_differences():
+    """research/mirror_pairs.py: the release passes through the run's own wire encoding (none for float32), and each
+    row's differences are the mirror's figure less the single embedding's, signed."""
+    from research.mirror_pairs import report, wire_encoding
+
+    assert wire_encoding({"config": {"encodings": {"activations": "i8c", "gradients": "i8c"}}}) == "i8c"
+    assert wire_encoding({"config": {"encodings": {"activations": "f32"}}}) is None
+    assert wire_encoding({"config": {}}) is None
+    figures = lambda lfw, view1: {"lfw158_test_accuracy": lfw, "view1_accuracy": view1}  # noqa: E731
+    text = report([{"run": "r", "recorded_test_acc": 0.84, "once": figures(0.818, 0.865), "mirror": figures(0.846, 0.859)}])
+    assert "| r | 0.840 | 0.818 | 0.846 | +0.028 | 0.865 | 0.859 | -0.006 |" in text

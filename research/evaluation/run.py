@@ -89,9 +89,12 @@ def run_embedder(run_dir: str | Path, encoding: str | None = None,
 
 
 def evaluate_run(run_dir: str | Path, lfw_root: str | Path | None, limit: int | None = None,
-                 encoding: str | None = None, mirror_average: bool = False) -> dict:
+                 encoding: str | None = None, mirror_average: bool | None = None) -> dict:
     """View 1 report of a run, each face embedded by `run_embedder`: what enrolling or verifying a face through the
-    deployed system computes; the run's own test accuracy is measured the same way."""
+    deployed system computes; the run's own test accuracy is measured the same way. `mirror_average` None: as the
+    run's server embedded its test releases (`recorded_mirror_average`)."""
+    if mirror_average is None:
+        mirror_average = recorded_mirror_average(Path(run_dir))
     embed, results = run_embedder(run_dir, encoding, mirror_average)
     spec = ModelSpec.from_dict(results["config"]["model"])
     report = evaluate_embedder(embed, lfw_root, spec.input_size, results["config"].get("crop", 160), limit)
@@ -101,6 +104,14 @@ def evaluate_run(run_dir: str | Path, lfw_root: str | Path | None, limit: int | 
             "mirror_average": mirror_average,
             "test_acc": results["epochs"][-1]["test_acc"] if results["epochs"] else None,
             **seen_people(lfw_root, results, limit), **report}
+
+
+def recorded_mirror_average(run_dir: Path) -> bool:
+    """Whether the run's server averaged each test release's embedding with its mirror image's, as its metrics.json
+    records (servers since --mirror-average; earlier ones did not average)."""
+    metrics = run_dir / "server" / "metrics.json"
+    recorded = json.loads(metrics.read_text()).get("test_embedding", {}) if metrics.exists() else {}
+    return bool(recorded.get("mirror_average", False))
 
 
 def summary(report: dict) -> str:
@@ -119,9 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     add_data_root_arg(p, help="LFW root (holding images/ and the View 1 pairs files); "
                               "default: $SPLITFACE_DATA, ~/.cache/splitface/lfw, ./data/lfw")
     p.add_argument("--limit", type=int, default=None, help="only the first N/2 matched and N/2 mismatched pairs")
-    p.add_argument("--mirror-average", action="store_true",
-                   help="embed each release as a server run with --mirror-average does: the mean of the tail's "
-                        "embeddings of the release and of the mirror image's release, computed from it")
+    p.add_argument("--mirror-average", action=argparse.BooleanOptionalAction, default=None,
+                   help="embed each release as a server run with --mirror-average does (the mean of the tail's "
+                        "embeddings of the release and of the mirror image's release, computed from it), or not "
+                        "(--no-mirror-average); default: as the run's server did (its metrics.json)")
     args = p.parse_args(argv)
     for run_dir in args.runs:
         report = evaluate_run(run_dir, args.data, args.limit, mirror_average=args.mirror_average)

@@ -303,12 +303,17 @@ class ServerTrainer:
         return loss, int((logits.argmax(1) == y).sum())
 
     def _eval_embeddings(self, x: torch.Tensor) -> torch.Tensor:
-        """The tail's embeddings of releases outside training; with mirror_average, averaged with those of the
-        mirror images' releases (the head is linear, so the logits are averaged too)."""
+        """The tail's embeddings of releases outside training; with mirror_average, averaged (in float32, also
+        under bf16 autocast) with those of the mirror images' releases (the head is linear, so the logits are
+        averaged too)."""
         embeddings = self.tail(x)
         if self.mirror is None:
             return embeddings
-        return (embeddings + self.tail(self.mirror(x))) / 2
+        return (embeddings.float() + self.tail(self.mirror(x)).float()) / 2
+
+    def test_embedding(self) -> dict[str, bool]:
+        """How a release is embedded outside training, for metrics.json (`research evaluate` embeds the same way)."""
+        return {"mirror_average": self.mirror is not None}
 
     def embed(self, activations: np.ndarray, train: bool) -> np.ndarray:
         """Device head: embeddings for the device's classifier; in training the graph waits for `train_tail`."""
