@@ -100,7 +100,8 @@ def mirror_signs(drop: int) -> torch.Tensor:
 def mirror_release(x: torch.Tensor, drop: int) -> torch.Tensor:
     """The block DCT of the left-right mirror image, from the block DCT of the image (N, C, H, W): the blocks in
     reverse order, each frequency's sign per mirror_signs. Exact up to rounding for whole 8x8 blocks, upsampled or
-    not (bilinear upsampling is symmetric); noise whose law depends only on the frequency keeps its law."""
+    not (bilinear upsampling is symmetric). Noise that is independent across values, symmetric about 0 and of a law
+    that depends only on the frequency (not the block) keeps its law, as does a per-image clip of the norm."""
     return x.flip(-1) * mirror_signs(drop).to(x)
 
 
