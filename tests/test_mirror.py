@@ -209,3 +209,37 @@ def test_the_paired_table_reads_each_runs_wire_and_signs_its_differences():
     figures = lambda lfw, view1: {"lfw158_test_accuracy": lfw, "view1_accuracy": view1}  # noqa: E731
     text = report([{"run": "r", "recorded_test_acc": 0.84, "once": figures(0.818, 0.865), "mirror": figures(0.846, 0.859)}])
     assert "| r | 0.840 | 0.818 | 0.846 | +0.028 | 0.865 | 0.859 | -0.006 |" in text
+
+
+@pytest.mark.slow
+def test_a_dct_run_with_the_mirror_average_is_audited_with_the_mirror_too(tmp_path, lfw):
+    """End to end on a tiny run: the demo's server averages (metrics.json says so), and the audit attacks the
+    release as that server can: its own model and each inversion also on the mirror images' releases."""
+    import json
+    import subprocess
+    import sys
+
+    from research.audit.cli import headline
+    from tests.conftest import ROOT
+
+    run = tmp_path / "run"
+    demo_run = subprocess.run(
+        [sys.executable, "-m", "research.demo", "--data", str(lfw), "--run-dir", str(run), "--release", "dct",
+         "--split", "layer2", "--dct-drop", "4", "--mirror-average", "--epochs", "1", "--max-identities", "3",
+         "--devices", "1", "--batch-size", "8", "--record-max", "8", "--threads", "1", "--no-progress"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert demo_run.returncode == 0, demo_run.stdout + demo_run.stderr
+    assert json.loads((run / "server" / "metrics.json").read_text())["test_embedding"] == {"mirror_average": True}
+    audit = subprocess.run(
+        [sys.executable, "-m", "research.audit.cli", str(run), "--data", str(lfw), "--out", str(tmp_path / "audit"),
+         "--recognizers", "eigenfaces", "--public-images", "64", "--decoder-epochs", "1", "--matcher-epochs", "1",
+         "--cache", str(tmp_path / "audit-cache")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    report = json.loads((tmp_path / "audit" / "run.json").read_text())
+    attacks = report["attacks"]
+    assert 0 <= attacks["server_model_linkage_mirror"]["risk@1"] <= 1
+    for attack in ("reconstruction_ridge_mirror", "reconstruction_decoder_mirror"):
+        assert 0 <= attacks[attack]["recognizers"]["eigenfaces"]["risk@1"] <= 1, attack
+    assert attacks["reconstruction_decoder_mirror"]["images"] == attacks["reconstruction_decoder"]["images"]
+    assert 0 <= headline(report)["linkage_pixels"] <= 1

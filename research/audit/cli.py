@@ -31,7 +31,7 @@ from splitface.common.data import find_lfw_root  # noqa: E402
 from splitface.device.trainer import to_input  # noqa: E402
 
 from splitface.common.data import FaceSet  # noqa: E402
-from splitface.common.transforms import MIRRORED  # noqa: E402
+from splitface.common.transforms import MIRRORED, release_mirror  # noqa: E402
 
 from research.audit.attack import label_leakage, membership_inference, reconstruction_report, retrieval_report  # noqa: E402
 from research.audit.decoder import DecoderInversion  # noqa: E402
@@ -81,11 +81,16 @@ def audit_run(view: AttackerView, truth: GroundTruth, public: PublicFaces, recog
     ridge, chosen = tuned_inversion(sample(1), public.images, args.image_size)
     decoder = DecoderInversion(args.image_size, epochs=args.decoder_epochs).fit(sample, public.images)
     plain = {name: r.recognizer for name, r in recognizers.items()}
+    mirror = release_mirror(view.spec) if view.spec.release in MIRRORED else None
     for name, inversion, extra in (("ridge", ridge, chosen), ("decoder", decoder, {"epochs": args.decoder_epochs})):
         recon = inversion.reconstruct(received)
         report["attacks"][f"reconstruction_{name}"] = {
             **extra, **reconstruction_report(recon, private, ids, photo_ids, plain, references)}
         samples[name] = recon[:SAMPLES]
+        if mirror is not None:   # and from the mirror image's release, mirrored back: two views of each face, averaged
+            mirrored = inversion.reconstruct(mirror(torch.from_numpy(received)).numpy())[..., ::-1]
+            report["attacks"][f"reconstruction_{name}_mirror"] = {
+                **extra, **reconstruction_report((recon + mirrored) / 2, private, ids, photo_ids, plain, references)}
 
     # identity matching: releases straight to the strongest recognizer's embedding of the clean face
     strong = STRONG if STRONG in recognizers else next(iter(recognizers))
