@@ -138,6 +138,22 @@ class PausingTrainer(ServerTrainer):
         return out
 
 
+def tiny_audit(run: Path, lfw: Path, tmp_path: Path) -> dict:
+    """`research.audit.cli` on a finished demo run at the smallest size that runs every attack (eigenfaces, 64 public
+    faces, one epoch of each trained attacker): its report."""
+    import json
+    import subprocess
+    import sys
+
+    audit = subprocess.run(
+        [sys.executable, "-m", "research.audit.cli", str(run), "--data", str(lfw), "--out", str(tmp_path / "audit"),
+         "--recognizers", "eigenfaces", "--public-images", "64", "--decoder-epochs", "1", "--matcher-epochs", "1",
+         "--cache", str(tmp_path / "audit-cache")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    return json.loads((tmp_path / "audit" / f"{run.name}.json").read_text())
+
+
 def recording_trainer(num_classes: int, model: str, **kw) -> RecordingTrainer:
     return RecordingTrainer(resolve_spec(model), "conv1", num_classes, TrainConfig(**kw))
 

@@ -27,7 +27,7 @@ from research.distill import (CROP, LFW158_MIN_IMAGES, TEACHER_SIZE, Recipe, Tea
 from splitface.server.checkpoint import load_checkpoint
 from research.evaluation.verification import view1_pairs
 from research.federated.population import PUBLIC_MIN_IMAGES, private_people
-from tests.conftest import ROOT
+from tests.conftest import ROOT, tiny_audit
 from tests.test_dlib_resnet import TOLERANCE
 
 LIMIT = 48
@@ -242,13 +242,7 @@ def test_a_split_run_starts_from_a_distilled_file_and_is_audited(tmp_path, lfw, 
     assert torch.equal(tail[conv], file_state[conv])
     layer = torch.load(run / "device_layers" / "device-0.pt", weights_only=True)
     assert torch.equal(layer["stages.conv1.0.weight"], file_state["stages.conv1.0.weight"])
-    audit = subprocess.run(
-        [sys.executable, "-m", "research.audit.cli", str(run), "--data", str(lfw), "--out", str(tmp_path / "audit"),
-         "--recognizers", "eigenfaces", "--public-images", "64", "--decoder-epochs", "1", "--matcher-epochs", "1",
-         "--cache", str(tmp_path / "audit-cache")],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert audit.returncode == 0, audit.stdout + audit.stderr
-    report = json.loads((tmp_path / "audit" / "run.json").read_text())
+    report = tiny_audit(run, lfw, tmp_path)
     figures = headline(report)
     assert 0 <= figures["identity_r1"] <= 1 and 0 < figures["identity_r1_chance"] < 1
     assert 0 <= figures["linkage_pixels"] <= 1

@@ -220,7 +220,7 @@ def test_a_dct_run_with_the_mirror_average_is_audited_with_the_mirror_too(tmp_pa
     import sys
 
     from research.audit.cli import headline
-    from tests.conftest import ROOT
+    from tests.conftest import ROOT, tiny_audit
 
     run = tmp_path / "run"
     demo_run = subprocess.run(
@@ -230,13 +230,7 @@ def test_a_dct_run_with_the_mirror_average_is_audited_with_the_mirror_too(tmp_pa
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert demo_run.returncode == 0, demo_run.stdout + demo_run.stderr
     assert json.loads((run / "server" / "metrics.json").read_text())["test_embedding"] == {"mirror_average": True}
-    audit = subprocess.run(
-        [sys.executable, "-m", "research.audit.cli", str(run), "--data", str(lfw), "--out", str(tmp_path / "audit"),
-         "--recognizers", "eigenfaces", "--public-images", "64", "--decoder-epochs", "1", "--matcher-epochs", "1",
-         "--cache", str(tmp_path / "audit-cache")],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert audit.returncode == 0, audit.stdout + audit.stderr
-    report = json.loads((tmp_path / "audit" / "run.json").read_text())
+    report = tiny_audit(run, lfw, tmp_path)
     attacks = report["attacks"]
     assert 0 <= attacks["server_model_linkage_mirror"]["risk@1"] <= 1
     for attack in ("reconstruction_ridge_mirror", "reconstruction_decoder_mirror"):
