@@ -12,7 +12,8 @@ DEFAULT_RELEASE=(--release dct --split layer2 --dct-drop 4 --mechanism per-image
 # stands in for them is a conv plus two residual blocks instead of the conv alone (server side only: the device and
 # what it releases are the same). At test time the server also embeds the mirror image's release, which it computes
 # from the release itself (the block DCT of a mirrored image is the blocks reversed with some signs flipped), and
-# averages the two: test-time flipping, with nothing more released. Another --release drops both
+# averages the two: test-time flipping, with nothing more released. Another --release drops the stage, and
+# one without a mirror that the server can compute (a learned layer's output, e.g. conv1) drops the average
 # (results/pretrain/, results/pretrain-hold/, docs/pretrain.md).
 DEFAULT_SERVER_STAGE=(--dct-stem-blocks 2 --mirror-average)
 # The wire: int8 with a scale per image and channel both ways, a quarter of float32's bytes at no measured accuracy
@@ -25,7 +26,7 @@ DEFAULT_WIRE=(--activation-encoding i8c --gradient-encoding i8c)
 # starts as its classes' mean embeddings over the first epoch (weight imprinting), while the rest of the server's
 # model waits (it would otherwise chase a head that the means keep rewriting), then learns at 10x the rest's
 # gentle rate, so that fine-tuning keeps what the start knows (results/pretrain/, results/pretrain-views/,
-# results/pretrain-hold/). `--init scratch --head-lr-scale 1 --imprint-epochs 0 --lr 0.05 --dct-stem-blocks 0` is
+# results/pretrain-hold/). `--init scratch --head-lr-scale 1 --imprint-epochs 0 --lr 0.05 --dct-stem-blocks 0 --no-mirror-average` is
 # the old start from seeded weights (nothing imprinted, so nothing held).
 DEFAULT_START=(--init distilled --student-epochs 60 --noise-aware-epochs 60 --head-lr-scale 10 --imprint-epochs 1 --imprint-hold-tail --lr 0.01)
 exec .venv/bin/python -m research demo "${DEFAULT_START[@]}" "${DEFAULT_RELEASE[@]}" "${DEFAULT_SERVER_STAGE[@]}" \

@@ -26,7 +26,7 @@ import torch
 from splitface.common.options import load_data
 from splitface.common.models import ModelSpec
 from splitface.common.options import add_data_args, add_devices_args, add_model_args, add_training_args, data_argv, model_argv, model_spec
-from splitface.common.transforms import release_mirror
+from splitface.common.transforms import MIRRORED, release_mirror
 from splitface.device.privacy.options import add_privacy_args, release_mechanism
 from splitface.sim.simulator import device_ranges, merge_results
 
@@ -476,6 +476,17 @@ def weaker_attacker(frontier: Path, run: str, device_weights: str | None) -> boo
     return not known.startswith(("exact", "white-box")) and "published start" not in known
 
 
+def without_mirror(frontier: Path, run: str) -> bool:
+    """Whether an audited release has a mirror that the server can compute (transforms.release_mirror) and its report
+    predates the audit's mirror attacks (reports since have `server_model_linkage_mirror`)."""
+    report = frontier / "audit" / f"{run}.json"
+    if not report.exists():
+        return False
+    audit = json.loads(report.read_text())
+    spec = ModelSpec.from_dict(json.loads((frontier / "runs" / run / "results.json").read_text())["config"]["model"])
+    return spec.release in MIRRORED and "server_model_linkage_mirror" not in audit["attacks"]
+
+
 def held_tail(args: argparse.Namespace) -> bool:
     """Whether the server's tail is held: only where a server head is imprinted."""
     return bool(args.imprint_hold_tail and args.imprint_epochs and args.head == "server")
@@ -516,6 +527,9 @@ def audit_line(results: dict, args: argparse.Namespace | None = None) -> str:
     if weaker_attacker(frontier, row["run"], audited_weights):
         caveat += (" [audited when the audit's copy of the trained device part began from seeded weights, not from "
                    "the start the devices trained theirs from: these figures may understate (docs/privacy.md)]")
+    if without_mirror(frontier, row["run"]):
+        caveat += (" [audited before the audit also attacked the mirror image's release, which the server computes "
+                   "from this release: these figures may understate (docs/privacy.md)]")
     split = ""
     if "reconstruction_identity_r1" in row:
         split = (f"; what it can see: dlib names {row['reconstruction_identity_r1']:.3f} from reconstructions (chance "

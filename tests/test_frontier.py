@@ -236,7 +236,8 @@ def test_a_run_finds_the_frontier_whose_server_trained_as_it_did():
     of run.sh's noise-aware start (held and not). Each run finds the frontier trained as it was, with no caveat
     on the server's recipe; without its arguments, its own start file's first in FRONTIERS (the main job's
     first). The undefended row audited before the audit's copy of a trained device part began from the published
-    start says its figures may understate; the row audited since does not."""
+    start, and the DCT row audited before the audit attacked the mirror image's release, say their figures may
+    understate; the rows audited since do not."""
     from research.demo import audit_line, parser
 
     main_release = "dct-drop4-clip_norm12-noise_multiplier0.005-frequency_gamma2-stem_blocks2"
@@ -251,7 +252,9 @@ def test_a_run_finds_the_frontier_whose_server_trained_as_it_did():
         assert (frontier.name, row["run"]) == (name, point)
         line = audit_line(results, args)
         assert "trained otherwise" not in line
-        assert ("may understate" in line) == (name != held and point == "none")   # conv1's device part trains
+        assert ("began from seeded weights" in line) == (name != held and point == "none")   # conv1's part trains
+        assert ("also attacked the mirror image's release" in line) == (name != held and point == main_release)
+        assert ("may understate" in line) == (name != held)
         assert audited_point(results)[0].name == without_args
 
 

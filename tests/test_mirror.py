@@ -237,3 +237,18 @@ def test_a_dct_run_with_the_mirror_average_is_audited_with_the_mirror_too(tmp_pa
         assert 0 <= attacks[attack]["recognizers"]["eigenfaces"]["risk@1"] <= 1, attack
     assert attacks["reconstruction_decoder_mirror"]["images"] == attacks["reconstruction_decoder"]["images"]
     assert 0 <= headline(report)["linkage_pixels"] <= 1
+
+
+def test_a_run_made_before_the_servers_record_is_evaluated_as_its_demo_asked():
+    """The committed -mirror runs predate metrics.json's `test_embedding`: their recorded demo arguments say how their
+    server embedded (and their committed View 1 was made so); runs without the flag embedded once."""
+    import json
+
+    from research.evaluation.run import recorded_mirror_average
+    from tests.conftest import ROOT
+
+    runs = ROOT / "results" / "pretrain-hold" / "runs"
+    for run, averaged in (("runsh-first-recipe-hold-mirror", True), ("runsh-first-recipe-hold", False)):
+        assert "test_embedding" not in json.loads((runs / run / "server" / "metrics.json").read_text())
+        assert recorded_mirror_average(runs / run) is averaged
+        assert json.loads((runs / run / "view1.json").read_text()).get("mirror_average", False) is averaged

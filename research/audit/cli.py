@@ -4,9 +4,10 @@
         [--recognizer-weights runs/public_iresnet_small.pt]
 
 Each RUN_DIR is a `splitface-research demo --record-max N` run (the epsilon sweep records every run). Per
-run: reconstructions (ridge and decoder, fitted on public faces) scored by PSNR, SSIM, linkage and
+run: reconstructions (ridge and decoder, fitted on public faces; for a release whose mirror image's release the
+server can compute, also from that, mirrored back and averaged) scored by PSNR, SSIM, linkage and
 re-identification risk; identity matching straight from the releases to dlib's embedding; linkage
-through the server's own model; label leakage; membership inference. Every attacker knows the
+through the server's own model (also averaged with the mirror's, where it can be); label leakage; membership inference. Every attacker knows the
 release transform and its parameters and trains on releases made by it. Writes <out>/<run>.json, and for all runs together summary.json, table.md, reconstructions.png
 and privacy_utility.png. See docs/audit.md for the threat model.
 """
@@ -156,7 +157,8 @@ def server_model(report: dict) -> dict:
 
 def strongest(report: dict) -> tuple[str, str, dict]:
     """(inversion, recognizer, figures) of the reconstruction attack with the highest R@1: the upper
-    envelope of the four, which favours the attacker (each one's own figures are in the report)."""
+    envelope of every inversion and recognizer, which favours the attacker (each one's own figures are in the
+    report)."""
     return max(((name, rec, r) for name, a in report["attacks"].items() if name.startswith("reconstruction")
                 for rec, r in a["recognizers"].items()), key=lambda t: t[2]["risk@1"])
 

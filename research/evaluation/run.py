@@ -18,7 +18,7 @@ from torch import nn
 from splitface.common.options import add_data_root_arg, load_selection
 from splitface.device.trainer import bound_for, privatize
 from splitface.common.models import ModelSpec, build_backbone, split_backbone
-from splitface.common.transforms import release_mirror
+from splitface.common.transforms import MIRRORED, release_mirror
 from splitface.device.privacy.described import from_description
 from splitface.device.privacy.mechanisms import noise_generator
 from splitface.protocol.tensor import decode_tensor, encode_tensor
@@ -108,10 +108,17 @@ def evaluate_run(run_dir: str | Path, lfw_root: str | Path | None, limit: int | 
 
 def recorded_mirror_average(run_dir: Path) -> bool:
     """Whether the run's server averaged each test release's embedding with its mirror image's, as its metrics.json
-    records (servers since --mirror-average; earlier ones did not average)."""
+    records (servers since that record); for a run made before it, whether the demo asked its server to
+    (`demo_args.json`, the last of --mirror-average and --no-mirror-average, for a release that has a mirror)."""
     metrics = run_dir / "server" / "metrics.json"
-    recorded = json.loads(metrics.read_text()).get("test_embedding", {}) if metrics.exists() else {}
-    return bool(recorded.get("mirror_average", False))
+    recorded = json.loads(metrics.read_text()).get("test_embedding") if metrics.exists() else None
+    if recorded is not None:
+        return bool(recorded["mirror_average"])
+    asked = run_dir / "demo_args.json"
+    said = [a for a in json.loads(asked.read_text()) if a in ("--mirror-average", "--no-mirror-average")] \
+        if asked.exists() else []
+    release = json.loads((run_dir / "results.json").read_text())["config"]["model"].get("release", "none")
+    return bool(said) and said[-1] == "--mirror-average" and release in MIRRORED
 
 
 def summary(report: dict) -> str:
@@ -136,6 +143,9 @@ def main(argv: list[str] | None = None) -> None:
                         "(--no-mirror-average); default: as the run's server did (its metrics.json)")
     args = p.parse_args(argv)
     for run_dir in args.runs:
-        report = evaluate_run(run_dir, args.data, args.limit, mirror_average=args.mirror_average)
+        try:
+            report = evaluate_run(run_dir, args.data, args.limit, mirror_average=args.mirror_average)
+        except ValueError as exc:   # --mirror-average for a release that has no mirror
+            p.error(f"{run_dir}: {exc}")
         (run_dir / "view1.json").write_text(json.dumps(report, indent=2))
         print(summary(report), flush=True)
