@@ -252,3 +252,27 @@ def test_a_run_made_before_the_servers_record_is_evaluated_as_its_demo_asked():
         assert "test_embedding" not in json.loads((runs / run / "server" / "metrics.json").read_text())
         assert recorded_mirror_average(runs / run) is averaged
         assert json.loads((runs / run / "view1.json").read_text()).get("mirror_average", False) is averaged
+
+
+def test_the_audits_mirrored_reconstruction_is_the_face_itself_not_its_mirror():
+    """With an exact inversion (the full block DCT, nothing dropped, inverted by its transpose), the reconstruction
+    from the mirror image's release, mirrored back, is the face itself, not its mirror: the audit averages two views
+    of the same face. Tolerance: each pixel back is a sum of 64 coefficients (|c| <= 8) times basis values
+    (<= 1/4), |terms| summing to at most 128, so float32 rounding stays below about 64 2^-24 128 = 4.9e-4 (and the
+    forward transform's 6.2e-5, above); a mirror image differs from the face by far more than 1e-2."""
+    from research.audit.cli import mirror_reconstruction
+
+    full = replace(SMALL, release="dct", dct_drop=0)
+    dct = BlockDCT(1, 0)
+
+    class ExactInversion:
+        def reconstruct(self, releases: np.ndarray) -> np.ndarray:
+            return F.conv_transpose2d(torch.from_numpy(np.ascontiguousarray(releases)), dct.basis, stride=8,
+                                      groups=3).numpy()
+
+    x = torch.rand(2, 3, 64, 64)
+    with torch.no_grad():
+        releases = dct(x).numpy()
+    assert np.allclose(ExactInversion().reconstruct(releases), x.numpy(), rtol=0, atol=1e-3)
+    back = mirror_reconstruction(ExactInversion(), releases, release_mirror(full))
+    assert np.allclose(back, x.numpy(), rtol=0, atol=1e-3) and not np.allclose(back, x.flip(-1).numpy(), atol=1e-2)

@@ -89,7 +89,7 @@ def audit_run(view: AttackerView, truth: GroundTruth, public: PublicFaces, recog
             **extra, **reconstruction_report(recon, private, ids, photo_ids, plain, references)}
         samples[name] = recon[:SAMPLES]
         if mirror is not None:   # and from the mirror image's release, mirrored back: two views of each face, averaged
-            mirrored = inversion.reconstruct(mirror(torch.from_numpy(received)).numpy())[..., ::-1]
+            mirrored = mirror_reconstruction(inversion, received, mirror)
             report["attacks"][f"reconstruction_{name}_mirror"] = {
                 **extra, **reconstruction_report((recon + mirrored) / 2, private, ids, photo_ids, plain, references)}
 
@@ -131,6 +131,12 @@ def audit_run(view: AttackerView, truth: GroundTruth, public: PublicFaces, recog
         report["attacks"]["membership_inference"] = {
             "skipped": "device head: the server holds no classifier to threshold"}
     return report, samples
+
+
+def mirror_reconstruction(inversion, releases: np.ndarray, mirror) -> np.ndarray:
+    """`inversion`'s reconstruction of each face from its mirror image's release (`mirror`: release_mirror's map),
+    mirrored back along the width (the last axis of (N, 3, s, s)): a second view of the same face."""
+    return inversion.reconstruct(mirror(torch.from_numpy(releases)).numpy())[..., ::-1]
 
 
 def identity_attacks(report: dict) -> list[tuple[str, dict]]:
