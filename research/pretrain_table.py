@@ -42,13 +42,13 @@ import numpy as np
 from splitface.common.data import DataSplit, FaceSet, load_lfw
 from splitface.common.models import DEFAULT_SPLIT, ModelSpec, resolve_spec
 from splitface.common.options import add_data_root_arg, add_model_arg, add_model_args, model_spec
-from splitface.common.transforms import MIRRORED
 from splitface.device.privacy.mechanisms import Mechanism, NoNoise
 from splitface.device.privacy.options import add_privacy_args, release_mechanism
 from research.demo import parser as demo_parser, run_recorded, start_recipes
 from research.distill import (CROP, EVALUATION_SEED, NOISE_AWARE_RECIPE, PLAIN_RECIPE, Recipe, TeacherCache,
                              default_cache, distilled_start, load_student)
 from research.evaluation.verification import unit_rows, verification_report, view1_pairs
+from research.evaluation.run import last_of
 from research.results import write_summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,9 +177,9 @@ def finetune_row(name: str, demo_args: list[str], args: argparse.Namespace) -> d
     run_dir = args.out / "runs" / name
     results = run_recorded(run_dir, ["--data", str(args.data), "--model", args.model, *demo_args], args.force)
     view1 = run_dir / "view1.json"
-    if not view1.exists() or args.force:   # embedded as its server embedded at test time
-        subprocess.run([sys.executable, "-m", "research", "evaluate", str(run_dir), "--data", str(args.data),
-                        *([MIRROR] if mirrored(demo_args, results) else [])], check=True)
+    if not view1.exists() or args.force:   # embedded as its server embedded at test time (evaluate's default)
+        subprocess.run([sys.executable, "-m", "research", "evaluate", str(run_dir), "--data", str(args.data)],
+                       check=True)
     report = json.loads(view1.read_text())
     config, last = results["config"], results["epochs"][-1]
     device = results["devices"][0]
@@ -216,19 +216,6 @@ def finetune_start(demo_args: list[str]) -> str:
     if last_of(demo_args, MIRROR):
         start += ", test embeddings averaged with the mirror image's"
     return start
-
-
-def mirrored(demo_args: list[str], results: dict) -> bool:
-    """Whether a run's server averaged its test embeddings with the mirror images': asked for, and a release that
-    has a mirror (the demo drops it otherwise). Runs since record it in their metrics.json too, which `research
-    evaluate` reads; the rows measured before that record have only their flags."""
-    return last_of(demo_args, MIRROR) and results["config"]["model"].get("release", "none") in MIRRORED
-
-
-def last_of(demo_args: list[str], flag: str) -> bool:
-    """Whether a switch (`--x`, undone by `--no-x`) is on in `demo_args`: its last mention wins, as argparse reads."""
-    said = [a for a in demo_args if a in (flag, flag.replace("--", "--no-", 1))]
-    return bool(said) and said[-1] == flag
 
 
 SEEDS = (0, 1, 2)

@@ -115,10 +115,14 @@ def recorded_mirror_average(run_dir: Path) -> bool:
     if recorded is not None:
         return bool(recorded["mirror_average"])
     asked = run_dir / "demo_args.json"
-    said = [a for a in json.loads(asked.read_text()) if a in ("--mirror-average", "--no-mirror-average")] \
-        if asked.exists() else []
     release = json.loads((run_dir / "results.json").read_text())["config"]["model"].get("release", "none")
-    return bool(said) and said[-1] == "--mirror-average" and release in MIRRORED
+    return asked.exists() and last_of(json.loads(asked.read_text()), "--mirror-average") and release in MIRRORED
+
+
+def last_of(argv: list[str], flag: str) -> bool:
+    """Whether a switch (`--x`, undone by `--no-x`) is on in `argv`: its last mention wins, as argparse reads."""
+    said = [a for a in argv if a in (flag, flag.replace("--", "--no-", 1))]
+    return bool(said) and said[-1] == flag
 
 
 def summary(report: dict) -> str:
