@@ -25,7 +25,7 @@ from torch import nn
 from splitface.common.data import FaceSet, load_lfw, partition
 from splitface.device.trainer import bound_for, initial_layer
 from splitface.common.models import ModelSpec, build_backbone, build_classifier, split_backbone
-from splitface.common.transforms import release_mirror
+from splitface.common.transforms import mirror_averaged, release_mirror
 from splitface.device.privacy.described import from_description
 from splitface.device.privacy.mechanisms import Mechanism
 from splitface.sim.simulator import batch_indices
@@ -74,10 +74,8 @@ class AttackerView:
         each release and on the mirror image's release, which the server computes from it (--mirror-average)."""
         self.tail.eval()
         mirror = release_mirror(self.spec) if mirror_average else None
-        def one(x: torch.Tensor) -> torch.Tensor:
-            return self.tail(x) if mirror is None else (self.tail(x) + self.tail(mirror(x))) / 2
-        return np.concatenate([one(torch.from_numpy(np.asarray(releases[i:i + batch], np.float32))).numpy()
-                               for i in range(0, len(releases), batch)])
+        return np.concatenate([mirror_averaged(self.tail, mirror, torch.from_numpy(
+            np.asarray(releases[i:i + batch], np.float32))).numpy() for i in range(0, len(releases), batch)])
 
     @torch.no_grad()
     def losses(self, releases: np.ndarray, labels: np.ndarray) -> np.ndarray:

@@ -18,7 +18,7 @@ from torch import nn
 from splitface.common.options import add_data_root_arg, load_selection
 from splitface.device.trainer import bound_for, privatize
 from splitface.common.models import ModelSpec, build_backbone, split_backbone
-from splitface.common.transforms import MIRRORED, release_mirror
+from splitface.common.transforms import MIRRORED, mirror_averaged, release_mirror
 from splitface.device.privacy.described import from_description
 from splitface.device.privacy.mechanisms import noise_generator
 from splitface.protocol.tensor import decode_tensor, encode_tensor
@@ -82,9 +82,7 @@ def run_embedder(run_dir: str | Path, encoding: str | None = None,
         release = privatize(spec, mechanism, layer(torch.from_numpy(images)), generator)
         if encoding is not None:
             release = torch.from_numpy(np.array(decode_tensor(encode_tensor(release.numpy(), encoding))))
-        if mirror is not None:
-            return ((tail(release) + tail(mirror(release))) / 2).numpy()
-        return tail(release).numpy()
+        return mirror_averaged(tail, mirror, release).numpy()
     return embed, results
 
 

@@ -18,7 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from splitface.common.models import ModelSpec, build_backbone, build_classifier, release_range, split_backbone
 from splitface.common.models.weights import load_into
-from splitface.common.transforms import release_mirror
+from splitface.common.transforms import mirror_averaged, release_mirror
 from splitface.common.optim import TrainConfig, exponential_decay, sgd_with_head
 from splitface.protocol.errors import ErrorCode
 from splitface.server.imprint import Imprinter
@@ -295,21 +295,13 @@ class ServerTrainer:
     def evaluate(self, activations: np.ndarray, labels: np.ndarray) -> tuple[float, int]:
         self._train_mode(False)
         with torch.no_grad(), self._autocast():
-            logits = self.classifier(self._eval_embeddings(self._tensor(activations)))
+            # with the mirror average the head, linear, averages the logits too
+            logits = self.classifier(mirror_averaged(self.tail, self.mirror, self._tensor(activations)))
         y = torch.as_tensor(labels, device=self.device)
         loss = float(F.cross_entropy(logits.float(), y))
         if not math.isfinite(loss):
             raise StepRefused(f"the batch gives a non-finite loss ({loss})")
         return loss, int((logits.argmax(1) == y).sum())
-
-    def _eval_embeddings(self, x: torch.Tensor) -> torch.Tensor:
-        """The tail's embeddings of releases outside training; with mirror_average, averaged (in float32, also
-        under bf16 autocast) with those of the mirror images' releases (the head is linear, so the logits are
-        averaged too)."""
-        embeddings = self.tail(x)
-        if self.mirror is None:
-            return embeddings
-        return (embeddings.float() + self.tail(self.mirror(x)).float()) / 2
 
     def test_embedding(self) -> dict[str, bool]:
         """How a release is embedded outside training, for metrics.json (`research evaluate` embeds the same way)."""
@@ -320,7 +312,7 @@ class ServerTrainer:
         self._train_mode(train)
         if not train:
             with torch.no_grad(), self._autocast():
-                return _finite_embeddings(self._eval_embeddings(self._tensor(activations)).float())
+                return _finite_embeddings(mirror_averaged(self.tail, self.mirror, self._tensor(activations)).float())
         self.drop_pending()   # a FORWARD again before its EMBEDDING_GRAD: the earlier one leaves nothing
         self.optimizer.zero_grad(set_to_none=True)
         x = self._input(activations)

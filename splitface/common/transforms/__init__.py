@@ -130,6 +130,15 @@ def release_mirror(spec: "ModelSpec") -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: mirror(spec, x)
 
 
+def mirror_averaged(embed: Callable[[torch.Tensor], torch.Tensor],
+                    mirror: Callable[[torch.Tensor], torch.Tensor] | None, x: torch.Tensor) -> torch.Tensor:
+    """`embed(x)` of releases `x`; with `mirror` (release_mirror's map), the mean of it and of `embed` on the mirror
+    images' releases, in float32 (also under bf16 autocast): test-time flipping at no further release."""
+    if mirror is None:
+        return embed(x)
+    return (embed(x).float() + embed(mirror(x)).float()) / 2
+
+
 def transform_range(spec: "ModelSpec") -> tuple[float, float]:
     """The range of an honest release by a transform, before any noise: what the server may expect of it (tanh's
     (-1, 1); the image's block DCT of pixels in [0, 1]; the image itself with patches zeroed)."""
