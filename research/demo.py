@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
                   "--head-lr-scale", str(args.head_lr_scale), "--imprint-steps", str(imprint_steps),
                   "--release-noise-std", repr(devices_noise_std(args, extra)),
                   *(["--imprint-hold-tail"] if args.imprint_hold_tail and imprint_steps else []),
-                  *(["--mirror-average"] if args.mirror_average else [])]
+                  *(["--mirror-average"] if args.mirror_average else []),
+                  *(["--mirror-train"] if args.mirror_train else [])]
     if args.server_init:
         server_cmd += ["--init", str(args.server_init)]
     server_log = open(run_dir / "server.log", "w")
@@ -287,15 +288,20 @@ def drop_hold_without_imprinting(args: argparse.Namespace) -> None:
 def drop_mirror_without_map(args: argparse.Namespace) -> None:
     """run.sh's server averages each test release's embedding with its mirror image's; another --release may have
     no mirror that the server can compute (a learned layer's output): said, and the average set off, so that
-    `./run.sh --release none --split conv1` still runs."""
+    `./run.sh --release none --split conv1` still runs. Without the average there is nothing to train on
+    (--mirror-train), so `./run.sh --no-mirror-average` trains on each release once."""
     if not args.mirror_average:
+        if args.mirror_train:
+            print("--mirror-train: without --mirror-average the server trains on each release once", file=sys.stderr,
+                  flush=True)
+        args.mirror_train = False
         return
     spec = model_spec(args)
     try:
         release_mirror(spec)
     except ValueError as exc:
         print(f"--mirror-average: {exc}; the server embeds each release once", file=sys.stderr, flush=True)
-        args.mirror_average = False
+        args.mirror_average = args.mirror_train = False
 
 
 def server_imprint_steps(args: argparse.Namespace, train_images: int) -> int:
@@ -461,7 +467,7 @@ def audited_point(results: dict, frontiers: tuple[Path, ...] = FRONTIERS,
 
 
 # how the server trains: the audited run's may differ from this run's for the same release
-SERVER_RECIPE = ("lr", "head_lr_scale", "imprint_epochs", "imprint_hold_tail")
+SERVER_RECIPE = ("lr", "head_lr_scale", "imprint_epochs", "imprint_hold_tail", "mirror_train")
 
 
 def weaker_attacker(frontier: Path, run: str, device_weights: str | None) -> bool:
@@ -492,6 +498,11 @@ def held_tail(args: argparse.Namespace) -> bool:
     return bool(args.imprint_hold_tail and args.imprint_epochs and args.head == "server")
 
 
+def mirror_trained(args: argparse.Namespace) -> bool:
+    """Whether the server trained on the mirror average: only with the average, of a release that has a mirror."""
+    return bool(args.mirror_train and args.mirror_average and model_spec(args).release in MIRRORED)
+
+
 def server_recipe_differences(point: tuple[Path, dict], args: argparse.Namespace) -> list[str]:
     """Where an audited point's run (its recorded flags) trained the server otherwise than `args`, in words; none
     for a run recorded without its flags."""
@@ -500,8 +511,9 @@ def server_recipe_differences(point: tuple[Path, dict], args: argparse.Namespace
     if not recorded.exists():
         return []
     audited, _ = parser().parse_known_args(json.loads(recorded.read_text()))
+    as_trained = {"imprint_hold_tail": held_tail, "mirror_train": mirror_trained}
     def recipe(a: argparse.Namespace) -> dict:   # as the server trained: a hold without imprinting holds nothing
-        return {k: held_tail(a) if k == "imprint_hold_tail" else getattr(a, k) for k in SERVER_RECIPE}
+        return {k: as_trained[k](a) if k in as_trained else getattr(a, k) for k in SERVER_RECIPE}
     ours, theirs = recipe(args), recipe(audited)
     return [f"{k.replace('_', '-')} {theirs[k]:g} there, {ours[k]:g} here" for k in SERVER_RECIPE if theirs[k] != ours[k]]
 

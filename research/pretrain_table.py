@@ -56,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 HOLD = "--imprint-hold-tail"
 MIRROR = "--mirror-average"
+MIRROR_TRAIN = "--mirror-train"
 
 
 def start_without_hold() -> list[str]:
@@ -66,8 +67,9 @@ def start_without_hold() -> list[str]:
 
 def stage_without_mirror() -> list[str]:
     """run.sh's DEFAULT_SERVER_STAGE as it was before its server averaged each test release's embedding with its
-    mirror image's: the rows measured then keep their flags (results/pretrain-hold/ measures it: `-mirror`)."""
-    return [a for a in run_sh_array("DEFAULT_SERVER_STAGE") if a != MIRROR]
+    mirror image's, or trained on that average: the rows measured then keep their flags (results/pretrain-hold/
+    measures both: `-mirror`, `-mirror-train`)."""
+    return [a for a in run_sh_array("DEFAULT_SERVER_STAGE") if a not in (MIRROR, MIRROR_TRAIN)]
 
 
 def run_sh_array(name: str) -> list[str]:
@@ -215,6 +217,8 @@ def finetune_start(demo_args: list[str]) -> str:
         start += ", tail held while imprinting"
     if last_of(demo_args, MIRROR):
         start += ", test embeddings averaged with the mirror image's"
+        if last_of(demo_args, MIRROR_TRAIN):
+            start += ", trained on that average"
     return start
 
 

@@ -4,7 +4,8 @@ research/views.py distils on K views of each public face with the teacher's embe
 recipe regresses a shifted, flipped image onto the teacher's embedding of the clean one. Rows, for each recipe
 (--recipes: the first, K views, K views with a longer plain student or noise-aware start; and, to see where the
 main job loses, `-quiet`: run.sh's release without its noise, `-hold`: fine-tuning with the server's tail held
-while its head is imprinted, `-mirror`: the server's test embeddings averaged with the mirror image's):
+while its head is imprinted, `-mirror`: the server's test embeddings averaged with the mirror image's, `-mirror-train`:
+trained on that average too):
 - student: run.sh's plain student (its --student-epochs) and run.sh's noise-aware start made from it (its
   release, server stage and --noise-aware-epochs; function matching in both stages, or in neither), each on
   View 1, frozen on LFW-158 (research/pretrain_table.py's probe) and against the teacher (`pretrain fit`: the
@@ -118,7 +119,7 @@ def report(rows: list[dict]) -> str:
             "(`-noiseawareN`); `-quiet`: run.sh's release without its noise, in the start and in fine-tuning; `-hold`: "
             "fine-tuning with the server's tail held while its head is imprinted (`--imprint-hold-tail`); `-mirror`: "
             "the server's test embeddings averaged with the mirror image's (`--mirror-average`; View 1 after "
-            "fine-tuning too). A "
+            "fine-tuning too); `-mirror-train`: the server trained on that average too (`--mirror-train`). A "
             "recipe's plain student is listed with it, though recipes may share one (the same file).\n\n"
             + table(rows) + "\n"
             + fits(rows) + flips(rows) + without_noise(rows) + seed_means(rows, compared))
@@ -126,13 +127,13 @@ def report(rows: list[dict]) -> str:
 
 def recipe_flags(text: str) -> tuple[str, list[str]]:
     """A --recipes item as (its name, the demo flags it adds to run.sh's start and release)."""
-    match = re.fullmatch(r"(?:(first)|([1-9][0-9]*)(?::([1-9][0-9]*)(?::([1-9][0-9]*))?)?)(-quiet)?(-hold)?(-mirror)?",
-                         text)
+    match = re.fullmatch(r"(?:(first)|([1-9][0-9]*)(?::([1-9][0-9]*)(?::([1-9][0-9]*))?)?)(-quiet)?(-hold)?"
+                         r"(-mirror(-train)?)?", text)
     if match is None:
         raise argparse.ArgumentTypeError(f"a recipe is `first`, K, K:E or K:E:N (views, plain student's epochs, "
-                                         f"noise-aware start's epochs), then optionally -quiet, -hold and -mirror, "
-                                         f"not {text!r}")
-    first, views, epochs, noisy, quiet, hold, mirror = match.groups()
+                                         f"noise-aware start's epochs), then optionally -quiet, -hold and -mirror "
+                                         f"(or -mirror-train), not {text!r}")
+    first, views, epochs, noisy, quiet, hold, mirror, train = match.groups()
     flags, name = ([], "first-recipe") if first else (["--student-views", views, "--noise-aware-views", views],
                                                        f"views{views}")
     if epochs is not None:
@@ -145,26 +146,28 @@ def recipe_flags(text: str) -> tuple[str, list[str]]:
         flags, name = [*flags, "--imprint-hold-tail"], f"{name}-hold"
     if mirror:
         flags, name = [*flags, "--mirror-average"], f"{name}-mirror"
+    if train:
+        flags, name = [*flags, "--mirror-train"], f"{name}-train"
     return name, flags
 
 
-def recipe_order(name: str) -> tuple[int, int, int, bool, bool, bool]:
+def recipe_order(name: str) -> tuple[int, int, int, bool, bool, bool, bool]:
     """A recipe's name (recipe_flags) as (views, the plain student's epochs, the noise-aware start's; 0: run.sh's,
     whether the release is without its noise, whether the server's tail is held while its head is imprinted,
-    whether its test embeddings are averaged with the mirror image's), views 0 for the first recipe: the first, then
-    by views, then by epochs, the release's noise before none, without the held tail before with it, and without the
-    mirror before with it."""
+    whether its test embeddings are averaged with the mirror image's, whether it trained on that average), views 0
+    for the first recipe: the first, then by views, then by epochs, the release's noise before none, without the held
+    tail before with it, and without the mirror before with it, tested on it before trained on it too."""
     match = re.fullmatch(r"(?:first-recipe|views([0-9]+)(?:-student([0-9]+))?(?:-noiseaware([0-9]+))?)(-quiet)?(-hold)?"
-                         r"(-mirror)?", name)
+                         r"(-mirror(-train)?)?", name)
     if match is None:
         raise ValueError(f"not a recipe's name: {name!r}")
-    views, epochs, noisy, quiet, hold, mirror = match.groups()
-    return (int(views or 0), int(epochs or 0), int(noisy or 0), bool(quiet), bool(hold), bool(mirror))
+    views, epochs, noisy, quiet, hold, mirror, train = match.groups()
+    return (int(views or 0), int(epochs or 0), int(noisy or 0), bool(quiet), bool(hold), bool(mirror), bool(train))
 
 
 def describe(name: str) -> str:
     """A recipe's name (recipe_flags) in words."""
-    views, epochs, noisy, quiet, hold, mirror = recipe_order(name)
+    views, epochs, noisy, quiet, hold, mirror, train = recipe_order(name)
     return ((f"function matching on {views} views in both distillations" if views
              else "the first recipe (clean targets)")
             + (f", the plain student distilled for {epochs} epochs" if epochs else "")
@@ -172,7 +175,8 @@ def describe(name: str) -> str:
             + (", the release without its noise (noise multiplier 0; the clip kept) in the start and fine-tuning"
                if quiet else "")
             + (", the server's tail held while its head is imprinted (--imprint-hold-tail)" if hold else "")
-            + (", each test release's embedding averaged with its mirror image's (--mirror-average)" if mirror else ""))
+            + (", each test release's embedding averaged with its mirror image's (--mirror-average)" if mirror else "")
+            + (", and trained on that average (--mirror-train)" if train else ""))
 
 
 def read_rows(out: Path) -> list[dict]:

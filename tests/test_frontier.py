@@ -157,6 +157,14 @@ def test_the_main_job_says_where_its_audited_run_trained_the_server_otherwise():
     # a hold with nothing imprinted holds nothing: the server trained as the audited one did
     nothing_held, _ = parser().parse_known_args(["--head-lr-scale", "10", "--imprint-hold-tail"])
     assert "trained otherwise" not in audit_line(results, nothing_held)
+    # training on the mirror average is the server's recipe too; asked for without the average, or for a release
+    # without a mirror, it is not how the server trains (the demo drops it)
+    release = json.loads((audited / "demo_args.json").read_text())   # the audited run's own flags
+    mirrored, _ = parser().parse_known_args([*release, "--mirror-average", "--mirror-train"])
+    assert "trained otherwise (mirror-train 0 there, 1 here)" in audit_line(results, mirrored)
+    for flags in (["--no-mirror-average", "--mirror-train"], ["--release", "none", "--split", "conv1", "--mirror-average",
+                                                            "--mirror-train"]):
+        assert "trained otherwise" not in audit_line(results, parser().parse_known_args([*release, *flags])[0])
 
 
 def test_the_main_job_prints_the_audit_of_its_own_release_and_start():

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from research import demo
 from splitface.common.models import PRESETS, build_backbone, split_backbone
-from splitface.common.transforms import MIRRORED, release_mirror
+from splitface.common.transforms import MIRRORED, mirror_averaged, release_mirror
 from splitface.common.transforms.dct import BlockDCT, mirror_release
 from splitface.common.transforms.mask import random_patch_mask
 from splitface.server.trainer import ServerTrainer
@@ -63,9 +63,9 @@ def test_the_server_mirrors_only_the_releases_whose_mirror_it_can_compute():
             release_mirror(spec)
 
 
-def _trainer(mirror_average: bool) -> ServerTrainer:
+def _trainer(mirror_average: bool, mirror_train: bool = False) -> ServerTrainer:
     torch.manual_seed(0)
-    return ServerTrainer(DCT, "layer2", 5, device="cpu", mirror_average=mirror_average)
+    return ServerTrainer(DCT, "layer2", 5, device="cpu", mirror_average=mirror_average, mirror_train=mirror_train)
 
 
 def _release(n: int = 4) -> np.ndarray:
@@ -96,6 +96,51 @@ def test_the_servers_test_embedding_is_the_mean_of_the_release_and_its_mirror():
     for t in (averaged, plain):
         t.train_server_head(x, labels)
     assert all(torch.equal(a, b) for a, b in zip(averaged.tail.state_dict().values(), plain.tail.state_dict().values()))
+
+
+def test_training_on_the_mirror_average_is_training_on_the_mean_of_the_two_passes():
+    """--mirror-train: the loss is the head's on the mean of the tail's two passes (as a copy computes it), so a batch
+    and its mirror give the same loss, and gradients that are each other's mirror: the same two passes, summed in the
+    other order, and the mirror is a signed permutation, so both are equal bit for bit. Without it training differs."""
+    trained, twin, plain = _trainer(True, True), _trainer(True, True), _trainer(True)
+    x, labels = _release(), np.array([0, 1, 2, 3])
+    mirrored = mirror_release(torch.from_numpy(x), DCT.dct_drop).numpy()
+    copy = _trainer(True, True)
+    copy.tail.train()
+    expected = F.cross_entropy(copy.classifier(mirror_averaged(copy.tail, copy.mirror, torch.from_numpy(x))),
+                               torch.from_numpy(labels))
+    grad, loss, _ = trained.train_server_head(x, labels)
+    twin_grad, twin_loss, _ = twin.train_server_head(mirrored, labels)
+    assert loss == pytest.approx(float(expected.detach()), rel=1e-6) and loss == twin_loss
+    assert np.array_equal(twin_grad, mirror_release(torch.from_numpy(grad), DCT.dct_drop).numpy())
+    plain.train_server_head(x, labels)
+    assert not all(torch.equal(a, b) for a, b in zip(trained.tail.state_dict().values(),
+                                                      plain.tail.state_dict().values()))
+    # a device head trains on the same mean
+    assert np.array_equal(_trainer(True, True).embed(x, train=True), _trainer(True, True).embed(mirrored, train=True))
+    with pytest.raises(ValueError, match="needs mirror_average"):
+        _trainer(False, True)
+
+
+def test_the_server_refuses_to_train_on_a_mirror_average_that_it_does_not_make(tmp_path, capsys):
+    """`serve --mirror-train` needs --mirror-average; the demo, whose run.sh asks for both, drops the training on it
+    where the average is off (`./run.sh --no-mirror-average`) and says so."""
+    from research.pretrain_table import run_sh_array
+    from splitface.server import cli
+
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["serve", "--num-classes", "3", "--tokens", str(tmp_path / "tokens.json"), "--mirror-train"])
+    assert stopped.value.code == 2 and "it needs --mirror-average" in capsys.readouterr().err
+    main_job = [*run_sh_array("DEFAULT_RELEASE"), *run_sh_array("DEFAULT_SERVER_STAGE"), "--mirror-train"]
+    args, _ = demo.parser().parse_known_args(main_job)
+    demo.drop_mirror_without_map(args)
+    assert args.mirror_average and args.mirror_train and capsys.readouterr().err == ""
+    args, _ = demo.parser().parse_known_args([*main_job, "--no-mirror-average"])
+    demo.drop_mirror_without_map(args)
+    assert not args.mirror_train and "trains on each release once" in capsys.readouterr().err
+    args, _ = demo.parser().parse_known_args([*main_job, "--release", "none", "--split", "conv1"])
+    demo.drop_mirror_without_map(args)
+    assert not args.mirror_average and not args.mirror_train
 
 
 def test_the_server_refuses_a_mirror_it_cannot_compute(tmp_path, capsys):

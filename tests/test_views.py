@@ -126,16 +126,20 @@ def test_the_views_table_recipes_name_their_flags_and_sort_after_the_first():
     assert recipe_flags("first-hold-mirror") == ("first-recipe-hold-mirror", ["--imprint-hold-tail", "--mirror-average"])
     assert describe("first-recipe-hold-mirror").endswith(
         "(--imprint-hold-tail), each test release's embedding averaged with its mirror image's (--mirror-average)")
+    assert recipe_flags("first-hold-mirror-train") == ("first-recipe-hold-mirror-train",
+                                                       ["--imprint-hold-tail", "--mirror-average", "--mirror-train"])
+    assert describe("first-recipe-hold-mirror-train").endswith(
+        "(--mirror-average), and trained on that average (--mirror-train)")
     names = ["views16-student150-noiseaware150", "views16-student150-quiet-hold", "views16-student150-quiet",
              "views16-student150-hold", "views16-student150", "views8", "first-recipe-hold", "first-recipe", "views16",
-             "first-recipe-hold-mirror"]
+             "first-recipe-hold-mirror-train", "first-recipe-hold-mirror"]
     assert sorted(names, key=recipe_order) == ["first-recipe", "first-recipe-hold", "first-recipe-hold-mirror",
-                                               "views8", "views16",
+                                               "first-recipe-hold-mirror-train", "views8", "views16",
                                                "views16-student150",
                                                "views16-student150-hold", "views16-student150-quiet",
                                                "views16-student150-quiet-hold", "views16-student150-noiseaware150"]
     for bad in ("0", "8:", "x", "8:0", "-1", "8:60:", "8:60:0", "8:60:1:1", "quiet", "8-quiet-quiet", "8-hold-quiet",
-                "first:60", "first8", "hold", "8-mirror-hold", "mirror"):
+                "first:60", "first8", "hold", "8-mirror-hold", "mirror", "8-train", "8-hold-train", "8-train-mirror"):
         with pytest.raises(argparse.ArgumentTypeError, match="a recipe is"):
             recipe_flags(bad)
 

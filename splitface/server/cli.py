@@ -47,6 +47,10 @@ def add_tail_args(p: argparse.ArgumentParser) -> None:
                    help="outside training, average the tail's embeddings of each release and of the mirror image's "
                         "release, which the server computes from it: test-time flipping at no further release, for "
                         "the releases that are the image or its block DCT (--release dct or mask; docs/pretrain.md)")
+    p.add_argument("--mirror-train", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --mirror-average, train on the average too (the loss, the imprinted class means and a "
+                        "device head's embeddings are the average's), so that the model learns the embedding that it is "
+                        "tested on; the tail runs twice a training batch")
     p.add_argument("--gradient-rounding", choices=GRADIENT_ROUNDING, default="nearest",
                    help="how i8 and i8c gradients round on their way down: nearest (the reference encoder's) or stochastic "
                         "(unbiased; docs/wire.md)")
@@ -118,6 +122,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, hosted=None
         parser.error(f"--imprint-steps must be >= 0, not {args.imprint_steps}")
     if args.imprint_hold_tail and not args.imprint_steps:
         parser.error("--imprint-hold-tail holds the tail while the head is imprinted: it needs --imprint-steps")
+    if args.mirror_train and not args.mirror_average:
+        parser.error("--mirror-train trains on the mirror average: it needs --mirror-average")
     try:
         if args.mirror_average:
             release_mirror(model_spec(args))   # a release the server cannot mirror, before anything is built
@@ -129,7 +135,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser, hosted=None
     federated = hosted(max_message_bytes) if hosted is not None else None
     trainer = ServerTrainer(model_spec(args), args.split, args.num_classes, train_config(args), args.device, args.init,
                             args.train_only, from_args(StepGuard, args), args.imprint_steps, args.imprint_hold_tail,
-                            args.mirror_average)
+                            args.mirror_average, args.mirror_train)
     info = server_info(trainer, args.max_batch, max_message_bytes)
     server = EdgeServer(trainer, info, TokenAuthenticator(load_tokens(args.tokens)), server_config,
                         board=federated.board if federated else None)

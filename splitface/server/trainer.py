@@ -94,21 +94,26 @@ class ServerTrainer:
     def __init__(self, spec: ModelSpec, split: str, num_classes: int, config: TrainConfig | None = None,
                  device: str | None = None, init: Path | None = None, train_only: str = "all",
                  guard: StepGuard | None = None, imprint_steps: int = 0, imprint_hold_tail: bool = False,
-                 mirror_average: bool = False):
+                 mirror_average: bool = False, mirror_train: bool = False):
         """`init`: start the tail from a saved (e.g. public pre-trained) backbone; `train_only="classifier"`
         freezes the tail and trains only the output layer (the source paper's fine-tuning setting);
         `imprint_steps`: the server head's rows are its classes' mean embeddings for that many steps, then trained
         from there (server/imprint.py: for a pre-trained start); `imprint_hold_tail`: the tail's weights take no
         step meanwhile either; `mirror_average`: outside training, a release's embedding is the mean of the tail's
         embeddings of it and of the mirror image's release, computed here from it (test-time flipping at no
-        further release: transforms.release_mirror, which refuses a release that has no such map)."""
+        further release: transforms.release_mirror, which refuses a release that has no such map); `mirror_train`: in
+        training too, so that the model learns the embedding that it is tested on (the loss, the imprinted means and a
+        device head's embeddings are the average's; it needs `mirror_average`)."""
         if train_only not in ("all", "classifier"):
             raise ValueError(f"train_only must be 'all' or 'classifier', not {train_only!r}")
         self.spec, self.split, self.num_classes, self.train_only = spec, split, num_classes, train_only
         self.config = config or TrainConfig()
         self.guard = guard or StepGuard()
         self.release_bound = self.guard.release_bound(spec, split)
+        if mirror_train and not mirror_average:
+            raise ValueError("mirror_train trains on the mirror average: it needs mirror_average")
         self.mirror = release_mirror(spec) if mirror_average else None
+        self.train_mirror = self.mirror if mirror_train else None
         self.statistics_clipped = 0   # batch-norm channels whose running statistics the last training batch hit the clip of
         torch.manual_seed(self.config.seed)
         _, tail = split_backbone(build_backbone(spec), split)
@@ -269,7 +274,7 @@ class ServerTrainer:
             saved_head = self.imprinter.state_dict(), {k: v.clone() for k, v in self.classifier.state_dict().items()}
         try:
             with self._autocast():
-                embeddings = self.tail(x)
+                embeddings = mirror_averaged(self.tail, self.train_mirror, x)
                 if imprinting:
                     self.imprinter.add(embeddings, y)
                 logits = self.classifier(embeddings)
@@ -319,7 +324,7 @@ class ServerTrainer:
         saved = self._buffers()
         try:
             with self._autocast():
-                embeddings = self.tail(x).float()
+                embeddings = mirror_averaged(self.tail, self.train_mirror, x).float()
             out = _finite_embeddings(embeddings.detach())
         except StepRefused:
             self._restore(saved)
