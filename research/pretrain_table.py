@@ -59,10 +59,11 @@ MIRROR = "--mirror-average"
 MIRROR_TRAIN = "--mirror-train"
 
 
-def start_without_hold() -> list[str]:
-    """run.sh's DEFAULT_START as it was before it held the server's tail while imprinting: the rows measured then
-    keep their flags (results/pretrain-views/ and results/pretrain-hold/ measure the hold: `-hold` recipes)."""
-    return [a for a in run_sh_array("DEFAULT_START") if a != HOLD]
+# run.sh's DEFAULT_START as it was when the tables' rows were measured: before it held the server's tail while
+# imprinting and before it started from the 16-view student, so that those rows keep their flags; the tables'
+# recipes add to it (results/pretrain-views/ and results/pretrain-hold/: `-hold`, `K:E:N`)
+TABLE_START = ("--init", "distilled", "--student-epochs", "60", "--noise-aware-epochs", "60", "--head-lr-scale", "10",
+               "--imprint-epochs", "1", "--lr", "0.01")
 
 
 def stage_without_mirror() -> list[str]:
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--force", action="store_true", help="train and evaluate every fine-tuning run again")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    start, release, wire = start_without_hold(), run_sh_array("DEFAULT_RELEASE"), run_sh_array("DEFAULT_WIRE")
+    start, release, wire = list(TABLE_START), run_sh_array("DEFAULT_RELEASE"), run_sh_array("DEFAULT_WIRE")
     stage = stage_without_mirror()
     extra = args.demo_args.split()
     long = demo_parser().parse_known_args(start)[0].noise_aware_epochs   # run.sh's noise-aware start, as read

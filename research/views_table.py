@@ -39,8 +39,8 @@ from research.audit.recognizer import DlibResNet
 from research.distill import (CROP, TEACHER_SIZE, default_cache, distilled_start, evaluate_student, fit_teacher_size,
                               load_student, teacher_fit)
 from research.evaluation.verification import evaluate_embedder
-from research.pretrain_table import (ROOT, SEEDS, finetune_row, frozen_probe, run_sh_array, seed_means,
-                                     stage_without_mirror, start_without_hold, student_embedder, student_row, table, teacher_row)
+from research.pretrain_table import (ROOT, SEEDS, TABLE_START, finetune_row, frozen_probe, run_sh_array, seed_means,
+                                     stage_without_mirror, student_embedder, student_row, table, teacher_row)
 from research.results import write_summary
 
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     args.model = "iresnet_small"
     args.out.mkdir(parents=True, exist_ok=True)
-    start, release, wire = start_without_hold(), run_sh_array("DEFAULT_RELEASE"), run_sh_array("DEFAULT_WIRE")
+    start, release, wire = list(TABLE_START), run_sh_array("DEFAULT_RELEASE"), run_sh_array("DEFAULT_WIRE")
     stage = stage_without_mirror()
     options = argparse.ArgumentParser(add_help=False)
     add_privacy_args(options)
