@@ -383,12 +383,15 @@ def _report(run_dir: Path, data, args: argparse.Namespace) -> None:
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 # the privacy frontiers: from scratch, from the distilled start with the first recipe, and as the main job trains
-# (research/frontier.py --start distilled), from run.sh's plain student (60 epochs; with the server's tail held while
-# its head is imprinted, as run.sh trains, and without) and the recipe's (30)
-# (a run matches a row by its start file too, so no run finds both students' frontiers; where it matches several,
+# (research/frontier.py --start distilled): from run.sh's start (the 16-view student of 150 epochs, its noise-aware
+# start of 150, trained on the mirror average), from the earlier 60-epoch student (with the server's tail held while
+# its head is imprinted, and without), from the 16-view student with a 60-epoch noise-aware start, and from the
+# recipe's (30)
+# (a run matches a row by its start file too, so no run finds two students' frontiers; where it matches several,
 # `audited_point` prefers the one whose server trained most like its own, then its own start file's over another
 # build's, then the first here: the main job's first)
-FRONTIERS = (RESULTS / "frontier", RESULTS / "frontier-distilled-imprinted-student60-hold",
+FRONTIERS = (RESULTS / "frontier", RESULTS / "frontier-distilled-student150-views16-noiseaware150-hold-mirror-train",
+             RESULTS / "frontier-distilled-imprinted-student60-hold",
              RESULTS / "frontier-distilled-imprinted-student60", RESULTS / "frontier-distilled-student150-views16",
              RESULTS / "frontier-distilled-imprinted", RESULTS / "frontier-distilled")
 

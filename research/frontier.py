@@ -69,6 +69,18 @@ start on 16 views too (`python -m research.views_table --recipes 16:150` measure
         --demo-args "--threads 1 --student-epochs 150 --student-views 16 --noise-aware-epochs 60 \
                      --noise-aware-views 16 --head-lr-scale 10 --imprint-epochs 1 --lr 0.01" \
         --only dct-drop4-clip_norm12-noise_multiplier0.005-frequency_gamma2-stem_blocks2
+
+and as run.sh trains now: from that plain student with its noise-aware start distilled on 16 views
+for 150 epochs, the server's tail held while its head is imprinted, each release's embedding averaged with its mirror
+image's in training and at test (`--mirror-average --mirror-train`, which the undefended point's conv1 release has no
+mirror for: its server embeds each release once):
+
+    python research/frontier.py --data LFW --start distilled \
+        --out results/frontier-distilled-student150-views16-noiseaware150-hold-mirror-train \
+        --demo-args "--threads 1 --student-epochs 150 --student-views 16 --noise-aware-epochs 150 \
+                     --noise-aware-views 16 --head-lr-scale 10 --imprint-epochs 1 --lr 0.01 --imprint-hold-tail \
+                     --mirror-average --mirror-train" \
+        --only dct-drop4-clip_norm12-noise_multiplier0.005-frequency_gamma2-stem_blocks2
 """
 from __future__ import annotations
 

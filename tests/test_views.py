@@ -3,6 +3,8 @@ first is the students' clean test crop, the teacher's target for a view is its e
 is cached, the distillation on the views trains, and a recipe without views keeps the cached starts' names."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,7 @@ from research.distill import (CROP, Recipe, TeacherCache, checkpoint_key, distil
 from research.views import CROP_SIDE, MIX_WEIGHT, SHIFT, ViewSet, render, view_recipes
 from splitface.common.models import PRESETS
 from splitface.device.privacy.mechanisms import NoNoise
+from tests.conftest import ROOT
 from tests.test_dlib_resnet import TOLERANCE
 
 SPEC = PRESETS["iresnet_small"]
@@ -147,10 +150,7 @@ def test_the_views_table_recipes_name_their_flags_and_sort_after_the_first():
 def test_a_fine_tuning_rows_start_is_named_by_each_flags_last_value():
     """The committed rows' labels are what finetune_start makes of their recorded flags, and a flag given after
     run.sh's (a recipe's longer student) names the run by its own value, as argparse reads it."""
-    import json
-
     from research.pretrain_table import finetune_start
-    from tests.conftest import ROOT
 
     rows = [r for table in ("pretrain", "pretrain-views", "pretrain-hold")
             for r in json.loads((ROOT / "results" / table / "summary.json").read_text())
@@ -170,11 +170,20 @@ def test_a_fine_tuning_rows_start_is_named_by_each_flags_last_value():
 
 
 def test_the_tables_keep_the_earlier_rows_flags():
-    """run.sh's server stage without the mirror average is the earlier rows' (their recorded flags)."""
-    from research.pretrain_table import MIRROR, run_sh_array, stage_without_mirror
+    """The tables' start and run.sh's server stage without the mirror average (or training on it) are the earlier
+    rows' (their recorded flags); run.sh's start is the tables' with a recipe's flags, so the main job is a recipe
+    that they measure."""
+    from research.demo import parser
+    from research.pretrain_table import MIRROR, MIRROR_TRAIN, TABLE_START, run_sh_array, stage_without_mirror
+    from research.views_table import recipe_flags
 
-    assert MIRROR in run_sh_array("DEFAULT_SERVER_STAGE")
-    assert stage_without_mirror() == [a for a in run_sh_array("DEFAULT_SERVER_STAGE") if a != MIRROR]
+    assert MIRROR in run_sh_array("DEFAULT_SERVER_STAGE") and MIRROR_TRAIN in run_sh_array("DEFAULT_SERVER_STAGE")
+    assert stage_without_mirror() == ["--dct-stem-blocks", "2"]
+    rows = json.loads((ROOT / "results" / "pretrain-hold" / "summary.json").read_text())
+    first = next(r["demo_args"] for r in rows if r.get("run") == "runsh-first-recipe")
+    assert first[:len(TABLE_START)] == list(TABLE_START)
+    as_read = vars(parser().parse_known_args([*TABLE_START, *recipe_flags("16:150:150-hold")[1]])[0])
+    assert as_read == vars(parser().parse_known_args(run_sh_array("DEFAULT_START"))[0])
 
 
 def test_the_committed_views_table_is_its_summarys_report(tmp_path, lfw):
@@ -182,7 +191,6 @@ def test_the_committed_views_table_is_its_summarys_report(tmp_path, lfw):
     import shutil
 
     from research.views_table import main
-    from tests.conftest import ROOT
 
     committed = ROOT / "results" / "pretrain-views"
     shutil.copy(committed / "summary.json", tmp_path / "summary.json")
