@@ -124,14 +124,12 @@ def test_the_main_job_starts_as_a_measured_fine_tuning_row():
     pretrain-views or pretrain-hold at seeds 0-2 (the recipe's accuracy on LFW-158 is measured, not assumed): the
     same arguments as the demo reads them, whatever their order."""
     from research.demo import parser
-    from research.pretrain_table import run_sh_array
 
     def read(argv: list[str]) -> tuple[dict, list[str]]:
         known, extra = parser().parse_known_args(argv)
         return {k: v for k, v in vars(known).items() if k != "seed"}, extra
 
-    main_job = [*run_sh_array("DEFAULT_START"), *run_sh_array("DEFAULT_RELEASE"), *run_sh_array("DEFAULT_SERVER_STAGE"),
-                *run_sh_array("DEFAULT_WIRE")]
+    main_job = run_sh_flags()
     rows = [r for table in ("pretrain", "pretrain-views", "pretrain-hold")
             for r in json.loads((ROOT / "results" / table / "summary.json").read_text())]
     measured = [r for r in rows if r["role"] == "split-finetune" and read(r["demo_args"]) == read(main_job)]
@@ -149,9 +147,9 @@ def test_the_main_job_says_where_its_audited_run_trained_the_server_otherwise():
     results = json.loads((audited / "results.json").read_text())   # trained with the first recipe
     same, _ = parser().parse_known_args(["--head-lr-scale", "10"])
     assert "identity R@1" in audit_line(results, same) and "trained otherwise" not in audit_line(results, same)
-    ours, _ = parser().parse_known_args(run_sh_start())
+    ours, _ = parser().parse_known_args(run_sh_flags())
     assert ("trained otherwise (lr 0.05 there, 0.01 here; imprint-epochs 0 there, 1 here; imprint-hold-tail 0 there, "
-            "1 here)") in audit_line(results, ours)
+            "1 here; mirror-train 0 there, 1 here)") in audit_line(results, ours)
     held, _ = parser().parse_known_args(["--head-lr-scale", "10", "--imprint-epochs", "1", "--imprint-hold-tail"])
     assert "trained otherwise (imprint-epochs 0 there, 1 here; imprint-hold-tail 0 there, 1 here)" in audit_line(results, held)
     # a hold with nothing imprinted holds nothing: the server trained as the audited one did
@@ -174,9 +172,9 @@ def test_the_main_job_prints_the_audit_of_its_own_release_and_start():
 
     results = json.loads((ROOT / "results" / "main_job" / "distilled" / "results.json").read_text())
     frontier, row = audited_point(results)
-    assert frontier.name == "frontier-distilled-imprinted-student60-hold" and row["transform"] == "dct"
-    assert row["params"]["stem_blocks"] == 2   # run.sh's server stage (DEFAULT_SERVER_STAGE) was audited
-    ours, _ = parser().parse_known_args(run_sh_start())
+    assert frontier.name == "frontier-distilled-student150-views16-noiseaware150-hold-mirror-train"
+    assert row["transform"] == "dct" and row["params"]["stem_blocks"] == 2   # run.sh's server stage was audited
+    ours, _ = parser().parse_known_args(run_sh_flags())
     line = audit_line(results, ours)
     assert f"{row['model_identity_r1']:.3f} from its models of releases" in line and "trained otherwise" not in line
 
@@ -201,7 +199,7 @@ def test_the_main_job_from_the_longer_16_view_start_prints_that_starts_audit():
 def test_the_main_job_from_its_own_build_of_the_start_prints_the_audit_of_the_same_recipe(tmp_path):
     """A user's build of the noise-aware start is named otherwise than the audited one (its key hashes the plain
     student's bytes, which a student trained again does not repeat): made from the plain student of the same name
-    (a reproducible key) for the same epochs, the main job still prints the audit of that recipe and says it was
+    (a reproducible key) for the same epochs and views, the main job still prints the audit of that recipe and says it was
     another build's; from another plain student, for other epochs or on other views it finds none."""
     from research.demo import audit_line, parser
 
@@ -217,22 +215,22 @@ def test_the_main_job_from_its_own_build_of_the_start_prints_the_audit_of_the_sa
         run["config"]["device_weights"] = str(start)
         return run
 
-    ours, _ = parser().parse_known_args(run_sh_start())
-    same = rebuilt(f"/home/someone/.cache/splitface/distilled/{Path(plain).name}", ours.noise_aware_epochs)
+    ours, _ = parser().parse_known_args(run_sh_flags())
+    epochs, views = ours.noise_aware_epochs, ours.noise_aware_views
+    same = rebuilt(f"/home/someone/.cache/splitface/distilled/{Path(plain).name}", epochs, views)
     assert audited_point(same) == (frontier, row)
     line = audit_line(same, ours)
     assert f"{row['model_identity_r1']:.3f} from its models of releases" in line
     assert "another build of this noise-aware start" in line and f"{Path(same['config']['device_weights']).name} here" in line
-    assert audited_point(rebuilt(plain, ours.noise_aware_epochs, views=ours.noise_aware_views)) == (frontier, row)
-    # the same build run without the held tail finds the audit of a server trained so, from another build
-    without, _ = parser().parse_known_args([*run_sh_start(), "--no-imprint-hold-tail"])
-    other_recipe, _ = audited_point(same, args=without)
-    assert other_recipe.name == "frontier-distilled-imprinted-student60" != frontier.name
+    # the same build run without the held tail finds the same audit, and says that its server trained otherwise
+    # (no frontier trained this start's server so)
+    without, _ = parser().parse_known_args([*run_sh_flags(), "--no-imprint-hold-tail"])
+    assert audited_point(same, args=without) == (frontier, row)
     line = audit_line(same, without)
-    assert "trained otherwise" not in line and "another build of this noise-aware start" in line
-    for other in (rebuilt("/elsewhere/iresnet18-w16-64px-0123456789abcdef.pt", ours.noise_aware_epochs),
-                  rebuilt(plain, ours.noise_aware_epochs + 1), rebuilt("seeded", ours.noise_aware_epochs),
-                  rebuilt(plain, ours.noise_aware_epochs, views=ours.noise_aware_views + 8)):
+    assert "trained otherwise (imprint-hold-tail 1 there, 0 here)" in line and "another build of this noise-aware start" in line
+    for other in (rebuilt("/elsewhere/iresnet18-w16-64px-0123456789abcdef.pt", epochs, views),
+                  rebuilt(plain, epochs + 1, views), rebuilt("seeded", epochs, views),
+                  rebuilt(plain, epochs, views + 8), rebuilt(plain, epochs)):   # the last: a file that records no views
         assert audited_point(other) is None
         assert audit_line(other, ours).startswith("privacy: this release setting has not been audited")
 
@@ -266,10 +264,12 @@ def test_a_run_finds_the_frontier_whose_server_trained_as_it_did():
         assert audited_point(results)[0].name == without_args
 
 
-def run_sh_start() -> list[str]:
+def run_sh_flags() -> list[str]:
+    """The main job's flags: run.sh's start, release, server stage and wire."""
     from research.pretrain_table import run_sh_array
 
-    return run_sh_array("DEFAULT_START")
+    return [*run_sh_array("DEFAULT_START"), *run_sh_array("DEFAULT_RELEASE"), *run_sh_array("DEFAULT_SERVER_STAGE"),
+            *run_sh_array("DEFAULT_WIRE")]
 
 
 def test_the_noise_aware_start_is_named_in_every_run_that_used_one():
