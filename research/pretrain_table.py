@@ -5,17 +5,17 @@ Rows (results/pretrain/summary.json, table.md):
   and at the input it was distilled from (150 px);
 - student: each distilled backbone (`--init distilled` builds them: research/distill.py), its embedding on
   View 1 as a device releases it (with the release's noise, for a noise-aware start), and frozen on LFW-158 (the
-  main job's noise-aware start distilled for 10, 30 and run.sh's --noise-aware-epochs, the last also with run.sh's
+  main job's noise-aware start distilled for 10, 30 and TABLE_START's --noise-aware-epochs, the last also with run.sh's
   server stage for the release, DEFAULT_SERVER_STAGE, from the 30- and the 60-epoch plain student); the plain
   student at twice the width (how much of the gap to the teacher is the student's size); and the plain student
-  distilled for 60 epochs (run.sh's --student-epochs), at its width and at twice it;
+  distilled for 60 epochs (TABLE_START's --student-epochs), at its width and at twice it;
 - split-finetune: `splitface-research demo` on LFW-158 (the main job's data: people with >= 10 images) from the
   distilled start, with the main job's release and wire (run.sh), server head and device head; the same from
   scratch (the old start), and from the distilled start with the paper's plain conv1 release; then run.sh's
   start (the server head imprinted with its classes' mean embeddings, the body at lr 0.01) with the main job's
   release, conv1, and the distilled frontier's most private point (the bottleneck at z 0.02), beside the first
   recipe's; all of these from noise-aware starts distilled for 10 epochs. Last, run.sh itself: the main job's
-  release from its noise-aware start distilled for run.sh's --noise-aware-epochs (and for 30), with the DCT's
+  release from its noise-aware start distilled for TABLE_START's --noise-aware-epochs (and for 30), with the DCT's
   server stage as its conv alone and as run.sh has it (DEFAULT_SERVER_STAGE, without the mirror average that
   run.sh added later: `stage_without_mirror`; results/pretrain-hold/ measures it). LFW-158 test
   accuracy, and View 1 of the fine-tuned model (`splitface-research evaluate`; LFW-158 holds 43 of the DevTest
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     wide = replace(resolve_spec(args.model), width=2 * resolve_spec(args.model).width)
     wide_path = student(wide, DEFAULT_SPLIT, NoNoise(), (replace(PLAIN_RECIPE, epochs=20), NOISE_AWARE_RECIPE))
     # time: the plain student at twice the recipe's epochs (its View 1 still rose at 30: 0.889, 0.898, 0.909 at 20,
-    # 25 and 30), run.sh's --student-epochs 60 (built on first use: about 60 minutes on 2 cores)
+    # 25 and 30), TABLE_START's --student-epochs 60 (built on first use: about 60 minutes on 2 cores)
     recipes60 = start_recipes(demo_parser().parse_known_args(STUDENT_60)[0])
     student(resolve_spec(args.model), DEFAULT_SPLIT, NoNoise(), recipes60)
     # both: the wider student for 60 epochs too (built on first use: about 2.5 hours on 2 cores; its View 1 during
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
             ("distilled-wide-imprint-conv1-server-head",
              plain([*init_from(start30, wide_path), *wire, "--model", json.dumps(wide.compact_dict())])),
             # run.sh's recipe before its server stage and student: the main job's release from its noise-aware
-            # start distilled for longer (run.sh's --noise-aware-epochs), imprinted
+            # start distilled for longer (TABLE_START's --noise-aware-epochs), imprinted
             ("distilled-long-imprint-main-release-server-head", [*start30, *release, *wire]),
             ("distilled-imprint-main-release-server-head-start30",
              with_epochs([*start30, *release, *wire], "--noise-aware-epochs", 30)),
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
             # stage's conv; the rows above have the conv alone (no --dct-stem-blocks: its default)
             ("distilled-long-imprint-main-release-stem2-server-head", [*start30, *release, *stage, *wire]),
             # run.sh: the same from the plain student distilled for 60 epochs instead of 30 (View 1 0.920 against
-            # 0.909; run.sh's --student-epochs)
+            # 0.909; TABLE_START's --student-epochs)
             ("distilled-long-imprint-main-release-stem2-student60-server-head", [*start, *release, *stage, *wire])]
     # the last comparisons at two more seeds each (the data split, shuffles and head): one run of the main job
     # moves by up to about 0.04
