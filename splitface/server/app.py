@@ -364,11 +364,12 @@ class EdgeServer:
         self._stop.set()
 
     def _hardware(self) -> dict[str, Any]:
-        """What metrics.json says of where the model runs and how it embeds a test release (none for a
-        federated-only server)."""
+        """What metrics.json says of where the model runs and how it embeds a release in training and at test (none
+        for a federated-only server)."""
         if self.trainer is None:
             return {}
-        return {"accelerator": self.trainer.accelerator(), "test_embedding": self.trainer.test_embedding()}
+        return {"accelerator": self.trainer.accelerator(), "train_embedding": self.trainer.train_embedding(),
+                "test_embedding": self.trainer.test_embedding()}
 
     def _start_exporter(self) -> Any:
         """The Prometheus endpoint (HTTP, in its own thread), or None when no --metrics-port is given."""

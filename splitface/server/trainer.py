@@ -312,6 +312,10 @@ class ServerTrainer:
         """How a release is embedded outside training, for metrics.json (`research evaluate` embeds the same way)."""
         return {"mirror_average": self.mirror is not None}
 
+    def train_embedding(self) -> dict[str, bool]:
+        """How a release is embedded in training (`--mirror-train`), for metrics.json."""
+        return {"mirror_average": self.train_mirror is not None}
+
     def embed(self, activations: np.ndarray, train: bool) -> np.ndarray:
         """Device head: embeddings for the device's classifier; in training the graph waits for `train_tail`."""
         self._train_mode(train)
@@ -326,7 +330,7 @@ class ServerTrainer:
             with self._autocast():
                 embeddings = mirror_averaged(self.tail, self.train_mirror, x).float()
             out = _finite_embeddings(embeddings.detach())
-        except StepRefused:
+        except Exception:   # refused, or failed (out of memory, say): the forward's statistics are undone
             self._restore(saved)
             raise
         self._pending = (x, embeddings, saved)

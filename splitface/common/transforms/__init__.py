@@ -133,10 +133,13 @@ def release_mirror(spec: "ModelSpec") -> Callable[[torch.Tensor], torch.Tensor]:
 def mirror_averaged(embed: Callable[[torch.Tensor], torch.Tensor],
                     mirror: Callable[[torch.Tensor], torch.Tensor] | None, x: torch.Tensor) -> torch.Tensor:
     """`embed(x)` of releases `x`; with `mirror` (release_mirror's map), the mean of it and of `embed` on the mirror
-    images' releases, in float32 (also under bf16 autocast): test-time flipping at no further release."""
+    images' releases, in float32 (also under bf16 autocast): test-time flipping at no further release. One pass over
+    both halves, so that in training the batch norms see the pair as one batch and update their running statistics
+    once a step, as the server's guard on them assumes (trainer._clip_statistics)."""
     if mirror is None:
         return embed(x)
-    return (embed(x).float() + embed(mirror(x)).float()) / 2
+    both = embed(torch.cat([x, mirror(x)])).float()
+    return (both[:len(x)] + both[len(x):]) / 2
 
 
 def transform_range(spec: "ModelSpec") -> tuple[float, float]:
