@@ -456,7 +456,7 @@ def evaluate_student(student: Student, lfw_root: str | Path | None, limit: int |
 # The recipes of the distilled starts that `--init distilled` builds (and research/pretrain_table.py measures): the plain
 # student from seeded weights, and each noise-aware start from the plain student with its release and noise.
 # A noise-aware start's epochs are `splitface-research demo --noise-aware-epochs` (this recipe's by default). The
-# main job's release still climbed at 10 (View 1 0.790; 0.853 at 30, 0.864 at 60, its server stage a conv alone): run.sh asks for 60, which its
+# main job's release still climbed at 10 (View 1 0.790; 0.853 at 30, 0.864 at 60, its server stage a conv alone): run.sh asked for 60 (150 now, on 16 views), which its
 # release affords, having no weights on the device (about 15 s an epoch on 2 cores); a release whose device part
 # trains at full resolution, the bottleneck's, takes 300-400 s an epoch (results/pretrain/).
 PLAIN_RECIPE = Recipe(epochs=30)

@@ -45,7 +45,7 @@ and as the main job fine-tunes (the noise-aware start distilled for 60 epochs fr
                dct-drop4-clip_norm12-noise_multiplier0.005-frequency_gamma2-stem_blocks2
 
 (the undefended point, the reference, always runs; --demo-args reach it too, where --noise-aware-epochs changes
-nothing: it starts from the plain student), and from run.sh's plain student, distilled for 60 epochs:
+nothing: it starts from the plain student), and from run.sh's earlier plain student, distilled for 60 epochs:
 
     python research/frontier.py --data LFW --start distilled --out results/frontier-distilled-imprinted-student60 \
         --demo-args "--threads 1 --student-epochs 60 --noise-aware-epochs 60 --head-lr-scale 10 --imprint-epochs 1 \

@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     start, release, wire = list(TABLE_START), run_sh_array("DEFAULT_RELEASE"), run_sh_array("DEFAULT_WIRE")
     stage = stage_without_mirror()
     extra = args.demo_args.split()
-    long = demo_parser().parse_known_args(start)[0].noise_aware_epochs   # run.sh's noise-aware start, as read
+    long = demo_parser().parse_known_args(start)[0].noise_aware_epochs   # TABLE_START's noise-aware start, as read
     # run.sh's start comes from the plain student of 60 epochs; the rows recorded before it, from the recipe's 30
     start30 = with_epochs(start, "--student-epochs", None)
 

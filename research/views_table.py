@@ -6,8 +6,9 @@ recipe regresses a shifted, flipped image onto the teacher's embedding of the cl
 main job loses, `-quiet`: run.sh's release without its noise, `-hold`: fine-tuning with the server's tail held
 while its head is imprinted, `-mirror`: the server's test embeddings averaged with the mirror image's, `-mirror-train`:
 trained on that average too):
-- student: run.sh's plain student (its --student-epochs) and run.sh's noise-aware start made from it (its
-  release, server stage and --noise-aware-epochs; function matching in both stages, or in neither), each on
+- student: the tables' plain student (TABLE_START's --student-epochs, run.sh's when the tables began, unless the
+  recipe names others) and the noise-aware start made from it (run.sh's release and server stage, TABLE_START's
+  --noise-aware-epochs unless the recipe names others; function matching in both stages, or in neither), each on
   View 1, frozen on LFW-158 (research/pretrain_table.py's probe) and against the teacher (`pretrain fit`: the
   cosine loss on its own public faces and on View 1's images, which it never saw), both against the targets it
   learned from and against the same targets for every recipe (the teacher at 150 px and at 64 px); a noise-aware
@@ -115,8 +116,9 @@ def report(rows: list[dict]) -> str:
     compared = {f"runsh-{name}": describe(name) for name in dict.fromkeys(r["recipe"] for r in rows[1:])}
     return ("Reduced configuration: iresnet_small (width 16) at 64 px; LFW View 1 DevTest pairs (1,000); fine-tuning "
             "on LFW-158 as run.sh does (2 devices, 3 epochs). Every recipe distilled on this machine, with run.sh's "
-            "epochs unless its name gives the plain student's (`viewsK-studentE`) or the noise-aware start's "
-            "(`-noiseawareN`); `-quiet`: run.sh's release without its noise, in the start and in fine-tuning; `-hold`: "
+            "epochs when the table began (60 and 60) unless its name gives the plain student's (`viewsK-studentE`) "
+            "or the noise-aware start's (`-noiseawareN`); `-quiet`: run.sh's release without its noise, in the start "
+            "and in fine-tuning; `-hold`: "
             "fine-tuning with the server's tail held while its head is imprinted (`--imprint-hold-tail`); `-mirror`: "
             "the server's test embeddings averaged with the mirror image's (`--mirror-average`; View 1 after "
             "fine-tuning too); `-mirror-train`: the server trained on that average too (`--mirror-train`). A "

@@ -108,7 +108,8 @@ def test_training_on_the_mirror_average_is_one_pass_over_the_release_and_its_mir
     trained, copy = _trainer(True, True), _trainer(True, True)
     copy.tail.train()
     release = torch.from_numpy(x).requires_grad_(True)
-    expected = F.cross_entropy(copy.classifier(mirror_averaged(copy.tail, copy.mirror, release)), torch.from_numpy(labels))
+    expected = F.cross_entropy(copy.classifier(mirror_averaged(copy.tail, copy.mirror, release)),
+                               torch.from_numpy(labels))
     expected.backward()
     grad, loss, _ = trained.train_server_head(x, labels)
     assert loss == float(expected.detach()) and np.array_equal(grad, release.grad.numpy())
