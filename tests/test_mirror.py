@@ -130,13 +130,16 @@ def test_training_on_the_mirror_average_is_one_pass_over_the_release_and_its_mir
     rows = F.normalize(imprinted.classifier.weight[:4].detach(), dim=1)   # each class once: its row, its one embedding
     # unit vectors a few float32 roundings apart (2^-24 each, on components of at most 1)
     assert torch.allclose(rows, F.normalize(averaged, dim=1), rtol=0, atol=1e-6)
-    # a device head trains on the same average
+    # a device head trains on the same average, and the gradient it gets back goes through both halves
     device_head = _trainer(True, True)
     copy = _trainer(True, True)
     copy.tail.train()
-    with torch.no_grad():
-        assert np.array_equal(device_head.embed(x, train=True),
-                              mirror_averaged(copy.tail, copy.mirror, torch.from_numpy(x)).numpy())
+    release = torch.from_numpy(x).requires_grad_(True)
+    averaged = mirror_averaged(copy.tail, copy.mirror, release)
+    assert np.array_equal(device_head.embed(x, train=True), averaged.detach().numpy())
+    embedding_grad = np.linspace(-1, 1, averaged.numel(), dtype=np.float32).reshape(averaged.shape)
+    averaged.backward(torch.from_numpy(embedding_grad))
+    assert np.array_equal(device_head.train_tail(embedding_grad), release.grad.numpy())
     with pytest.raises(ValueError, match="needs mirror_average"):
         _trainer(False, True)
 

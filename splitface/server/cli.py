@@ -50,7 +50,7 @@ def add_tail_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mirror-train", action=argparse.BooleanOptionalAction, default=False,
                    help="with --mirror-average, train on the average too (the loss, the imprinted class means and a "
                         "device head's embeddings are the average's), so that the model learns the embedding that it is "
-                        "tested on; the tail runs twice a training batch")
+                        "tested on; the tail runs on each training batch with its mirror's, as one batch twice the size")
     p.add_argument("--gradient-rounding", choices=GRADIENT_ROUNDING, default="nearest",
                    help="how i8 and i8c gradients round on their way down: nearest (the reference encoder's) or stochastic "
                         "(unbiased; docs/wire.md)")
