@@ -80,7 +80,8 @@ mirror for: its server embeds each release once):
         --demo-args "--threads 1 --student-epochs 150 --student-views 16 --noise-aware-epochs 150 \
                      --noise-aware-views 16 --head-lr-scale 10 --imprint-epochs 1 --lr 0.01 --imprint-hold-tail \
                      --mirror-average --mirror-train" \
-        --only dct-drop4-clip_norm12-noise_multiplier0.005-frequency_gamma2-stem_blocks2
+        --only dct-drop4-clip_norm12-noise_multiplier0.005-frequency_gamma2-stem_blocks2 \
+               dct-drop4-clip_norm12-noise_multiplier0.02-frequency_gamma2-stem_blocks2
 """
 from __future__ import annotations
 
