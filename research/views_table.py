@@ -127,10 +127,13 @@ def report(rows: list[dict]) -> str:
             + fits(rows) + flips(rows) + without_noise(rows) + seed_means(rows, compared))
 
 
+# a recipe's suffixes, in their one order: the same in its --recipes item and in its name
+SUFFIXES = r"(-quiet)?(-hold)?(-mirror(-train)?)?"
+
+
 def recipe_flags(text: str) -> tuple[str, list[str]]:
     """A --recipes item as (its name, the demo flags it adds to run.sh's start and release)."""
-    match = re.fullmatch(r"(?:(first)|([1-9][0-9]*)(?::([1-9][0-9]*)(?::([1-9][0-9]*))?)?)(-quiet)?(-hold)?"
-                         r"(-mirror(-train)?)?", text)
+    match = re.fullmatch(r"(?:(first)|([1-9][0-9]*)(?::([1-9][0-9]*)(?::([1-9][0-9]*))?)?)" + SUFFIXES, text)
     if match is None:
         raise argparse.ArgumentTypeError(f"a recipe is `first`, K, K:E or K:E:N (views, plain student's epochs, "
                                          f"noise-aware start's epochs), then optionally -quiet, -hold and -mirror "
@@ -159,8 +162,7 @@ def recipe_order(name: str) -> tuple[int, int, int, bool, bool, bool, bool]:
     whether its test embeddings are averaged with the mirror image's, whether it trained on that average), views 0
     for the first recipe: the first, then by views, then by epochs, the release's noise before none, without the held
     tail before with it, and without the mirror before with it, tested on it before trained on it too."""
-    match = re.fullmatch(r"(?:first-recipe|views([0-9]+)(?:-student([0-9]+))?(?:-noiseaware([0-9]+))?)(-quiet)?(-hold)?"
-                         r"(-mirror(-train)?)?", name)
+    match = re.fullmatch(r"(?:first-recipe|views([0-9]+)(?:-student([0-9]+))?(?:-noiseaware([0-9]+))?)" + SUFFIXES, name)
     if match is None:
         raise ValueError(f"not a recipe's name: {name!r}")
     views, epochs, noisy, quiet, hold, mirror, train = match.groups()
